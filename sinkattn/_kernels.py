@@ -1,21 +1,125 @@
 """Bridge between dispatch and the compiled kernels in sinkattn._C.
 
-Backends here: "sm80", "sm90" (CUDA tensors) and "sm80-emulated" (the sm80 kernel body run on the
-CPU under host emulation, for tests). Dispatch asks `why_not(backend, problem)`; None means the
-backend serves the problem, otherwise the string says why not and what would.
+Backends here: "sm90", "sm80" (CUDA tensors) and "sm80-emulated" (the sm80 kernel body run on the CPU
+under host emulation, for tests). Dispatch asks `why_not(backend, problem)`; None means the backend
+serves the problem, otherwise the string says why not and what would. The capability report asks the
+same function, so what it prints is what dispatch does.
 """
 from __future__ import annotations
 
+from . import _device, _ext
 from ._problem import Problem
 
 KERNEL_BACKENDS = ("sm90", "sm80", "sm80-emulated")
+COMPILED_HEADDIMS = (64, 128, 256)
+DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+BACKEND_FAMILY = {"sm90": "sm90", "sm80": "sm80", "sm80-emulated": "sm80-emulated"}
 
 
-def why_not(backend: str, problem: Problem) -> str | None:
-    return f"backend {backend!r}: no kernels of this family are compiled into this build yet"
+def preferred_backends(capability: tuple[int, int] | None) -> tuple[str, ...]:
+    """The kernel backends "auto" tries, best first, for a CUDA device of this compute capability."""
+    if capability is None:
+        return ()
+    if capability == (9, 0):
+        return ("sm90", "sm80")
+    if capability[0] >= 8:
+        return ("sm80",)
+    return ()
+
+
+def sass_runs_on(arch: str, capability: tuple[int, int]) -> bool:
+    """Whether SASS compiled for `arch` ("sm_86", "sm_90a") loads on a device of this capability.
+
+    SASS is compatible within a major version, upward in minor; arch-specific targets (sm_90a) run only
+    on exactly their capability."""
+    if not arch.startswith("sm_"):
+        return False
+    digits = arch[3:].rstrip("af")
+    major, minor = int(digits[:-1]), int(digits[-1])
+    if arch[3:] != digits:
+        return (major, minor) == capability
+    return major == capability[0] and minor <= capability[1]
+
+
+def served_headdim(headdim: int) -> int | None:
+    for h in COMPILED_HEADDIMS:
+        if headdim <= h:
+            return h
+    return None
+
+
+def _find(family: str, op: str, headdim: int, dtype: str):
+    for k in _ext.registry():
+        if k["family"] == family and k["op"] == op and k["headdim"] == headdim and k["dtype"] == dtype:
+            return k
+    return None
+
+
+def _rebuild_hint(capability) -> str:
+    if capability is None:
+        return ""
+    arch = "90a" if capability == (9, 0) else f"{capability[0]}{capability[1]}"
+    if capability[0] == 8:
+        arch = "80" if capability[1] < 6 else f"80 (or {arch})"
+    return f"rebuild with SINKATTN_CUDA_ARCHS={arch}"
+
+
+def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None = None) -> str | None:
+    """None when `backend` serves `problem`; otherwise the reason and what would serve it.
+
+    `capability` overrides the device's (the report uses it for each visible GPU)."""
+    if backend not in KERNEL_BACKENDS:
+        return f"unknown backend {backend!r}; kernel backends are {', '.join(KERNEL_BACKENDS)}"
+    if not _ext.loaded():
+        return f"the compiled extension is not available ({_ext.IMPORT_ERROR})"
+    emulated = backend == "sm80-emulated"
+    if emulated and problem.device_type != "cpu":
+        return "backend 'sm80-emulated' runs the sm80 kernel on the CPU and takes CPU tensors only"
+    if not emulated:
+        if problem.device_type != "cuda":
+            return f"backend {backend!r} needs CUDA tensors (got {problem.device_type}); use 'reference' on the CPU"
+        if capability is None:
+            capability = _device.capability(problem.device_index or 0)
+        if backend == "sm90" and capability != (9, 0):
+            return f"backend 'sm90' needs a cc 9.0 GPU (this one is cc {capability[0]}.{capability[1]})"
+        if backend == "sm80" and capability[0] < 8:
+            return f"sinkattn kernels need cc >= 8.0 (this GPU is cc {capability[0]}.{capability[1]})"
+    if problem.kind != "fwd":
+        what = {"bwd": "backward", "kvcache": "KV-cache decode"}.get(problem.kind, problem.kind)
+        return f"no {what} kernel is built yet for backend {backend!r}; the reference backend serves it"
+    dtype = DTYPE_NAMES.get(str(problem.dtype))
+    if dtype not in ("bf16", "fp16"):
+        return f"kernels take bf16 or fp16 (got {problem.dtype}); the reference backend serves fp32"
+    if problem.headdim != problem.headdim_v:
+        return f"kernels need equal q/k and v head dims (got {problem.headdim} and {problem.headdim_v})"
+    hd = served_headdim(problem.headdim)
+    if hd is None or problem.headdim % 8 != 0:
+        return (f"kernels serve head dims that are multiples of 8 up to {COMPILED_HEADDIMS[-1]} "
+                f"(got {problem.headdim})")
+    kernel = _find(BACKEND_FAMILY[backend], "fwd", hd, dtype)
+    if kernel is None:
+        compiled = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry()
+                           if k["family"] == BACKEND_FAMILY[backend] and k["op"] == "fwd"})
+        return (f"no {backend} forward kernel for head dim {hd} {dtype} in this build (compiled: "
+                f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
+                f"including {dtype}")
+    if not emulated and not any(sass_runs_on(a, capability) for a in kernel["archs"].split(",")):
+        return (f"the {backend} kernels in this build are compiled for {kernel['archs']}, none of which runs on "
+                f"cc {capability[0]}.{capability[1]}; {_rebuild_hint(capability)}")
+    return None
+
+
+def _kernel_name(backend: str, problem: Problem) -> str:
+    return f"{BACKEND_FAMILY[backend]} fwd hdim{served_headdim(problem.headdim)} {DTYPE_NAMES[str(problem.dtype)]}"
 
 
 def forward(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, window_left: int,
             window_right: int, sink_tokens: int, softcap: float,
             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
-    raise NotImplementedError(why_not(backend, None))
+    """Run the forward kernel of `backend`, writing `out` (like q) and `lse` (fp32) in place.
+
+    q (b, sq, h, d) and k/v (b, sk, hk, d), or packed (total, h, d) with cu_seqlens when varlen; the caller
+    has validated shapes and checked `why_not` first."""
+    C = _ext.require()
+    C.fwd(backend, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+          float(softmax_scale), int(window_left), int(window_right), int(sink_tokens), float(softcap))

@@ -1,0 +1,88 @@
+// mask.h: the mask policy. It owns both the key blocks a CTA visits and the per-element mask inside
+// them, so the two cannot drift apart (DESIGN.md section 1 for the math, section 3 for the rule).
+//
+// Visibility of key j to query i, with off = seqlen_k - seqlen_q (bottom-right alignment):
+//   right_ok = right < 0 || j <= i + off + right
+//   left_ok  = left < 0  || j >= i + off - left || j < sink_tokens
+// and j < seqlen_k. Host and device share this code; tests call it through the extension.
+#pragma once
+#include "common/defs.h"
+
+namespace sinkattn {
+
+struct MaskPolicy {
+  int seqlen_q, seqlen_k;
+  int window_left, window_right;  // -1 = unbounded
+  int sink_tokens;
+
+  SA_HOST_DEVICE int offset() const { return seqlen_k - seqlen_q; }
+
+  SA_HOST_DEVICE bool visible(int i, int j) const {
+    if (j < 0 || j >= seqlen_k) return false;
+    int diag = i + offset();
+    bool right_ok = window_right < 0 || j <= diag + window_right;
+    bool left_ok = window_left < 0 || j >= diag - window_left || j < sink_tokens;
+    return right_ok && left_ok;
+  }
+};
+
+// The key blocks one M tile visits: the window blocks [win_begin, win_end) and, below them, the blocks
+// holding sink tokens [0, sink_end) with sink_end <= win_begin. The union of visible keys over the rows of
+// a tile is contiguous apart from the sink tokens, so every block in these ranges holds a visible pair.
+struct BlockRange {
+  int win_begin, win_end;
+  int sink_end;
+  SA_HOST_DEVICE int count() const { return (win_end - win_begin) + sink_end; }
+  // The t-th block visited, window blocks from the last down (the first visited is the one that may need
+  // the right-edge mask and the key tail), then sink blocks from the last down.
+  SA_HOST_DEVICE int block(int t) const {
+    int nwin = win_end - win_begin;
+    return t < nwin ? win_end - 1 - t : sink_end - 1 - (t - nwin);
+  }
+};
+
+SA_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
+SA_HOST_DEVICE int max_i(int a, int b) { return a > b ? a : b; }
+SA_HOST_DEVICE int min_i(int a, int b) { return a < b ? a : b; }
+
+// Block sizes are runtime values so host tests can sweep them; in a kernel they are compile-time
+// constants at the call site and fold away.
+struct TileMask {
+  MaskPolicy p;
+  int kBlockM, kBlockN;
+
+  SA_HOST_DEVICE BlockRange range(int m_block) const {
+    BlockRange r{0, 0, 0};
+    int m0 = m_block * kBlockM;
+    int m_last = min_i(m0 + kBlockM, p.seqlen_q) - 1;
+    if (m_last < m0 || p.seqlen_k <= 0) return r;
+    int hi = p.seqlen_k;  // one past the last visible key of any row in the tile
+    if (p.window_right >= 0) hi = min_i(hi, m_last + p.offset() + p.window_right + 1);
+    if (hi <= 0) return r;  // every row of the tile sees nothing (causal with seqlen_q > seqlen_k)
+    int lo = 0;
+    if (p.window_left >= 0) lo = max_i(0, m0 + p.offset() - p.window_left);
+    if (lo >= hi) lo = hi;  // window entirely left of the keys: only sink tokens may remain
+    r.win_end = ceil_div(hi, kBlockN);
+    r.win_begin = lo >= hi ? r.win_end : lo / kBlockN;
+    int sink_keys = min_i(p.sink_tokens, hi);
+    r.sink_end = min_i(ceil_div(sink_keys, kBlockN), r.win_begin);
+    return r;
+  }
+
+  // True when some pair of the block (valid rows x block columns) is not visible, so the kernel must apply
+  // the element mask. Exact: a block reported false has every pair visible.
+  SA_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {
+    int m0 = m_block * kBlockM;
+    int m_last = min_i(m0 + kBlockM, p.seqlen_q) - 1;
+    int j0 = n_block * kBlockN, j1 = j0 + kBlockN - 1;
+    if (j1 >= p.seqlen_k) return true;
+    if (p.window_right >= 0 && j1 > m0 + p.offset() + p.window_right) return true;
+    if (p.window_left >= 0) {
+      int first_non_sink = max_i(j0, p.sink_tokens);
+      if (first_non_sink <= j1 && first_non_sink < m_last + p.offset() - p.window_left) return true;
+    }
+    return false;
+  }
+};
+
+}  // namespace sinkattn

@@ -1,0 +1,62 @@
+// params.h: the plain-data contract between api.cpp (torch side) and the kernels (no torch).
+//
+// Strides are in elements and int64 so batch*seqlen*heads*headdim beyond 2^31 indexes correctly.
+// The last dimension of every tensor is contiguous (checked in api.cpp).
+#pragma once
+#include <cstdint>
+
+namespace sinkattn {
+
+struct FwdParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;          // (batch, nheads, seqlen_q), or (nheads, total_q) when varlen
+  const float* sinks = nullptr;  // (nheads,) fp32 logits in scaled-score units; null = no learnable sink
+
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;  // rows are contiguous
+
+  int batch = 0, nheads = 0, nheads_k = 0;
+  int seqlen_q = 0, seqlen_k = 0;  // max over the batch when varlen
+  int headdim = 0;                 // the real head dim; the kernel's compiled head dim is >= this
+
+  // Varlen: sequence b holds rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of the packed tensors; batch
+  // strides are then unused for q/k/v/out, and lse rows are offset by cu_seqlens_q[b].
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+
+  float softmax_scale = 1.f;
+  float softcap = 0.f;         // > 0: s = softcap * tanh(s / softcap)
+  int window_left = -1;        // -1 = unbounded
+  int window_right = -1;       // -1 = unbounded; causal is 0
+  int sink_tokens = 0;         // keys [0, sink_tokens) relax the left edge of the window
+
+  int max_smem_per_block = 0;  // the device's opt-in limit; picks the tile configuration
+};
+
+// Merge of two partial attention states computed over disjoint key sets (neither including the sink).
+struct MergeParams {
+  const void* out_a = nullptr;
+  const float* lse_a = nullptr;
+  const void* out_b = nullptr;
+  const float* lse_b = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+  const float* sinks = nullptr;  // (nheads,) or null
+
+  // out tensors: (batch, seqlen, nheads, headdim); lse: (batch, nheads, seqlen)
+  int64_t oa_batch_stride = 0, oa_row_stride = 0, oa_head_stride = 0;
+  int64_t ob_batch_stride = 0, ob_row_stride = 0, ob_head_stride = 0;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  int64_t la_batch_stride = 0, la_head_stride = 0, la_row_stride = 0;
+  int64_t lb_batch_stride = 0, lb_head_stride = 0, lb_row_stride = 0;
+  int64_t l_batch_stride = 0, l_head_stride = 0, l_row_stride = 0;
+  int batch = 0, seqlen = 0, nheads = 0, headdim = 0;
+};
+
+}  // namespace sinkattn

@@ -1,0 +1,201 @@
+"""Build of sinkattn and its extension sinkattn._C.
+
+The kernels (.cu, no torch headers) and the host-emulated kernels (.cpp, no torch headers) are
+compiled by a ninja file of our own, so each kernel family gets exactly its own gencode flags and
+ccache can serve rebuilds; api.cpp (the only file that sees torch) is compiled by torch's
+BuildExtension and linked with those objects into sinkattn._C.
+
+Environment:
+    SINKATTN_CUDA_ARCHS   default "80;90a"
+    SINKATTN_HEADDIMS     default "64,128,256"
+    SINKATTN_DTYPES       default "bf16,fp16"
+    SINKATTN_EMULATION    "0" skips the host-emulated kernels (default "1")
+    SINKATTN_SKIP_CUDA    "1" builds a pure-Python package (reference backend only)
+    SINKATTN_CUTLASS_DIR  a CUTLASS include dir (holding cute/ and cutlass/)
+    SINKATTN_PTXAS_VERBOSE "1" prints ptxas resource usage per kernel
+    MAX_JOBS              parallel compile jobs
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(ROOT, "csrc")
+sys.path.insert(0, CSRC)
+import generate_kernels as gen  # noqa: E402
+
+FETCH_HINT = "make cutlass   (or: python third_party/fetch_cutlass.py)"
+
+
+def fail(msg):
+    sys.stderr.write(f"\nsinkattn build error: {msg}\n\n")
+    raise SystemExit(1)
+
+
+def find_cuda_home():
+    """The toolkit root, robust to an nvcc on PATH that is a wrapper script (as /usr/local/bin/nvcc here)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = os.path.realpath(nvcc)
+        candidates.append(os.path.dirname(os.path.dirname(real)))
+        try:  # a wrapper script: look for the real nvcc path inside it
+            text = open(real, errors="ignore").read(4096)
+            for m in re.finditer(r"(/[\w./+-]+)/bin/nvcc", text):
+                candidates.append(m.group(1))
+        except OSError:
+            pass
+    candidates += ["/usr/local/cuda"] + sorted(
+        (os.path.join("/usr/local", d) for d in os.listdir("/usr/local") if d.startswith("cuda-")), reverse=True)
+    for c in candidates:
+        if c and os.path.isfile(os.path.join(c, "bin", "nvcc")) and os.path.isfile(
+                os.path.join(c, "include", "cuda_runtime.h")):
+            return os.path.abspath(c)
+    return None
+
+
+def nvcc_version(cuda_home):
+    out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        fail(f"could not read the version of {cuda_home}/bin/nvcc (output: {out.strip()[:200]!r})")
+    return int(m.group(1)), int(m.group(2))
+
+
+def find_cutlass():
+    candidates = [os.environ.get("SINKATTN_CUTLASS_DIR"), os.path.join(ROOT, "third_party", "cutlass", "include")]
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec and spec.submodule_search_locations:
+            for loc in spec.submodule_search_locations:
+                candidates.append(os.path.join(loc, "source", "include"))
+    except (ImportError, ValueError):
+        pass
+    for c in candidates:
+        if c and os.path.isfile(os.path.join(c, "cute", "tensor.hpp")) and os.path.isfile(
+                os.path.join(c, "cutlass", "version.h")):
+            return os.path.abspath(c)
+    return None
+
+
+def cutlass_version(include_dir):
+    text = open(os.path.join(include_dir, "cutlass", "version.h")).read()
+    parts = [re.search(rf"#define CUTLASS_{k} (\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(p.group(1) if p else "?" for p in parts)
+
+
+def write_ninja(build_dir, units, cuda_home, cutlass_inc, grid, cxx_flags_extra):
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    ccache = shutil.which("ccache")
+    pre = f"{ccache} " if ccache else ""
+    cccl = os.path.join(cuda_home, "include", "cccl")
+    includes = f"-I{CSRC} -I{cutlass_inc} -I{os.path.join(cuda_home, 'include')}"
+    if os.path.isdir(cccl):
+        includes += f" -I{cccl}"
+    ptxas_v = " -Xptxas -v" if os.environ.get("SINKATTN_PTXAS_VERBOSE") == "1" else ""
+    nvcc_common = (f"-std=c++20 -O3 -DNDEBUG --expt-relaxed-constexpr --use_fast_math -Xcompiler -fPIC "
+                   f"-lineinfo -Xptxas=--warn-on-spills{ptxas_v} {includes}")
+    # CuTe's register fragments are reinterpreted across types; g++ at -O2 miscompiles that under strict
+    # aliasing (seen here: the host-emulated GEMM was wrong at -O2 and right with -fno-strict-aliasing).
+    cxx_common = f"-std=c++20 -O2 -fno-strict-aliasing -fPIC -DNDEBUG -pthread {includes} {cxx_flags_extra}"
+    lines = ["ninja_required_version = 1.3", ""]
+    objects = []
+    families = sorted({f for _, f in units})
+    for fam in families:
+        if fam == "emu":
+            lines += [f"rule cc_{fam}",
+                      f"  command = {pre}c++ {cxx_common} -DSINKATTN_COMPILED_ARCHS='\"host\"' -MMD -MF $out.d -c $in -o $out",
+                      "  depfile = $out.d", "  deps = gcc", ""]
+        else:
+            flags = " ".join(gen.gencode_flags(fam, grid.archs))
+            archs = gen.arch_list_string(fam, grid.archs)
+            lines += [f"rule cc_{fam}",
+                      f"  command = {pre}{nvcc} {nvcc_common} {flags} -DSINKATTN_COMPILED_ARCHS='\"{archs}\"' "
+                      f"-MD -MF $out.d -c $in -o $out",
+                      "  depfile = $out.d", "  deps = gcc", ""]
+    for src, fam in units:
+        obj = os.path.join(build_dir, os.path.basename(src) + ".o")
+        objects.append(obj)
+        lines.append(f"build {obj}: cc_{fam} {src}")
+    with open(os.path.join(build_dir, "build.ninja"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return objects
+
+
+def cuda_extension():
+    if os.environ.get("SINKATTN_SKIP_CUDA") == "1":
+        print("sinkattn build: SINKATTN_SKIP_CUDA=1, building the pure-Python package (reference backend only)")
+        return [], {}
+    cuda_home = find_cuda_home()
+    if cuda_home is None:
+        print("sinkattn build: no CUDA toolkit found (no nvcc); building the pure-Python package. "
+              "Set CUDA_HOME to the toolkit root to build the kernels.")
+        return [], {}
+    os.environ["CUDA_HOME"] = cuda_home  # torch.utils.cpp_extension reads it at import
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    grid = gen.parse_grid()
+    major, minor = nvcc_version(cuda_home)
+    if "90a" in grid.archs and (major, minor) < (12, 3):
+        fail(f"nvcc {major}.{minor} at {cuda_home} is older than 12.3, which the sm_90a kernels need. "
+             "Use CUDA >= 12.3, or build without Hopper kernels: SINKATTN_CUDA_ARCHS=80")
+    torch_cuda = torch.version.cuda
+    if torch_cuda is None:
+        fail(f"torch {torch.__version__} is a CPU-only build, but nvcc was found at {cuda_home}. Install a CUDA "
+             "build of torch, or build the pure-Python package: SINKATTN_SKIP_CUDA=1")
+    if int(torch_cuda.split(".")[0]) != major and os.environ.get("SINKATTN_ALLOW_CUDA_MISMATCH") != "1":
+        fail(f"nvcc is CUDA {major}.{minor} ({cuda_home}) but torch {torch.__version__} was built with CUDA "
+             f"{torch_cuda}; the extension would not load. Point CUDA_HOME at a CUDA {torch_cuda.split('.')[0]}.x "
+             "toolkit or install a torch built for CUDA {major}.")
+    cutlass_inc = find_cutlass()
+    if cutlass_inc is None:
+        fail(f"CUTLASS/CuTe headers not found (looked in SINKATTN_CUTLASS_DIR, third_party/cutlass/include and an "
+             f"installed cutlass_library). Fetch them with: {FETCH_HINT}")
+
+    units = gen.generate(os.path.join(CSRC, "instantiations"), grid)
+    units += [(os.path.join(CSRC, "build_info_cuda.cu"), "common")]
+    units += [(os.path.join(CSRC, "build_info.cpp"), "emu")]
+    build_dir = os.path.join(ROOT, "build", "kernels")
+    os.makedirs(build_dir, exist_ok=True)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    objects = write_ninja(build_dir, units, cuda_home, cutlass_inc, grid, f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
+    jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+
+    class Build(BuildExtension):
+        def build_extensions(self):
+            print(f"sinkattn build: {len(objects)} kernel objects, archs {grid.archs}, head dims {grid.headdims}, "
+                  f"dtypes {grid.dtypes}, emulation {'on' if grid.emulation else 'off'}, {jobs} jobs")
+            subprocess.run(["ninja", "-C", build_dir, "-j", jobs], check=True)
+            super().build_extensions()
+
+    defines = [f"-DSINKATTN_CUTLASS_VERSION=\"{cutlass_version(cutlass_inc)}\"",
+               f"-DSINKATTN_TORCH_VERSION_AT_BUILD=\"{torch.__version__}\"",
+               f"-DSINKATTN_REQUESTED_ARCHS=\"{';'.join(grid.archs)}\""]
+    ext = CUDAExtension(
+        name="sinkattn._C",
+        sources=["csrc/api.cpp"],
+        include_dirs=[CSRC],
+        extra_objects=objects,
+        extra_compile_args={"cxx": ["-std=c++20", "-O2"] + defines},
+    )
+    return [ext], {"build_ext": Build}
+
+
+ext_modules, cmdclass = cuda_extension()
+
+setup(
+    name="sinkattn",
+    version="0.1.0",
+    description="Fused attention with attention sinks (learnable sink logits and StreamingLLM sink tokens)",
+    packages=find_packages(include=["sinkattn", "sinkattn.*"]),
+    python_requires=">=3.10",
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    entry_points={"console_scripts": ["sinkattn-report=sinkattn.report:main"]},
+)

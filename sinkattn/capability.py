@@ -1,0 +1,124 @@
+"""The compile-time capability report as data: what this build holds and what serves what on each GPU.
+
+Everything about the build is read from the binary itself (its kernel registry and the versions the
+compiler baked in), never from environment variables or files that can drift. Which backend serves a
+feature on a device is answered by the same `why_not` that dispatch uses. Works with no GPU and with no
+compiled extension.
+"""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from . import _device, _ext, _kernels
+from ._problem import Problem
+
+# One representative problem per feature the report answers for (gpt-oss-like shapes).
+FEATURES = {
+    "learnable_sinks": dict(kind="fwd", has_sinks=True, window_left=127, window_right=0, sink_tokens=0),
+    "sink_tokens": dict(kind="fwd", has_sinks=False, window_left=1023, window_right=0, sink_tokens=4),
+    "backward": dict(kind="bwd", has_sinks=True, window_left=-1, window_right=0, sink_tokens=0),
+    "decode": dict(kind="kvcache", has_sinks=True, window_left=127, window_right=0, sink_tokens=0),
+}
+
+
+def _problem(feature: str, index: int, dtype=torch.bfloat16, headdim: int = 64) -> Problem:
+    return Problem(device_type="cuda", dtype=dtype, headdim=headdim, headdim_v=headdim, nheads=64, nheads_k=8,
+                   softcap=0.0, varlen=False, device_index=index, **FEATURES[feature])
+
+
+def _fmt_version(v: int) -> str | None:
+    return f"{v // 1000}.{(v % 1000) // 10}" if v else None
+
+
+def _runtime() -> dict:
+    if _ext.loaded():
+        info = dict(_ext.require().runtime_info())
+        return {"cuda_runtime": _fmt_version(info["cuda_runtime_version"]),
+                "cuda_driver": _fmt_version(info["cuda_driver_version"])}
+    return {"cuda_runtime": None, "cuda_driver": None}
+
+
+def serving_paths(device: _device.DeviceInfo) -> dict:
+    """For each feature: the backend that serves it on `device`, and why each better one does not."""
+    paths = {}
+    for feature in FEATURES:
+        problem = _problem(feature, device.index)
+        declined = {}
+        chosen = "reference"
+        for backend in _kernels.preferred_backends(device.capability):
+            reason = _kernels.why_not(backend, problem, capability=device.capability)
+            if reason is None:
+                chosen = backend
+                break
+            declined[backend] = reason
+        if not _kernels.preferred_backends(device.capability):
+            declined["kernels"] = (f"sinkattn kernels need cc >= 8.0 (this GPU is cc "
+                                   f"{device.capability[0]}.{device.capability[1]})")
+        paths[feature] = {"backend": chosen, "declined": declined}
+    return paths
+
+
+def _mismatches(build: dict | None, runtime: dict, devices: list[dict]) -> list[dict]:
+    out = []
+    if not _ext.loaded():
+        out.append({"problem": f"no compiled extension ({_ext.IMPORT_ERROR}); every call runs on the reference "
+                               "backend",
+                    "fix": "pip install --no-build-isolation . on a machine with nvcc (CUDA_HOME set) and the "
+                           "CUTLASS headers (make cutlass)"})
+        return out
+    nvcc_major = int(build["nvcc_version"].split(".")[0])
+    tc = torch.version.cuda
+    if tc and int(tc.split(".")[0]) != nvcc_major:
+        out.append({"problem": f"extension built with nvcc {build['nvcc_version']} but torch uses CUDA {tc}",
+                    "fix": f"rebuild with a CUDA {tc.split('.')[0]}.x toolkit (CUDA_HOME=...)"})
+    if build.get("torch_version_at_build") and build["torch_version_at_build"] != torch.__version__:
+        out.append({"problem": f"extension built against torch {build['torch_version_at_build']}, running with "
+                               f"torch {torch.__version__}",
+                    "fix": "rebuild: pip install --no-build-isolation ."})
+    drv = runtime.get("cuda_driver")
+    if devices and drv and nvcc_major and int(drv.split(".")[0]) < nvcc_major:
+        out.append({"problem": f"the driver supports CUDA {drv} but the kernels were built with nvcc "
+                               f"{build['nvcc_version']}",
+                    "fix": f"update the NVIDIA driver to one for CUDA {nvcc_major}.x"})
+    for d in devices:
+        for feature, path in d["paths"].items():
+            if path["backend"] == "reference" and feature in ("learnable_sinks", "sink_tokens"):
+                why = "; ".join(f"{b}: {r}" for b, r in path["declined"].items())
+                out.append({"problem": f"GPU {d['index']} ({d['name']}, cc {d['capability']}): {feature} runs on "
+                                       f"the reference backend",
+                            "fix": why})
+                break
+    return out
+
+
+def capabilities(devices: list[_device.DeviceInfo] | None = None) -> dict:
+    """The whole report as a dict (the --json output). `devices` overrides detection (tests)."""
+    from . import __version__
+
+    if devices is None:
+        devices = list(_device.nvml_devices())
+        if not devices and torch.cuda.is_available():
+            devices = [_device.device_info(i) for i in range(torch.cuda.device_count())]
+        elif devices and torch.cuda.is_available():
+            devices = [_device.device_info(d.index) for d in devices]
+    build = _ext.build_info()
+    runtime = _runtime()
+    dev_rows = []
+    for d in devices:
+        dev_rows.append({"index": d.index, "name": d.name, "capability": f"{d.capability[0]}.{d.capability[1]}",
+                         "sm_count": d.sm_count, "smem_per_block_optin": d.smem_per_block_optin,
+                         "paths": serving_paths(d)})
+    return {
+        "sinkattn_version": __version__,
+        "python": platform.python_version(),
+        "torch_version": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "extension": {"loaded": _ext.loaded(), "error": _ext.IMPORT_ERROR},
+        "build": build,
+        "runtime": runtime,
+        "kernels": [dict(k) for k in _ext.registry()],
+        "devices": dev_rows,
+        "mismatches": _mismatches(build, runtime, dev_rows),
+    }

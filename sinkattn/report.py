@@ -1,0 +1,66 @@
+"""`python -m sinkattn.report` / `sinkattn-report`: the capability report for people (or --json)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .capability import capabilities
+
+
+def _kernel_table(kernels: list[dict]) -> list[str]:
+    if not kernels:
+        return ["  (none)"]
+    groups: dict[tuple, list] = {}
+    for k in kernels:
+        groups.setdefault((k["family"], k["op"], k["archs"], k["features"]), []).append(
+            f"{k['dtype']}" + (f"/hdim{k['headdim']}" if k["headdim"] else ""))
+    lines = [f"  {'family':<14} {'op':<6} {'archs':<16} {'variants':<40} features"]
+    for (family, op, archs, features), variants in sorted(groups.items()):
+        lines.append(f"  {family:<14} {op:<6} {archs:<16} {', '.join(sorted(variants)):<40} {features}")
+    return lines
+
+
+def render(cap: dict) -> str:
+    b = cap["build"]
+    lines = [f"sinkattn {cap['sinkattn_version']}  (python {cap['python']}, torch {cap['torch_version']}, "
+             f"torch CUDA {cap['torch_cuda']})", ""]
+    if cap["extension"]["loaded"]:
+        lines += ["Build (read from the binary):",
+                  f"  nvcc {b['nvcc_version']}, CUTLASS {b['cutlass_version']}, torch at build {b['torch_version_at_build']}",
+                  f"  requested archs: {b['requested_archs']}"]
+    else:
+        lines += [f"Build: no compiled extension ({cap['extension']['error']}).",
+                  "  Every call is served by the PyTorch reference backend."]
+    rt = cap["runtime"]
+    lines += [f"Runtime now: CUDA runtime {rt['cuda_runtime'] or 'n/a'}, driver {rt['cuda_driver'] or 'none'}", "",
+              "Compiled kernels:"] + _kernel_table(cap["kernels"]) + [""]
+    if not cap["devices"]:
+        lines += ["GPUs: none visible. CPU tensors are served by the reference backend "
+                  "(and backend='sm80-emulated' runs the sm80 kernel under host emulation, for tests)."]
+    for d in cap["devices"]:
+        smem = f", {d['smem_per_block_optin'] // 1024} KB smem/block" if d["smem_per_block_optin"] else ""
+        sms = f", {d['sm_count']} SMs" if d["sm_count"] else ""
+        lines.append(f"GPU {d['index']}: {d['name']} (cc {d['capability']}{sms}{smem})")
+        for feature, path in d["paths"].items():
+            lines.append(f"  {feature:<16} -> {path['backend']}")
+            for backend, reason in path["declined"].items():
+                lines.append(f"  {'':<16}    not {backend}: {reason}")
+    if cap["mismatches"]:
+        lines += ["", "Problems found:"]
+        for m in cap["mismatches"]:
+            lines += [f"  ! {m['problem']}", f"    fix: {m['fix']}"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="sinkattn-report", description="sinkattn's compile-time capability report")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    cap = capabilities()
+    print(json.dumps(cap, indent=2) if args.json else render(cap))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
