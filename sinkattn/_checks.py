@@ -1,0 +1,328 @@
+"""Input validation for the public API.
+
+Every message names the argument, says what was given and what is accepted. Checks come in two
+kinds: metadata checks (dtypes, ranks, shapes, devices, python scalars) run in the public functions,
+before the op, so torch.compile traces them as constant conditions; value checks (cu_seqlens,
+cache_seqlens, block_table contents) read tensor data and run inside the op implementations.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
+
+# float64 is served by the reference backend only; it exists so gradcheck can run.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# The kernels load rows of 16 bytes (8 half elements) and instantiate head dims up to 256; the
+# contract is the same on every backend so code that runs on the CPU also runs on a GPU.
+HEADDIM_MAX = 256
+HEADDIM_MULTIPLE = 8
+BACKENDS = ("auto", "sm90", "sm80", "reference", "sm80-emulated")
+
+_DTYPE_NAMES = "float16, bfloat16, float32 (float64: reference backend only)"
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def check_tensor(name: str, t, rank: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise SinkattnTypeError(f"sinkattn: {name} must be a torch.Tensor {layout}; got {type(t).__name__}")
+    if t.dim() != rank:
+        raise SinkattnValueError(f"sinkattn: {name} must be a {rank}-D tensor {layout}; got shape {_shape(t)}")
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in DTYPES:
+        raise SinkattnTypeError(f"sinkattn: {name} has dtype {t.dtype}; accepted: {_DTYPE_NAMES}")
+
+
+def check_same_dtype(ref_name: str, ref: torch.Tensor, others: dict) -> None:
+    for name, t in others.items():
+        if t.dtype != ref.dtype:
+            raise SinkattnTypeError(
+                f"sinkattn: {name} has dtype {t.dtype} but {ref_name} has {ref.dtype}; they must match")
+
+
+def check_same_device(ref_name: str, ref: torch.Tensor, others: dict) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise SinkattnValueError(
+                f"sinkattn: {name} is on {t.device} but {ref_name} is on {ref.device}; "
+                f"all tensors of one call must be on the same device")
+
+
+def check_last_dim_contiguous(tensors: dict) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise SinkattnValueError(
+                f"sinkattn: {name} must have a contiguous last dimension (stride 1); got strides "
+                f"{tuple(t.stride())} for shape {_shape(t)} (call .contiguous() first)")
+
+
+def check_headdim(name: str, d: int) -> None:
+    if d <= 0 or d > HEADDIM_MAX or d % HEADDIM_MULTIPLE != 0:
+        raise SinkattnValueError(
+            f"sinkattn: {name} has head dim {d}; accepted: a multiple of {HEADDIM_MULTIPLE} from "
+            f"{HEADDIM_MULTIPLE} to {HEADDIM_MAX} (pad the head dim to the next multiple of {HEADDIM_MULTIPLE})")
+
+
+def check_heads(nheads: int, nheads_k: int, k_name: str = "k") -> None:
+    if nheads_k <= 0 or nheads % nheads_k != 0:
+        raise SinkattnValueError(
+            f"sinkattn: nheads of q ({nheads}) must be a multiple of nheads of {k_name} ({nheads_k}) "
+            f"(GQA/MQA); accepted: nheads_k dividing nheads")
+
+
+def check_qkv_common(q, k, v, k_name="k", v_name="v") -> None:
+    """The checks shared by all layouts: dtypes, devices, strides, heads, head dims."""
+    check_dtype("q", q)
+    check_same_dtype("q", q, {k_name: k, v_name: v})
+    check_same_device("q", q, {k_name: k, v_name: v})
+    check_last_dim_contiguous({"q": q, k_name: k, v_name: v})
+    check_headdim("q", q.shape[-1])
+    if k.shape[-1] != q.shape[-1]:
+        raise SinkattnValueError(
+            f"sinkattn: {k_name} has head dim {k.shape[-1]} but q has {q.shape[-1]}; they must match")
+    if v.shape[-1] != q.shape[-1]:
+        raise SinkattnValueError(
+            f"sinkattn: {v_name} has head dim {v.shape[-1]} but q has {q.shape[-1]}; they must match")
+    if v.shape[-2] != k.shape[-2]:
+        raise SinkattnValueError(
+            f"sinkattn: {v_name} has {v.shape[-2]} heads but {k_name} has {k.shape[-2]}; they must match")
+    check_heads(q.shape[-2], k.shape[-2], k_name)
+
+
+def check_batched(q, k, v) -> None:
+    check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    check_qkv_common(q, k, v)
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise SinkattnValueError(
+            f"sinkattn: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}; they must match")
+    if v.shape[1] != k.shape[1]:
+        raise SinkattnValueError(
+            f"sinkattn: v has seqlen {v.shape[1]} but k has {k.shape[1]}; they must match")
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    check_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
+    check_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
+    check_qkv_common(q, k, v)
+    if v.shape[0] != k.shape[0]:
+        raise SinkattnValueError(f"sinkattn: v has {v.shape[0]} tokens but k has {k.shape[0]}; they must match")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(name, cu, 1, "(batch + 1,) int32")
+        if cu.dtype != torch.int32:
+            raise SinkattnTypeError(f"sinkattn: {name} has dtype {cu.dtype}; accepted: torch.int32")
+        if cu.shape[0] < 1:
+            raise SinkattnValueError(f"sinkattn: {name} has length 0; accepted: batch + 1 >= 1 entries")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise SinkattnValueError(
+            f"sinkattn: cu_seqlens_q has length {cu_seqlens_q.shape[0]} but cu_seqlens_k has "
+            f"{cu_seqlens_k.shape[0]}; both must be batch + 1")
+    check_same_device("q", q, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    for name, mx in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        check_int(name, mx, minimum=0)
+
+
+def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
+                            max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Value checks (read the tensors): start at 0, non-decreasing, within the packed tensors."""
+    for name, cu, total, mx, side in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "q"),
+                                      ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "k")):
+        vals = cu.tolist()
+        if vals[0] != 0:
+            raise SinkattnValueError(f"sinkattn: {name}[0] is {vals[0]}; accepted: 0 (offsets start at 0)")
+        lengths = [b - a for a, b in zip(vals, vals[1:])]
+        bad = next((i for i, n in enumerate(lengths) if n < 0), None)
+        if bad is not None:
+            raise SinkattnValueError(
+                f"sinkattn: {name} must be non-decreasing; got {name}[{bad}] = {vals[bad]} > "
+                f"{name}[{bad + 1}] = {vals[bad + 1]}")
+        if vals[-1] > total:
+            raise SinkattnValueError(
+                f"sinkattn: {name}[-1] is {vals[-1]} but {side} holds only {total} tokens; accepted: <= {total}")
+        longest = max(lengths, default=0)
+        if longest > mx:
+            raise SinkattnValueError(
+                f"sinkattn: a sequence in {name} has {longest} tokens but max_seqlen_{side} is {mx}; "
+                f"accepted: max_seqlen_{side} >= the longest sequence")
+
+
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise SinkattnTypeError(f"sinkattn: sinks must be a torch.Tensor of shape (nheads,); got {type(sinks).__name__}")
+    nheads = q.shape[-2]
+    if _shape(sinks) != (nheads,):
+        raise SinkattnValueError(
+            f"sinkattn: sinks has shape {_shape(sinks)}; accepted: ({nheads},), one logit per query head")
+    if sinks.dtype not in SINK_DTYPES:
+        raise SinkattnTypeError(
+            f"sinkattn: sinks has dtype {sinks.dtype}; accepted: float32, bfloat16, float16 (float64: reference only)")
+    check_same_device("q", q, {"sinks": sinks})
+
+
+def resolve_sinks(sinks, s_aux):
+    if sinks is not None and s_aux is not None:
+        raise SinkattnValueError(
+            "sinkattn: both sinks= and s_aux= were given; s_aux is an alias of sinks, pass only one")
+    return sinks if sinks is not None else s_aux
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SinkattnTypeError(f"sinkattn: {name} must be an int; got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise SinkattnValueError(f"sinkattn: {name} is {value}; accepted: an int >= {minimum}")
+
+
+def check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise SinkattnValueError(
+            f"sinkattn: backend={backend!r} is not known; accepted: " + ", ".join(repr(b) for b in BACKENDS))
+
+
+def normalize_mask(headdim: int, softmax_scale, causal, window_size, sink_tokens, softcap):
+    """-> (softmax_scale, window_left, window_right, sink_tokens, softcap) as python numbers."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise SinkattnValueError(
+            f"sinkattn: window_size must be a pair (left, right); got {window_size!r}; -1 means unbounded")
+    left, right = window_size
+    for side, value in (("window_size[0] (left)", left), ("window_size[1] (right)", right)):
+        check_int(side, value, minimum=-1)
+    if not isinstance(causal, bool):
+        raise SinkattnTypeError(f"sinkattn: causal must be a bool; got {type(causal).__name__} {causal!r}")
+    if causal:
+        if right > 0:
+            raise SinkattnValueError(
+                f"sinkattn: causal=True with window_size[1] (right) = {right}; causal means right = 0; "
+                f"accepted: right in (-1, 0) with causal, or causal=False with window_size=({left}, {right})")
+        right = 0
+    check_int("sink_tokens", sink_tokens, minimum=0)
+    softcap = _check_float("softcap", softcap)
+    if softcap < 0:
+        raise SinkattnValueError(f"sinkattn: softcap is {softcap}; accepted: 0 (off) or a positive float")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(headdim)
+    softmax_scale = _check_float("softmax_scale", softmax_scale)
+    return softmax_scale, left, right, sink_tokens, softcap
+
+
+def _check_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SinkattnTypeError(f"sinkattn: {name} must be a float; got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise SinkattnValueError(f"sinkattn: {name} is {value}; accepted: a finite float")
+    return value
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                  num_splits) -> None:
+    check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    paged = block_table is not None
+    layout = "(num_pages, page_size, nheads_k, headdim)" if paged else "(batch, capacity, nheads_k, headdim)"
+    check_tensor("k_cache", k_cache, 4, layout)
+    check_tensor("v_cache", v_cache, 4, layout)
+    check_qkv_common(q, k_cache, v_cache, "k_cache", "v_cache")
+    if v_cache.shape[:2] != k_cache.shape[:2]:
+        raise SinkattnValueError(
+            f"sinkattn: v_cache has shape {_shape(v_cache)} but k_cache has {_shape(k_cache)}; they must match")
+    batch = q.shape[0]
+    if paged:
+        check_tensor("block_table", block_table, 2, "(batch, max_pages) int32")
+        if block_table.dtype != torch.int32:
+            raise SinkattnTypeError(f"sinkattn: block_table has dtype {block_table.dtype}; accepted: torch.int32")
+        if block_table.shape[0] != batch:
+            raise SinkattnValueError(
+                f"sinkattn: block_table has {block_table.shape[0]} rows but q has batch {batch}; they must match")
+        check_same_device("q", q, {"block_table": block_table})
+    elif k_cache.shape[0] != batch:
+        raise SinkattnValueError(
+            f"sinkattn: k_cache has batch {k_cache.shape[0]} but q has {batch}; they must match "
+            f"(for a paged cache pass block_table)")
+    if (k is None) != (v is None):
+        raise SinkattnValueError("sinkattn: k and v (the new tokens to append) must be given together; got only "
+                                 + ("k" if v is None else "v"))
+    if k is not None:
+        check_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        check_tensor("v", v, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        check_same_dtype("q", q, {"k": k, "v": v})
+        check_same_device("q", q, {"k": k, "v": v})
+        check_last_dim_contiguous({"k": k, "v": v})
+        want = (batch, k.shape[1], *k_cache.shape[2:])
+        for name, t in (("k", k), ("v", v)):
+            if _shape(t) != want:
+                raise SinkattnValueError(
+                    f"sinkattn: {name} has shape {_shape(t)}; accepted: {want} (batch, seqlen_new, "
+                    f"nheads_k, headdim of the cache)")
+    check_tensor("cache_seqlens", cache_seqlens, 1, "(batch,) int32")
+    if cache_seqlens.dtype != torch.int32:
+        raise SinkattnTypeError(f"sinkattn: cache_seqlens has dtype {cache_seqlens.dtype}; accepted: torch.int32")
+    if cache_seqlens.shape[0] != batch:
+        raise SinkattnValueError(
+            f"sinkattn: cache_seqlens has shape {_shape(cache_seqlens)}; accepted: ({batch},), one length per sequence")
+    check_same_device("q", q, {"cache_seqlens": cache_seqlens})
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise SinkattnValueError("sinkattn: rotary_cos and rotary_sin must be given together; got only "
+                                 + ("rotary_cos" if rotary_sin is None else "rotary_sin"))
+    if rotary_cos is not None:
+        check_tensor("rotary_cos", rotary_cos, 2, "(max_position, rotary_dim / 2)")
+        check_tensor("rotary_sin", rotary_sin, 2, "(max_position, rotary_dim / 2)")
+        if rotary_sin.shape != rotary_cos.shape:
+            raise SinkattnValueError(
+                f"sinkattn: rotary_sin has shape {_shape(rotary_sin)} but rotary_cos has "
+                f"{_shape(rotary_cos)}; they must match")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not t.is_floating_point():
+                raise SinkattnTypeError(f"sinkattn: {name} has dtype {t.dtype}; accepted: a floating dtype")
+        check_same_device("q", q, {"rotary_cos": rotary_cos, "rotary_sin": rotary_sin})
+        rotary_dim = 2 * rotary_cos.shape[1]
+        if rotary_dim == 0 or rotary_dim > q.shape[-1]:
+            raise SinkattnValueError(
+                f"sinkattn: rotary_cos has {rotary_cos.shape[1]} columns, a rotary dim of {rotary_dim}; "
+                f"accepted: 1 to headdim / 2 = {q.shape[-1] // 2} columns")
+    check_int("num_splits", num_splits, minimum=0)
+
+
+def check_kvcache_values(cache_seqlens, seqlen_new: int, seqlen_q: int, capacity: int, block_table,
+                         page_size: int, num_pages: int, rotary_positions: int | None) -> None:
+    """Value checks, before anything is written to the cache."""
+    lens = cache_seqlens.tolist()
+    for b, n in enumerate(lens):
+        if n < 0:
+            raise SinkattnValueError(f"sinkattn: cache_seqlens[{b}] is {n}; accepted: >= 0")
+        if n + seqlen_new > capacity:
+            raise SinkattnValueError(
+                f"sinkattn: cache_seqlens[{b}] is {n}" + (f" and {seqlen_new} new tokens are appended" if seqlen_new else "")
+                + f", beyond the cache capacity of {capacity} tokens; accepted: cache_seqlens + seqlen_new <= {capacity}")
+    if block_table is not None and lens:
+        total = torch.tensor(lens, dtype=torch.int64, device=block_table.device) + seqlen_new
+        used = (total + page_size - 1) // page_size
+        col = torch.arange(block_table.shape[1], device=block_table.device)
+        bad = (col[None, :] < used[:, None]) & ((block_table < 0) | (block_table >= num_pages))
+        if bad.any():
+            b, i = (int(x) for x in bad.nonzero()[0].tolist())
+            raise SinkattnValueError(
+                f"sinkattn: block_table[{b}, {i}] is {int(block_table[b, i])}, a page this sequence uses; "
+                f"accepted: a page index in [0, {num_pages}) (k_cache.shape[0])")
+    if rotary_positions is not None and lens:
+        needed = max(lens) + max(seqlen_q, seqlen_new)
+        if needed > rotary_positions:
+            raise SinkattnValueError(
+                f"sinkattn: rotary_cos/rotary_sin have {rotary_positions} positions but position {needed - 1} "
+                f"is needed (cache_seqlens up to {max(lens)} plus {max(seqlen_q, seqlen_new)} new tokens); "
+                f"accepted: tables with at least {needed} rows")
+
+
+def forced_backend_error(backend: str, reason: str, would: str) -> SinkattnRuntimeError:
+    return SinkattnRuntimeError(f"sinkattn: backend={backend!r} cannot serve this call: {reason}. {would}")

@@ -1,0 +1,135 @@
+"""The public attention functions (DESIGN.md sections 1 and 2).
+
+Conventions shared by every function here:
+
+- Layout as FlashAttention: q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k,
+  headdim), nheads a multiple of nheads_k (GQA/MQA: query head h reads KV head h // (nheads // nheads_k)).
+  Output like q. Head dims: multiples of 8 up to 256. Dtypes: float16, bfloat16, float32 (float64 on
+  the reference backend, for gradcheck).
+- Scores s = softmax_scale * q.k (default 1/sqrt(headdim)); softcap > 0 gives softcap * tanh(s / softcap).
+- Bottom-right alignment: with off = seqlen_k - seqlen_q, query i sits at key position i + off.
+  window_size = (left, right), -1 = unbounded: key j is visible if j <= i + off + right and
+  (j >= i + off - left or j < sink_tokens). causal=True means right = 0 (a positive right with causal
+  is an error). gpt-oss's sliding_window=128 is window_size=(127, 0).
+- sink_tokens = n (StreamingLLM) keeps the first n keys visible however far the left edge has moved;
+  it relaxes only the left edge (never lets a query see past its right edge) and changes nothing
+  without a left bound.
+- sinks (alias s_aux, as vLLM and transformers name it): one learnable logit per query head, shape
+  (nheads,), in the units of the scaled scores (NOT multiplied by softmax_scale), added to the softmax
+  denominator only: lse_i = log(exp(sinks[h]) + sum_j exp(s_ij)), out_i = sum_j exp(s_ij - lse_i) v_j.
+  sinks[h] = -inf is plain attention. Gradients flow to sinks.
+- lse: natural log, including the sink, float32 (float64 for float64 inputs), shape
+  (batch, nheads, seqlen_q); (nheads, total_q) for varlen. Returned when return_lse=True, and
+  differentiable.
+- A query row that sees no key gets out = 0 and lse = sinks[h] (-inf without sinks). Never NaN.
+- backend: "auto" (CUDA tensors: the best compiled kernel, else the PyTorch reference with a one-time
+  warning saying why; CPU tensors: the reference), or one of "sm90", "sm80", "reference",
+  "sm80-emulated" (CPU tensors, for tests) to force it; a forced backend that cannot serve the call
+  raises SinkattnRuntimeError saying why and what would.
+- deterministic=True asks kernels for a deterministic backward (the reference always is).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _checks, ops  # noqa: F401  (ops registers torch.ops.sinkattn.*)
+from .errors import SinkattnTypeError, SinkattnValueError
+
+
+def _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend):
+    sinks = _checks.resolve_sinks(sinks, s_aux)
+    _checks.check_backend(backend)
+    mask = _checks.normalize_mask(q.shape[-1], softmax_scale, causal, window_size, sink_tokens, softcap)
+    return sinks, mask
+
+
+def flash_attn_with_sinks(q, k, v, sinks=None, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                          sink_tokens=0, softcap=0.0, return_lse=False, deterministic=False,
+                          backend="auto", s_aux=None):
+    """Attention with learnable sinks, sliding windows and sink tokens.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
+    sinks / s_aux: (nheads,) logits in scaled-score units (not multiplied by softmax_scale).
+    Returns out (like q), or (out, lse) with return_lse=True, lse float32 (batch, nheads, seqlen_q),
+    natural log, including the sink. See the module docstring for masks and conventions.
+    """
+    _checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    sinks, (scale, left, right, n, cap) = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size,
+                                                    sink_tokens, softcap, backend)
+    _checks.check_batched(q, k, v)
+    _checks.check_sinks(sinks, q)
+    out, lse = torch.ops.sinkattn.fwd(q, k, v, sinks, None, None, 0, 0, scale, left, right, n, cap,
+                                      bool(deterministic), backend)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_with_sinks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks=None, *,
+                                 softmax_scale=None, causal=False, window_size=(-1, -1), sink_tokens=0,
+                                 softcap=0.0, return_lse=False, deterministic=False, backend="auto", s_aux=None):
+    """Attention over packed variable-length sequences.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q/k: int32 (batch + 1,)
+    offsets starting at 0, non-decreasing (empty sequences allowed); max_seqlen_q/k: the longest
+    sequence of each side. Masks align bottom-right within each sequence. Returns out (like q), or
+    (out, lse) with lse float32 (nheads, total_q); rows past cu_seqlens_q[-1] get out 0, lse -inf.
+    """
+    _checks.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    sinks, (scale, left, right, n, cap) = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size,
+                                                    sink_tokens, softcap, backend)
+    _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _checks.check_sinks(sinks, q)
+    out, lse = torch.ops.sinkattn.fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      scale, left, right, n, cap, bool(deterministic), backend)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, cache_seqlens=None,
+                            block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), sink_tokens=0, softcap=0.0,
+                            return_lse=False, num_splits=0, backend="auto", s_aux=None):
+    """Decode / chunked prefill over a KV cache, appending the new k/v in place (no autograd).
+
+    q: (batch, seqlen_q, nheads, headdim).
+    k_cache, v_cache: contiguous (batch, capacity, nheads_k, headdim), or paged
+        (num_pages, page_size, nheads_k, headdim) with block_table (batch, max_pages) int32 (any page size).
+    k, v: optional new tokens (batch, seqlen_new, nheads_k, headdim), written after cache_seqlens.
+    cache_seqlens: int32 (batch,) or an int: tokens already in the cache (not updated here; the caller
+        advances it). None means the cache is full (then k/v cannot be appended).
+    rotary_cos, rotary_sin: optional (max_position, rotary_dim / 2) tables; q and the new k are rotated
+        at absolute positions cache_seqlens + i (rotary_interleaved: GPT-J pairs; False: GPT-NeoX halves).
+    The queries are the last seqlen_q positions of each sequence (bottom-right alignment), so decode
+    with causal=True sees the whole cache. num_splits is a kernel hint (0 = heuristic); the reference
+    ignores it. Returns out, or (out, lse) with lse float32 (batch, nheads, seqlen_q).
+    """
+    _checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _checks.check_tensor("k_cache", k_cache, 4, "(batch, capacity, nheads_k, headdim) or paged "
+                                                "(num_pages, page_size, nheads_k, headdim)")
+    sinks, (scale, left, right, n, cap) = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size,
+                                                    sink_tokens, softcap, backend)
+    if block_table is not None:
+        _checks.check_tensor("block_table", block_table, 2, "(batch, max_pages) int32")
+    cache_seqlens = _cache_seqlens(q, k_cache, k, cache_seqlens, block_table)
+    _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, num_splits)
+    _checks.check_sinks(sinks, q)
+    if not isinstance(rotary_interleaved, bool):
+        raise SinkattnTypeError(
+            f"sinkattn: rotary_interleaved must be a bool; got {type(rotary_interleaved).__name__}")
+    out, lse = torch.ops.sinkattn.kvcache_fwd(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table,
+                                              rotary_cos, rotary_sin, rotary_interleaved, scale, left, right, n,
+                                              cap, num_splits, backend)
+    return (out, lse) if return_lse else out
+
+
+def _cache_seqlens(q, k_cache, k, cache_seqlens, block_table):
+    """An int or None becomes the int32 (batch,) tensor the op takes."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens
+    if cache_seqlens is None:
+        if k is not None:
+            raise SinkattnValueError(
+                "sinkattn: k/v were given to append but cache_seqlens is None (a full cache); pass "
+                "cache_seqlens, the number of tokens already cached per sequence")
+        full = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        cache_seqlens = full
+    _checks.check_int("cache_seqlens", cache_seqlens, minimum=0)
+    return torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)

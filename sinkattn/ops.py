@@ -1,0 +1,108 @@
+"""torch.library registration of the sinkattn ops (namespace `sinkattn`).
+
+    sinkattn::fwd          plain and varlen forward -> (out, lse); autograd via sinkattn::bwd
+    sinkattn::bwd          -> (dq, dk, dv, dsinks)
+    sinkattn::kvcache_fwd  KV-cache attention, appends k/v into k_cache/v_cache in place -> (out, lse)
+
+Each has a fake implementation (shapes and dtypes only), so torch.compile(fullgraph=True) traces
+through the calls; autograd is registered on the op, so compiled graphs get the same backward.
+Backend choice happens inside the real implementations, at run time, never while tracing.
+Inputs arrive validated by sinkattn.interface; the ops trust their metadata.
+"""
+# No `from __future__ import annotations`: custom_op reads the annotations to build the schema.
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import dispatch, kvcache
+
+_LSE_DTYPE = {torch.float64: torch.float64}  # everything else: float32
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return _LSE_DTYPE.get(q.dtype, torch.float32)
+
+
+def _lse_shape(q: Tensor, varlen: bool) -> tuple:
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+@torch.library.custom_op("sinkattn::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+        cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+        window_left: int, window_right: int, sink_tokens: int, softcap: float, deterministic: bool,
+        backend: str) -> tuple[Tensor, Tensor]:
+    out, lse = dispatch.forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                softmax_scale, window_left, window_right, sink_tokens, softcap,
+                                deterministic, backend)
+    return out, lse.to(_lse_dtype(q))
+
+
+@fwd.register_fake
+def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+      window_right, sink_tokens, softcap, deterministic, backend):
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
+    return out, lse
+
+
+@torch.library.custom_op("sinkattn::bwd", mutates_args=())
+def bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor],
+        out: Tensor, lse: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+        sink_tokens: int, softcap: float, deterministic: bool,
+        backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return dispatch.backward(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, softmax_scale, window_left, window_right, sink_tokens, softcap,
+                             deterministic, backend)
+
+
+def _dsinks_dtype(q, sinks):
+    return sinks.dtype if sinks is not None else _lse_dtype(q)
+
+
+@bwd.register_fake
+def _(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, window_left, window_right, sink_tokens, softcap, deterministic, backend):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((q.shape[-2],), dtype=_dsinks_dtype(q, sinks)))
+
+
+def _setup_fwd(ctx, inputs, output):
+    (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+     window_right, sink_tokens, softcap, deterministic, backend) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.params = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, sink_tokens, softcap,
+                  deterministic, backend)
+
+
+def _backward_fwd(ctx, dout, dlse):
+    q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dsinks = torch.ops.sinkattn.bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
+                                                cu_seqlens_k, *ctx.params)
+    return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * 11
+
+
+torch.library.register_autograd("sinkattn::fwd", _backward_fwd, setup_context=_setup_fwd)
+
+
+@torch.library.custom_op("sinkattn::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
+def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, sinks: Optional[Tensor], k: Optional[Tensor],
+                v: Optional[Tensor], cache_seqlens: Tensor, block_table: Optional[Tensor],
+                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], rotary_interleaved: bool,
+                softmax_scale: float, window_left: int, window_right: int, sink_tokens: int, softcap: float,
+                num_splits: int, backend: str) -> tuple[Tensor, Tensor]:
+    out, lse = kvcache.forward(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos,
+                               rotary_sin, rotary_interleaved, softmax_scale, window_left, window_right,
+                               sink_tokens, softcap, num_splits, backend)
+    return out, lse.to(_lse_dtype(q))
+
+
+@kvcache_fwd.register_fake
+def _(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
+      softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits, backend):
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, False), dtype=_lse_dtype(q))

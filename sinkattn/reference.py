@@ -1,0 +1,283 @@
+"""The PyTorch reference backend: DESIGN.md section 1 computed tile by tile.
+
+It serves every problem on CPU tensors and is the fallback on GPUs, so it has to scale: queries are
+processed in row chunks and keys in tiles with an online softmax, so memory stays
+O(rows x tile + output) and never O(seqlen_q x seqlen_k). Tiles the mask hides entirely are never
+visited (see `key_ranges`). Low-precision inputs are upcast per tile and accumulated in fp32
+(float64 inputs, used for gradcheck, accumulate in float64).
+
+The backward recomputes the probabilities from the saved lse (FlashAttention-2 style) instead of
+keeping the score matrix, and loops in a fixed order, so it is deterministic.
+
+Sequences are the unit of work here: a plain batch is a loop over its rows, varlen a loop over
+cu_seqlens, and the KV cache (sinkattn.kvcache) a loop that fetches key tiles from (paged) caches.
+Keys reach the core through a `fetch(t0, t1) -> (k_tile, v_tile)` callable, each (t1-t0, nheads_k, d),
+so the core never needs the whole key sequence in one tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Tile sizes, read at call time (tests shrink them to exercise tiling on short sequences).
+KEY_TILE = 512
+ROW_CHUNK = 256
+# Upper bound on elements of one score tile (heads x rows x keys): 2^22 fp32 = 16 MiB, so many heads
+# shrink the row chunk instead of the memory bound.
+SCORE_BUDGET = 1 << 22
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Scale, softcap and visibility of one call; `off` is set per sequence (bottom-right alignment)."""
+    scale: float
+    window_left: int
+    window_right: int
+    sink_tokens: int
+    softcap: float
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def key_ranges(i0: int, i1: int, seqlen_k: int, off: int, m: Mask) -> list[tuple[int, int]]:
+    """Half-open key ranges holding every key visible to some query row in [i0, i1).
+
+    At most two ranges: the sink tokens [0, n) and the window, merged when they touch. Each range
+    starts and ends on a key that some row of the chunk sees, so nothing wholly masked is visited.
+    """
+    wl, wr, n = m.window_left, m.window_right, m.sink_tokens
+    hi = seqlen_k if wr < 0 else min(seqlen_k, i1 - 1 + off + wr + 1)
+    if hi <= 0 or i1 <= i0:
+        return []
+    if wl < 0:
+        return [(0, hi)]
+    lo = max(0, i0 + off - wl)
+    ns = min(n, hi)  # sink tokens never reach past the right edge
+    if ns >= lo:
+        return [(0, hi)]
+    ranges = [(0, ns)] if ns > 0 else []
+    if lo < hi:
+        ranges.append((lo, hi))
+    return ranges
+
+
+def _fully_visible(i0: int, i1: int, t0: int, t1: int, off: int, m: Mask) -> bool:
+    right_ok = m.window_right < 0 or t1 - 1 <= i0 + off + m.window_right
+    left_ok = m.window_left < 0 or t0 >= i1 - 1 + off - m.window_left or t1 <= m.sink_tokens
+    return right_ok and left_ok
+
+
+def _visible(i0: int, i1: int, t0: int, t1: int, off: int, m: Mask, device) -> torch.Tensor:
+    i = torch.arange(i0, i1, device=device)[:, None]
+    j = torch.arange(t0, t1, device=device)[None, :]
+    ok = torch.ones(i1 - i0, t1 - t0, dtype=torch.bool, device=device)
+    if m.window_right >= 0:
+        ok &= j <= i + off + m.window_right
+    if m.window_left >= 0:
+        ok &= (j >= i + off - m.window_left) | (j < m.sink_tokens)
+    return ok
+
+
+def _tiles(i0: int, i1: int, seqlen_k: int, off: int, m: Mask):
+    """(t0, t1, needs_mask) for each key tile the chunk [i0, i1) must visit."""
+    for j0, j1 in key_ranges(i0, i1, seqlen_k, off, m):
+        for t0 in range(j0, j1, KEY_TILE):
+            t1 = min(j1, t0 + KEY_TILE)
+            yield t0, t1, not _fully_visible(i0, i1, t0, t1, off, m)
+
+
+def _row_chunk(nheads: int) -> int:
+    return max(1, min(ROW_CHUNK, SCORE_BUDGET // max(1, nheads * KEY_TILE)))
+
+
+def _scores(qs, kt, i0, i1, t0, t1, off, m: Mask, needs_mask, nheads_k, group):
+    """Scaled (softcapped, masked) scores (hk, g*rows, tile) and tanh(s/softcap) for the backward."""
+    s = torch.bmm(qs, kt.permute(1, 2, 0))
+    th = None
+    if m.softcap > 0:
+        th = torch.tanh(s / m.softcap)
+        s = th * m.softcap
+    if needs_mask:
+        vis = _visible(i0, i1, t0, t1, off, m, s.device)
+        s.view(nheads_k, group, i1 - i0, t1 - t0).masked_fill_(~vis, float("-inf"))
+    return s, th
+
+
+def _to_groups(x: torch.Tensor, nheads_k: int, dtype) -> torch.Tensor:
+    """(rows, h, d) -> (hk, g*rows, d) in `dtype`: query head h = kh*g + gi reads KV head kh."""
+    r, h, d = x.shape
+    return x.to(dtype).permute(1, 0, 2).reshape(nheads_k, (h // nheads_k) * r, d)
+
+
+def _from_groups(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """(hk, g*rows, ...) -> (rows, h, ...)."""
+    hk, gr = x.shape[:2]
+    return x.reshape(hk * (gr // rows), rows, *x.shape[2:]).transpose(0, 1)
+
+
+def forward_seq(q, fetch, seqlen_k: int, nheads_k: int, sink, out, lse, m: Mask) -> None:
+    """One sequence: q (sq, h, d); sink (h,) in the accumulation dtype (-inf = none).
+
+    Writes out (sq, h, d) and lse (h, sq) in place (they may be views into batched outputs).
+    """
+    sq, h, d = q.shape
+    acc_t = acc_dtype(q.dtype)
+    off = seqlen_k - sq
+    hk, g = nheads_k, h // nheads_k
+    rows = _row_chunk(h)
+    for i0 in range(0, sq, rows):
+        i1 = min(sq, i0 + rows)
+        r = i1 - i0
+        qs = _to_groups(q[i0:i1], hk, acc_t) * m.scale
+        row_max = torch.full((hk, g * r), float("-inf"), dtype=acc_t, device=q.device)
+        row_sum = torch.zeros((hk, g * r), dtype=acc_t, device=q.device)
+        acc = torch.zeros((hk, g * r, d), dtype=acc_t, device=q.device)
+        for t0, t1, needs_mask in _tiles(i0, i1, seqlen_k, off, m):
+            kt, vt = fetch(t0, t1)
+            s, _ = _scores(qs, kt.to(acc_t), i0, i1, t0, t1, off, m, needs_mask, hk, g)
+            new_max = torch.maximum(row_max, s.amax(-1))
+            # A row that has seen only masked keys keeps max -inf; shift it by 0 so exp() stays 0, not NaN.
+            shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
+            p = torch.exp(s - shift[..., None])
+            alpha = torch.exp(row_max - shift)
+            row_sum = row_sum * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.bmm(p, vt.to(acc_t).transpose(0, 1))
+            row_max = new_max
+        out_c, lse_c = _finalize(row_max, row_sum, acc, sink, hk, g, r)
+        out[i0:i1].copy_(_from_groups(out_c, r))
+        lse[:, i0:i1].copy_(lse_c.reshape(h, r))
+
+
+def _finalize(row_max, row_sum, acc, sink, hk, g, r):
+    """Fold the sink into the softmax denominator once, at the end (it has no value vector).
+
+    The sink joins the running max before it joins the sum, so a sink far above the scores (+30)
+    cannot overflow exp(). With sink = -inf this reduces exactly to lse = max + log(sum).
+    """
+    sink_rows = sink.view(hk, g, 1).expand(hk, g, r).reshape(hk, g * r)
+    top = torch.maximum(row_max, sink_rows)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    keys_w = torch.exp(row_max - top)
+    total = row_sum * keys_w + torch.exp(sink_rows - top)
+    lse = top + torch.log(total)  # total == 0 (nothing visible, no sink) -> -inf
+    factor = torch.where(total > 0, keys_w / total, torch.zeros_like(total))
+    return acc * factor[..., None], lse
+
+
+def backward_seq(dout, dlse, q, fetch, seqlen_k: int, sink, out, lse, dq, dk_acc, dv_acc,
+                 dsink_acc, m: Mask) -> None:
+    """Gradients of one sequence by recomputation from lse.
+
+    dq (sq, h, d) is written; dk_acc/dv_acc (hk, sk, d) and dsink_acc (h,) are accumulated (fp32/64).
+    With p = exp(s - lse) and D_i = dO_i . out_i, dL/ds = p * (dP - D + dlse): the usual FA2 term plus
+    dlse, because d lse_i / d s_ij = p_ij. The sink's probability exp(sink - lse_i) gets the same
+    treatment with dP = 0 (no value vector): dsink = sum_i p_sink_i * (dlse_i - D_i).
+    """
+    sq, h, d = q.shape
+    acc_t = acc_dtype(q.dtype)
+    off = seqlen_k - sq
+    rows = _row_chunk(h)
+    hk = dk_acc.shape[0]
+    g = h // hk
+    for i0 in range(0, sq, rows):
+        i1 = min(sq, i0 + rows)
+        r = i1 - i0
+        qs = _to_groups(q[i0:i1], hk, acc_t) * m.scale
+        do = _to_groups(dout[i0:i1], hk, acc_t)
+        o = _to_groups(out[i0:i1], hk, acc_t)
+        # (h, rows) -> (hk, g*rows) is a plain reshape: head h = kh*g + gi.
+        lse_c = lse[:, i0:i1].to(acc_t).reshape(hk, g * r)
+        delta = (do * o).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse[:, i0:i1].to(acc_t).reshape(hk, g * r)
+        # Rows with lse = -inf see nothing; shifting them by 0 keeps exp(-inf - lse) at 0, not NaN.
+        lse_safe = lse_c.masked_fill(lse_c == float("-inf"), 0.0)
+        dqc = torch.zeros_like(qs)
+        for t0, t1, needs_mask in _tiles(i0, i1, seqlen_k, off, m):
+            kt, vt = fetch(t0, t1)
+            kt, vt = kt.to(acc_t), vt.to(acc_t)
+            s, th = _scores(qs, kt, i0, i1, t0, t1, off, m, needs_mask, hk, g)
+            p = torch.exp(s - lse_safe[..., None])
+            dv_acc[:, t0:t1] += torch.bmm(p.transpose(1, 2), do)
+            dp = torch.bmm(do, vt.permute(1, 2, 0))
+            ds = p * (dp - delta[..., None])
+            if th is not None:
+                ds = ds * (1 - th * th)  # d(c*tanh(u/c))/du
+            dqc += torch.bmm(ds, kt.transpose(0, 1))
+            dk_acc[:, t0:t1] += torch.bmm(ds.transpose(1, 2), qs)
+        dq[i0:i1].copy_(_from_groups(dqc * m.scale, r))
+        sink_rows = sink.view(hk, g, 1).expand(hk, g, r).reshape(hk, g * r)
+        p_sink = torch.exp(sink_rows - lse_safe)
+        dsink_acc += (-p_sink * delta).view(hk * g, r).sum(-1)
+
+
+def slicer(k, v):
+    return lambda t0, t1: (k[t0:t1], v[t0:t1])
+
+
+def sink_vector(sinks, nheads: int, acc_t, device) -> torch.Tensor:
+    if sinks is None:
+        return torch.full((nheads,), float("-inf"), dtype=acc_t, device=device)
+    return sinks.to(acc_t)
+
+
+def _seq_bounds(cu_seqlens_q, cu_seqlens_k):
+    """[(q0, q1, k0, k1)] per sequence: batch rows, or the cu_seqlens intervals for varlen."""
+    if cu_seqlens_q is None:
+        return None
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+def forward(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
+    """Batched (q (b, sq, h, d)) or varlen (q (total_q, h, d) + cu_seqlens) forward -> (out, lse)."""
+    acc_t = acc_dtype(q.dtype)
+    sink = sink_vector(sinks, q.shape[-2], acc_t, q.device)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    bounds = _seq_bounds(cu_seqlens_q, cu_seqlens_k)
+    if bounds is None:
+        b, sq, h, _ = q.shape
+        lse = torch.empty((b, h, sq), dtype=acc_t, device=q.device)
+        for bi in range(b):
+            forward_seq(q[bi], slicer(k[bi], v[bi]), k.shape[1], k.shape[2], sink, out[bi], lse[bi], mask)
+        return out, lse
+    # Rows past cu_seqlens_q[-1] belong to no sequence: they keep out = 0 and lse = -inf.
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_t, device=q.device)
+    for q0, q1, k0, k1 in bounds:
+        forward_seq(q[q0:q1], slicer(k[k0:k1], v[k0:k1]), k1 - k0, k.shape[1], sink, out[q0:q1],
+                    lse[:, q0:q1], mask)
+    return out, lse
+
+
+def backward(dout, dlse, q, k, v, sinks, out, lse, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
+    """-> (dq, dk, dv, dsinks): dq/dk/dv in the dtype of q/k/v, dsinks in the accumulation dtype."""
+    acc_t = acc_dtype(q.dtype)
+    h = q.shape[-2]
+    sink = sink_vector(sinks, h, acc_t, q.device)
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    dsink = torch.zeros((h,), dtype=acc_t, device=q.device)
+
+    def one(qs_, ks, vs, o_, lse_, dout_, dlse_, dq_, dk_, dv_):
+        sk, hk, d = ks.shape
+        dk_acc = torch.zeros((hk, sk, d), dtype=acc_t, device=q.device)
+        dv_acc = torch.zeros((hk, sk, vs.shape[-1]), dtype=acc_t, device=q.device)
+        backward_seq(dout_, dlse_, qs_, slicer(ks, vs), sk, sink, o_, lse_,
+                     dq_, dk_acc, dv_acc, dsink, mask)
+        dk_.copy_(dk_acc.transpose(0, 1))
+        dv_.copy_(dv_acc.transpose(0, 1))
+
+    bounds = _seq_bounds(cu_seqlens_q, cu_seqlens_k)
+    if bounds is None:
+        for bi in range(q.shape[0]):
+            one(q[bi], k[bi], v[bi], out[bi], lse[bi], dout[bi], None if dlse is None else dlse[bi],
+                dq[bi], dk[bi], dv[bi])
+    else:
+        for q0, q1, k0, k1 in bounds:
+            one(q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1], lse[:, q0:q1], dout[q0:q1],
+                None if dlse is None else dlse[:, q0:q1], dq[q0:q1], dk[k0:k1], dv[k0:k1])
+    return dq, dk, dv, dsink
