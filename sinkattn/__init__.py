@@ -1,6 +1,24 @@
-"""sinkattn: fused attention with attention sinks (see DESIGN.md). Importing touches no GPU."""
-from .errors import SinkattnError, SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
-from .interface import flash_attn_varlen_with_sinks, flash_attn_with_kvcache, flash_attn_with_sinks
-from .dispatch import ReferenceFallbackWarning
+"""sinkattn: fused attention with attention sinks (learnable sink logits and StreamingLLM sink tokens).
+
+Import is cheap: torch is imported (the extension needs it), the compiled extension is loaded if present
+(its failure is recorded, not raised), and no CUDA context is created.
+"""
+import torch  # noqa: F401  (loads libc10/libtorch, which sinkattn._C links against)
 
 __version__ = "0.1.0"
+
+from .errors import SinkattnError, SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError  # noqa: E402
+from . import _ext  # noqa: E402
+from .capability import capabilities  # noqa: E402
+from .merge import merge_attn_states  # noqa: E402
+
+try:  # the public attention ops (being written in interface.py)
+    from .interface import flash_attn_varlen_with_sinks, flash_attn_with_kvcache, flash_attn_with_sinks  # noqa
+    from .dispatch import ReferenceFallbackWarning  # noqa
+except ImportError:  # pragma: no cover
+    pass
+
+__all__ = [
+    "flash_attn_with_sinks", "flash_attn_varlen_with_sinks", "flash_attn_with_kvcache", "merge_attn_states",
+    "capabilities", "ReferenceFallbackWarning", "SinkattnError", "SinkattnValueError", "SinkattnTypeError", "SinkattnRuntimeError",
+]

@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from . import _kernels, reference
+from . import _device, _kernels, reference
 from ._checks import check_cu_seqlens_values, forced_backend_error
 from ._problem import Problem
 from .errors import SinkattnValueError
@@ -55,30 +55,23 @@ def make_problem(kind: str, q, k, sinks, *, window_left: int, window_right: int,
 
 def _capability(device_index) -> tuple[int, int]:
     # A function of its own so tests can pretend to be a given GPU.
-    return torch.cuda.get_device_capability(device_index)
+    return _device.capability(device_index or 0)
 
 
 def why_not(backend: str, problem: Problem) -> str | None:
     """None when `backend` serves `problem`, else a reason a user can act on."""
     if backend == "reference":
         return None
-    if backend == "sm80-emulated":
-        if problem.device_type != "cpu":
-            return f"sm80-emulated runs on CPU tensors only; these are on {problem.device_type}"
-    else:
-        if problem.device_type != "cuda":
-            return f"{backend} needs CUDA tensors; these are on {problem.device_type}"
-        major, minor = _capability(problem.device_index)
-        if backend == "sm90" and (major, minor) != (9, 0):
-            return f"sm90 kernels need compute capability 9.0; this GPU is {major}.{minor}"
-        if backend == "sm80" and major < 8:
-            return f"sm80 kernels need compute capability >= 8.0; this GPU is {major}.{minor}"
-    if problem.dtype == torch.float64:
-        return "float64 is served by the reference backend only"
+    # Device type first: on a CPU "needs CUDA tensors" is the actionable answer, whatever the build holds.
+    if backend == "sm80-emulated" and problem.device_type != "cpu":
+        return f"'sm80-emulated' runs on CPU tensors only; these are on {problem.device_type}"
+    if backend != "sm80-emulated" and problem.device_type != "cuda":
+        return f"{backend!r} needs CUDA tensors; these are on {problem.device_type}"
     entry = _ENTRY_POINT[problem.kind]
     if not hasattr(_kernels, entry):
         return f"this build has no {problem.kind} kernel entry point (sinkattn._kernels.{entry})"
-    return _kernels.why_not(backend, problem)
+    cap = _capability(problem.device_index) if problem.device_type == "cuda" else None
+    return _kernels.why_not(backend, problem, capability=cap)
 
 
 def _what_would_serve(problem: Problem, refused: str) -> str:
@@ -92,7 +85,7 @@ def _warn_once(reason: str) -> None:
         return
     _warned.add(reason)
     warnings.warn(f"sinkattn: using the PyTorch reference backend (slow): {reason}",
-                  ReferenceFallbackWarning, stacklevel=4)
+                  ReferenceFallbackWarning, stacklevel=2)
 
 
 def choose(problem: Problem, requested: str) -> str:
@@ -109,14 +102,14 @@ def choose(problem: Problem, requested: str) -> str:
         return requested
     if problem.device_type != "cuda":
         return "reference"
-    major, _ = _capability(problem.device_index)
-    candidates = [b for b in ("sm90", "sm80") if b == "sm80" or major == 9]
-    reasons = []
+    cap = _capability(problem.device_index)
+    candidates = _kernels.preferred_backends(cap)
+    reasons = [] if candidates else [f"no sinkattn kernel runs on compute capability {cap[0]}.{cap[1]} (needs >= 8.0)"]
     for backend in candidates:
         reason = why_not(backend, problem)
         if reason is None:
             return backend
-        reasons.append(reason)
+        reasons.append(f"{backend}: {reason}")
     _warn_once("; ".join(reasons))
     return "reference"
 
