@@ -1,0 +1,1 @@
+"""sinkattn's benchmark harness (DESIGN.md section 7, issue 9). Run it with `python -m bench --help`."""

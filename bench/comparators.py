@@ -1,0 +1,399 @@
+"""What each benchmark case is run by: sinkattn and what users would pick instead, doing the same math.
+
+    sinkattn        sinkattn's public API with backend "auto": the kernel a user of this GPU gets (on a CPU
+                    that is the PyTorch reference backend); the column every ratio is taken against
+    sinkattn-sm80   sinkattn forced onto its sm80 kernels, on a cc 9.0 GPU only (sm_80 code runs there too)
+    reference       sinkattn's PyTorch reference backend, where it fits in time (REF_MAX_FLOPS on a GPU)
+    sdpa-flash      torch.nn.functional.scaled_dot_product_attention restricted to its flash backend.
+                    It has no sink: for a forward with learnable sinks the sink is added exactly from the
+                    flash kernel's logsumexp (aten._scaled_dot_product_flash_attention[_for_cpu]):
+                    out_sink = out * sigmoid(lse - sink). Its lse output has no gradient, so a backward
+                    with sinks runs without the sink and is marked "no sink". No sliding window, no sink
+                    tokens, causal only where bottom-right equals top-left alignment (seqlen_q == seqlen_k,
+                    or one query of decode, which sees the whole cache): otherwise "n/a".
+    flex            torch.nn.attention.flex_attention (torch.compile'd on a GPU; eager, unfused, on a CPU),
+                    window and sink tokens through mask_mod (a BlockMask, built outside the timed region,
+                    as a user would cache it), learnable sinks by the same exact lse correction, which is
+                    differentiable here. Paged decode: n/a.
+
+Every prepared comparator returns a callable that is timed, the sink handling ("exact (native)",
+"exact (lse correction)", "no sink", "none needed"), the backend that ran, and, for the error column,
+its forward output (or dq for a backward) in (batch, seqlen_q, nheads, headdim) layout.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from . import flops as _flops
+from .grids import Case
+
+REF_MAX_FLOPS = 5e11  # the reference backend on a GPU loops over tiles in Python; time it only below this
+
+
+class Unsupported(Exception):
+    """This comparator cannot do this case's math; the message says why (reported as status 'n/a')."""
+
+
+@dataclass
+class Prepared:
+    fn: object                    # the timed callable
+    sink_handling: str
+    backend: str
+    output: object = None         # callable -> tensor to compare with sinkattn's (fwd: out; bwd: dq)
+    graphable: bool = False       # whether fn may be captured in a CUDA graph
+    note: str = ""
+    keep: list = field(default_factory=list)  # tensors that must live as long as fn
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+@dataclass
+class Inputs:
+    q: torch.Tensor                         # (b, sq, h, d)
+    k: torch.Tensor | None                  # (b, sk, hk, d) (attn; decode: the cache's first sk tokens)
+    v: torch.Tensor | None
+    sinks: torch.Tensor | None              # (h,) fp32
+    dout: torch.Tensor | None = None        # bwd
+    k_cache: torch.Tensor | None = None     # decode: contiguous (b, sk, hk, d) or paged (pages, ps, hk, d)
+    v_cache: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    cache_seqlens: torch.Tensor | None = None
+
+
+def make_inputs(case: Case, device: torch.device, generator: torch.Generator | None = None) -> Inputs:
+    """Random inputs (never zeros: they hide unwritten outputs and run faster than real data)."""
+    dt = case.torch_dtype
+    b, sq, sk, h, hk, d = case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.float32, generator=generator).to(dt)
+
+    sinks = None
+    if case.sinks:  # logits around the scores' scale, so the sink matters but does not dominate
+        sinks = torch.randn(h, device=device, dtype=torch.float32, generator=generator) + 1.0
+    q = rnd(b, sq, h, d)
+    if case.kind == "decode":
+        if case.paged:
+            ps = case.page_size
+            per_seq = -(-sk // ps)
+            pages = b * per_seq
+            k_cache, v_cache = rnd(pages, ps, hk, d), rnd(pages, ps, hk, d)
+            perm = torch.randperm(pages, device="cpu", generator=None).to(torch.int32)
+            block_table = perm.view(b, per_seq).to(device)
+            # The same keys in contiguous form, for comparators without paging and for checking.
+            idx = block_table.long()
+            k = k_cache[idx].reshape(b, per_seq * ps, hk, d)[:, :sk]
+            v = v_cache[idx].reshape(b, per_seq * ps, hk, d)[:, :sk]
+        else:
+            k_cache, v_cache, block_table = rnd(b, sk, hk, d), rnd(b, sk, hk, d), None
+            k, v = k_cache, v_cache
+        seqlens = torch.full((b,), sk, dtype=torch.int32, device=device)
+        return Inputs(q, k, v, sinks, None, k_cache, v_cache, block_table, seqlens)
+    k, v = rnd(b, sk, hk, d), rnd(b, sk, hk, d)
+    dout = rnd(b, sq, h, d) if case.mode == "bwd" else None
+    return Inputs(q, k, v, sinks, dout)
+
+
+def add_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Exact learnable-sink correction of an attention output computed without the sink.
+
+    out (b, h, s, d) and lse (b, h, s) (natural log, over the visible keys) ->
+    out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink)."""
+    w = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+    return (out.float() * w[..., None]).to(out.dtype)
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2).contiguous()
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone().requires_grad_(True)
+
+
+def _bwd_callable(out: torch.Tensor, inputs: tuple, dout: torch.Tensor):
+    def run():
+        return torch.autograd.grad(out, inputs, dout, retain_graph=True)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- sinkattn
+
+def _resolve(case: Case, device: torch.device, requested: str) -> tuple[str, str | None]:
+    """(backend dispatch picks for this case, and why the kernels declined when it is the reference)."""
+    try:
+        from sinkattn import dispatch
+        from sinkattn._problem import Problem
+    except ImportError as e:
+        return "unknown", f"sinkattn.dispatch not importable: {e}"
+    kind = {"attn": case.mode, "decode": "kvcache"}[case.kind]
+    problem = Problem(kind=kind, device_type=device.type, dtype=case.torch_dtype, headdim=case.headdim,
+                      headdim_v=case.headdim, nheads=case.nheads, nheads_k=case.nheads_k,
+                      window_left=case.window_left, window_right=case.window_right, sink_tokens=case.sink_tokens,
+                      softcap=0.0, has_sinks=case.sinks, varlen=False, paged=case.paged,
+                      device_index=device.index if device.type == "cuda" else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            chosen = dispatch.choose(problem, requested)
+        except Exception as e:  # noqa: BLE001 - a forced backend that cannot serve: report why
+            raise Unsupported(str(e)) from None
+    why = None
+    if chosen == "reference" and requested == "auto" and device.type == "cuda":
+        reasons = [f"{b}: {dispatch.why_not(b, problem)}" for b in ("sm90", "sm80")
+                   if dispatch.why_not(b, problem) is not None]
+        why = "; ".join(reasons)
+    return chosen, why
+
+
+def case_fwd_flops(case: Case) -> int:
+    return _flops.attention_flops(case.batch, case.nheads, case.headdim, case.seqlen_q, case.seqlen_k,
+                                  causal=case.causal, window_size=case.window_size, sink_tokens=case.sink_tokens)
+
+
+def _sinkattn(case: Case, x: Inputs, device: torch.device, backend: str) -> Prepared:
+    import sinkattn
+
+    chosen, why = _resolve(case, device, backend)
+    if chosen == "reference" and device.type == "cuda" and case_fwd_flops(case) > REF_MAX_FLOPS:
+        raise Unsupported(f"only the reference backend serves this here ({why or 'forced'}), and it is too slow "
+                          f"to time at this size (> {REF_MAX_FLOPS:.0e} FLOPs)")
+    kw = dict(causal=case.causal, window_size=case.window_size, sink_tokens=case.sink_tokens, backend=backend)
+    note = f"kernels declined: {why}" if why else ""
+    graphable = device.type == "cuda" and chosen != "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if case.kind == "decode":
+            fkw = dict(kw, cache_seqlens=x.cache_seqlens, block_table=x.block_table)
+
+            def run():
+                return sinkattn.flash_attn_with_kvcache(x.q, x.k_cache, x.v_cache, x.sinks, **fkw)
+            return Prepared(_quiet(run), "exact (native)" if case.sinks else "none needed", chosen,
+                            output=_quiet(run), graphable=graphable, note=note)
+        if case.mode == "fwd":
+            def run():
+                return sinkattn.flash_attn_with_sinks(x.q, x.k, x.v, x.sinks, **kw)
+            return Prepared(_quiet(run), "exact (native)" if case.sinks else "none needed", chosen,
+                            output=_quiet(run), graphable=graphable, note=note)
+        q, k, v = _leaf(x.q), _leaf(x.k), _leaf(x.v)
+        leaves = (q, k, v)
+        s = None
+        if x.sinks is not None:
+            s = _leaf(x.sinks)
+            leaves += (s,)
+        out = sinkattn.flash_attn_with_sinks(q, k, v, s, **kw)
+    run = _quiet(_bwd_callable(out, leaves, x.dout))
+    return Prepared(run, "exact (native)" if case.sinks else "none needed", chosen, output=lambda: run()[0],
+                    graphable=False, note=note, keep=[out])
+
+
+def _quiet(fn):
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn()
+    return run
+
+
+def prep_sinkattn(case, x, device):
+    return _sinkattn(case, x, device, "auto")
+
+
+def prep_sinkattn_sm80(case, x, device):
+    if device.type != "cuda":
+        raise Unsupported("needs a CUDA GPU")
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        raise Unsupported("run only on a cc 9.0 GPU (elsewhere 'sinkattn' already is the sm80 path)")
+    return _sinkattn(case, x, device, "sm80")
+
+
+def prep_reference(case, x, device):
+    if device.type != "cuda":
+        raise Unsupported("on the CPU the 'sinkattn' column already is the reference backend")
+    if case_fwd_flops(case) > REF_MAX_FLOPS:
+        raise Unsupported(f"too slow to time at this size (> {REF_MAX_FLOPS:.0e} FLOPs)")
+    return _sinkattn(case, x, device, "reference")
+
+
+# ---------------------------------------------------------------------------------------------- SDPA
+
+def _sdpa_causal(case: Case) -> bool:
+    """is_causal for SDPA (top-left alignment), when that equals the case's bottom-right mask."""
+    if case.window_left >= 0:
+        raise Unsupported("SDPA's flash backend has no sliding window")
+    if case.window_right > 0:
+        raise Unsupported("SDPA's flash backend has no right window")
+    if case.window_right < 0:
+        return False
+    if case.seqlen_q == case.seqlen_k:
+        return True
+    if case.seqlen_q == 1:
+        return False  # one query, bottom-right aligned: sees every key
+    raise Unsupported("SDPA's is_causal aligns top-left; this case has seqlen_q != seqlen_k")
+
+
+def _flash_fwd(q, k, v, is_causal: bool, scale: float):
+    """aten's flash forward -> (out, lse) in (b, h, s, d) / (b, h, s)."""
+    if q.is_cuda:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    else:
+        r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    return r[0], r[1][..., :q.shape[2]]
+
+
+def prep_sdpa(case: Case, x: Inputs, device: torch.device) -> Prepared:
+    if case.kind == "decode" and case.paged:
+        raise Unsupported("SDPA has no paged KV cache")
+    is_causal = _sdpa_causal(case)
+    scale = 1.0 / math.sqrt(case.headdim)
+    q, k, v = _bhsd(x.q), _bhsd(x.k), _bhsd(x.v)
+    g = case.nheads // case.nheads_k
+    note = ""
+    if case.mode == "fwd":
+        try:
+            _flash_fwd(q, k, v, is_causal, scale)
+        except RuntimeError:
+            if g == 1:
+                raise
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            note = "K/V expanded to nheads (the flash op took no GQA here)"
+            _flash_fwd(q, k, v, is_causal, scale)
+        if x.sinks is not None:
+            sinks = x.sinks
+
+            def run():
+                o, lse = _flash_fwd(q, k, v, is_causal, scale)
+                return add_sink(o, lse, sinks)
+            handling = "exact (lse correction)"
+        else:
+            def run():
+                return _flash_fwd(q, k, v, is_causal, scale)[0]
+            handling = "none needed"
+        return Prepared(run, handling, "flash", output=lambda: run().transpose(1, 2), graphable=True, note=note)
+    # backward: the public API under the flash backend; its lse has no gradient, so no sink.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ql, kl, vl = _leaf(q), _leaf(k), _leaf(v)
+    gqa = {}
+    if g > 1:
+        gqa = {"enable_gqa": True}
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = torch.nn.functional.scaled_dot_product_attention(ql, kl, vl, is_causal=is_causal, scale=scale,
+                                                                   **gqa)
+    except RuntimeError:
+        if g == 1:
+            raise
+        kl, vl = _leaf(k.repeat_interleave(g, 1)), _leaf(v.repeat_interleave(g, 1))
+        note = "K/V expanded to nheads (flash took no GQA here)"
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = torch.nn.functional.scaled_dot_product_attention(ql, kl, vl, is_causal=is_causal, scale=scale)
+    dout = _bhsd(x.dout)
+    run = _bwd_callable(out, (ql, kl, vl), dout)
+    handling = "no sink" if x.sinks is not None else "none needed"
+    return Prepared(run, handling, "flash", output=lambda: run()[0].transpose(1, 2), note=note, keep=[out])
+
+
+# ---------------------------------------------------------------------------------------------- FlexAttention
+
+_FLEX_COMPILED = None
+
+
+def _flex_fn(device: torch.device):
+    global _FLEX_COMPILED
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _FLEX_COMPILED is None:
+        import torch._dynamo
+
+        # One compile per distinct shape/mask; a low cache limit would silently fall back to eager.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 512)
+        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+            torch._dynamo.config.accumulated_cache_size_limit = max(
+                torch._dynamo.config.accumulated_cache_size_limit, 4096)
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
+
+
+def mask_mod_for(case: Case):
+    """DESIGN.md section 1's visibility as a FlexAttention mask_mod (bottom-right alignment)."""
+    off, left, right, n = case.seqlen_k - case.seqlen_q, case.window_left, case.window_right, case.sink_tokens
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pos = q_idx + off
+        ok = kv_idx >= 0  # a tensor True, so the terms below combine as tensors
+        if right >= 0:
+            ok = ok & (kv_idx <= pos + right)
+        if left >= 0:
+            ok = ok & ((kv_idx >= pos - left) | (kv_idx < n))
+        return ok
+    return mask_mod
+
+
+def _flex_call(flex, q, k, v, block_mask, scale, gqa):
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch < 2.9
+        return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def prep_flex(case: Case, x: Inputs, device: torch.device) -> Prepared:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+    except ImportError as e:
+        raise Unsupported(f"FlexAttention not in this torch: {e}") from None
+    if case.kind == "decode" and case.paged:
+        raise Unsupported("paged KV cache: not wired for FlexAttention here")
+    if case.mode == "bwd" and device.type != "cuda":
+        raise Unsupported("FlexAttention has no CPU backward")
+    flex = _flex_fn(device)
+    scale = 1.0 / math.sqrt(case.headdim)
+    gqa = case.nheads != case.nheads_k
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block_mask = create_block_mask(mask_mod_for(case), None, None, case.seqlen_q, case.seqlen_k,
+                                       device=str(device), **({"_compile": True} if device.type == "cuda" else {}))
+    q, k, v = _bhsd(x.q), _bhsd(x.k), _bhsd(x.v)
+    note = "" if device.type == "cuda" else "eager (unfused) on the CPU"
+    sinks = x.sinks
+    handling = "exact (lse correction)" if sinks is not None else "none needed"
+
+    def fwd(q_, k_, v_, s_):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out, lse = _flex_call(flex, q_, k_, v_, block_mask, scale, gqa)
+        return add_sink(out, lse, s_) if s_ is not None else out
+
+    if case.mode == "fwd":
+        def run():
+            return fwd(q, k, v, sinks)
+        return Prepared(run, handling, "compiled" if device.type == "cuda" else "eager",
+                        output=lambda: run().transpose(1, 2), graphable=False, note=note, keep=[block_mask])
+    ql, kl, vl = _leaf(q), _leaf(k), _leaf(v)
+    leaves = (ql, kl, vl)
+    sl = None
+    if sinks is not None:
+        sl = _leaf(sinks)
+        leaves += (sl,)
+    out = fwd(ql, kl, vl, sl)
+    run = _bwd_callable(out, leaves, _bhsd(x.dout))
+    return Prepared(run, handling, "compiled", output=lambda: run()[0].transpose(1, 2), note=note,
+                    keep=[out, block_mask])
+
+
+COMPARATORS = {
+    "sinkattn": prep_sinkattn,
+    "sinkattn-sm80": prep_sinkattn_sm80,
+    "reference": prep_reference,
+    "sdpa-flash": prep_sdpa,
+    "flex": prep_flex,
+}
+PRIMARY = "sinkattn"

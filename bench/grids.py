@@ -1,0 +1,194 @@
+"""The benchmark grids (issue 9).
+
+Each grid is a list of `Case`s; a case is one attention call shape. Every case is run by sinkattn
+(backend "auto", i.e. the kernel a user gets) and by each comparator that can do the same math.
+
+    smoke        a few tiny cases of every kind; runs on the CPU through the reference backend in
+                 seconds (CI exercises the harness with it; not a performance claim)
+    check        the short GPU grid of `make gpu-check` (a minute or two on an H200)
+    replication  FlashAttention-3 paper setup: bf16, head dim 64/128/256, nheads = 2048 / headdim,
+                 seqlen 512..16k, batch = 16k / seqlen, causal off/on, forward and backward
+    gptoss       64 q heads, 8 kv heads, head dim 64, sinks on/off, window (127, 0) and full causal,
+                 seqlen 1k..128k (batch = max(1, 16k / seqlen)), forward and backward
+    streaming    StreamingLLM: sink_tokens 4 and 16, window 128 / 1k / 4k (window_size = (w - 1, 0)),
+                 Llama-like heads (32 q, 8 kv, head dim 128), seqlen 4k..64k, forward
+    decode       gpt-oss heads with sinks, one new token, batch 1..256, seqlen_k 1k..128k, contiguous
+                 and paged (page size 256) caches; cases whose K/V exceed DECODE_KV_BYTES are left out
+    all          replication + gptoss + streaming + decode
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DECODE_KV_BYTES = 16 << 30  # K + V of one decode case, at most (the H200 has 141 GB; the lease is short)
+
+
+@dataclass(frozen=True)
+class Case:
+    grid: str
+    kind: str               # "attn" or "decode"
+    mode: str               # "fwd" or "bwd" (decode: "fwd")
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    dtype: str = "bf16"
+    causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    sink_tokens: int = 0
+    sinks: bool = False
+    paged: bool = False
+    page_size: int = 256
+    skip: tuple = field(default=())  # comparator names not to run on this case (e.g. to bound compile time)
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        return (self.window_left, self.window_right)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def mask_name(self) -> str:
+        parts = []
+        if self.window_left >= 0:
+            parts.append(f"win{self.window_left + 1}")
+        elif self.causal or self.window_right == 0:
+            parts.append("causal")
+        else:
+            parts.append("full")
+        if self.sink_tokens:
+            parts.append(f"st{self.sink_tokens}")
+        return "-".join(parts)
+
+    @property
+    def variant(self) -> str:
+        """What the plot lines of one panel share: everything but the sequence length and batch."""
+        s = f"{self.kind}/{self.mode}/hd{self.headdim}/h{self.nheads}kv{self.nheads_k}/{self.mask_name}"
+        s += "/sinks" if self.sinks else ""
+        s += "/paged" if self.paged else ""
+        return s
+
+    @property
+    def id(self) -> str:
+        s = f"{self.grid}/{self.variant}/b{self.batch}/sq{self.seqlen_q}/sk{self.seqlen_k}/{self.dtype}"
+        return s
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("skip")
+        d.update(id=self.id, variant=self.variant, mask=self.mask_name)
+        return d
+
+
+def smoke() -> list[Case]:
+    """Tiny shapes of every kind (a few seconds on a CPU through the reference backend)."""
+    g = "smoke"
+    cases = []
+    for mode in ("fwd", "bwd"):
+        for causal in (False, True):
+            for s in ((64, 128) if (mode, causal) == ("fwd", True) else (128,)):
+                cases.append(Case(g, "attn", mode, 1, s, s, 4, 4, 64, "bf16", causal=causal,
+                                  window_right=0 if causal else -1))
+    # gpt-oss-like: GQA, learnable sinks, sliding window and full causal
+    for mode in ("fwd", "bwd"):
+        cases.append(Case(g, "attn", mode, 1, 128, 128, 8, 2, 64, "bf16", causal=True, window_left=31,
+                          window_right=0, sinks=True))
+    cases.append(Case(g, "attn", "fwd", 1, 128, 128, 8, 2, 64, "bf16", causal=True, window_right=0, sinks=True))
+    # StreamingLLM: sink tokens + window
+    cases.append(Case(g, "attn", "fwd", 1, 128, 128, 4, 2, 64, "bf16", causal=True, window_left=31, window_right=0,
+                      sink_tokens=4))
+    # decode, contiguous and paged
+    for paged in (False, True):
+        cases.append(Case(g, "decode", "fwd", 2, 1, 256, 8, 2, 64, "bf16", causal=True, window_right=0, sinks=True,
+                          paged=paged, page_size=64))
+    return cases
+
+
+def replication() -> list[Case]:
+    cases = []
+    for mode in ("fwd", "bwd"):
+        for hd in (64, 128, 256):
+            for causal in (False, True):
+                for s in (512, 1024, 2048, 4096, 8192, 16384):
+                    h = 2048 // hd
+                    cases.append(Case("replication", "attn", mode, 16384 // s, s, s, h, h, hd, "bf16", causal=causal,
+                                      window_right=0 if causal else -1))
+    return cases
+
+
+def gptoss() -> list[Case]:
+    cases = []
+    for mode in ("fwd", "bwd"):
+        for window in ((127, 0), (-1, 0)):
+            for sinks in (True, False):
+                for s in (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072):
+                    cases.append(Case("gptoss", "attn", mode, max(1, 16384 // s), s, s, 64, 8, 64, "bf16",
+                                      causal=True, window_left=window[0], window_right=0, sinks=sinks))
+    return cases
+
+
+def streaming() -> list[Case]:
+    cases = []
+    for n in (4, 16):
+        for w in (128, 1024, 4096):
+            for s in (4096, 16384, 65536):
+                cases.append(Case("streaming", "attn", "fwd", max(1, 16384 // s), s, s, 32, 8, 128, "bf16",
+                                  causal=True, window_left=w - 1, window_right=0, sink_tokens=n))
+    return cases
+
+
+def decode() -> list[Case]:
+    cases = []
+    for paged in (False, True):
+        for b in (1, 4, 16, 64, 256):
+            for sk in (1024, 4096, 16384, 65536, 131072):
+                kv_bytes = 2 * b * sk * 8 * 64 * 2
+                if kv_bytes > DECODE_KV_BYTES:
+                    continue
+                cases.append(Case("decode", "decode", "fwd", b, 1, sk, 64, 8, 64, "bf16", causal=True,
+                                  window_right=0, sinks=True, paged=paged, page_size=256))
+    return cases
+
+
+def check() -> list[Case]:
+    """The short GPU grid of `make gpu-check`. FlexAttention compiles per shape, so it runs on the forward
+    cases only here."""
+    g, noflex = "check", ("flex",)
+    cases = []
+    for mode in ("fwd", "bwd"):
+        for causal in (False, True):
+            for s in (2048, 8192):
+                cases.append(Case(g, "attn", mode, 16384 // s, s, s, 16, 16, 128, "bf16", causal=causal,
+                                  window_right=0 if causal else -1, skip=noflex if mode == "bwd" else ()))
+    for window in ((127, 0), (-1, 0)):
+        cases.append(Case(g, "attn", "fwd", 2, 8192, 8192, 64, 8, 64, "bf16", causal=True, window_left=window[0],
+                          window_right=0, sinks=True))
+    cases.append(Case(g, "attn", "bwd", 2, 8192, 8192, 64, 8, 64, "bf16", causal=True, window_left=127,
+                      window_right=0, sinks=True, skip=noflex))
+    cases.append(Case(g, "attn", "fwd", 1, 16384, 16384, 32, 8, 128, "bf16", causal=True, window_left=1023,
+                      window_right=0, sink_tokens=4))
+    for paged in (False, True):
+        for b, sk in ((1, 8192), (64, 8192), (64, 32768)):
+            cases.append(Case(g, "decode", "fwd", b, 1, sk, 64, 8, 64, "bf16", causal=True, window_right=0,
+                              sinks=True, paged=paged, page_size=256))
+    return cases
+
+
+GRIDS = {"smoke": smoke, "check": check, "replication": replication, "gptoss": gptoss, "streaming": streaming,
+         "decode": decode}
+
+
+def get(name: str) -> list[Case]:
+    if name == "all":
+        return replication() + gptoss() + streaming() + decode()
+    if name not in GRIDS:
+        raise ValueError(f"bench: unknown grid {name!r}; choose from {', '.join(list(GRIDS) + ['all'])}")
+    return GRIDS[name]()
