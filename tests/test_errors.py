@@ -1,0 +1,190 @@
+"""Bad input raises a sinkattn error of the right kind whose message names the argument (issue 3, item 7)."""
+import pytest
+import torch
+
+import sinkattn
+from sinkattn import SinkattnError, SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
+
+B, S, H, HK, D = 2, 8, 4, 2, 32
+
+
+def qkv(dtype=torch.float32, **shapes):
+    q = torch.randn(shapes.get("q", (B, S, H, D))).to(dtype)
+    k = torch.randn(shapes.get("k", (B, S, HK, D))).to(dtype)
+    v = torch.randn(shapes.get("v", (B, S, HK, D))).to(dtype)
+    return q, k, v
+
+
+def attn(*args, **kw):
+    return sinkattn.flash_attn_with_sinks(*args, **kw)
+
+
+def transposed_last(x):
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+q0, k0, v0 = qkv()
+
+BATCHED = [
+    # (id, call, exception type, words the message must contain)
+    ("int-dtype", lambda: attn(q0.int(), k0.int(), v0.int()), SinkattnTypeError, ["q", "int32", "bfloat16"]),
+    ("float8-dtype", lambda: attn(*(t.to(torch.float8_e4m3fn) for t in (q0, k0, v0))), SinkattnTypeError, ["q"]),
+    ("mismatched-k-dtype", lambda: attn(q0, k0.half(), v0), SinkattnTypeError, ["k", "float16", "float32"]),
+    ("mismatched-v-dtype", lambda: attn(q0, k0, v0.double()), SinkattnTypeError, ["v"]),
+    ("q-rank", lambda: attn(q0[0], k0, v0), SinkattnValueError, ["q", "4-D", "(batch, seqlen_q, nheads, headdim)"]),
+    ("k-rank", lambda: attn(q0, k0[..., None], v0), SinkattnValueError, ["k", "4-D"]),
+    ("k-batch", lambda: attn(q0, k0[:1], v0[:1]), SinkattnValueError, ["k", "batch"]),
+    ("v-seqlen", lambda: attn(q0, k0, v0[:, :3]), SinkattnValueError, ["v", "seqlen"]),
+    ("k-headdim", lambda: attn(q0, torch.randn(B, S, HK, 16), v0), SinkattnValueError, ["k", "head dim"]),
+    ("v-heads", lambda: attn(q0, k0, torch.randn(B, S, 1, D)), SinkattnValueError, ["v", "heads"]),
+    ("gqa-ratio", lambda: attn(*qkv(k=(B, S, 3, D), v=(B, S, 3, D))), SinkattnValueError, ["nheads", "k", "multiple"]),
+    ("headdim-too-big", lambda: attn(*qkv(q=(B, S, H, 264), k=(B, S, HK, 264), v=(B, S, HK, 264))),
+     SinkattnValueError, ["q", "head dim", "264", "256"]),
+    ("headdim-odd", lambda: attn(*qkv(q=(B, S, H, 36), k=(B, S, HK, 36), v=(B, S, HK, 36))),
+     SinkattnValueError, ["q", "head dim", "36", "multiple of 8"]),
+    ("sinks-shape", lambda: attn(q0, k0, v0, torch.zeros(HK)), SinkattnValueError, ["sinks", "(2,)", "(4,)"]),
+    ("sinks-2d", lambda: attn(q0, k0, v0, torch.zeros(1, H)), SinkattnValueError, ["sinks"]),
+    ("sinks-dtype", lambda: attn(q0, k0, v0, torch.zeros(H, dtype=torch.int64)), SinkattnTypeError, ["sinks", "int64"]),
+    ("sinks-device", lambda: attn(q0, k0, v0, torch.zeros(H, device="meta")), SinkattnValueError, ["sinks", "meta", "cpu"]),
+    ("sinks-not-tensor", lambda: attn(q0, k0, v0, [0.0] * H), SinkattnTypeError, ["sinks", "list"]),
+    ("sinks-and-s_aux", lambda: attn(q0, k0, v0, torch.zeros(H), s_aux=torch.zeros(H)), SinkattnValueError,
+     ["sinks", "s_aux"]),
+    ("window-left", lambda: attn(q0, k0, v0, window_size=(-2, 0)), SinkattnValueError, ["window_size[0]", "-2", ">= -1"]),
+    ("window-right", lambda: attn(q0, k0, v0, window_size=(4, -5)), SinkattnValueError, ["window_size[1]", "-5"]),
+    ("window-float", lambda: attn(q0, k0, v0, window_size=(4.5, 0)), SinkattnTypeError, ["window_size[0]", "int"]),
+    ("window-not-pair", lambda: attn(q0, k0, v0, window_size=3), SinkattnValueError, ["window_size", "pair"]),
+    ("causal-right", lambda: attn(q0, k0, v0, causal=True, window_size=(4, 2)), SinkattnValueError,
+     ["causal", "window_size[1]"]),
+    ("sink-tokens", lambda: attn(q0, k0, v0, sink_tokens=-1), SinkattnValueError, ["sink_tokens", "-1", ">= 0"]),
+    ("softcap", lambda: attn(q0, k0, v0, softcap=-1.0), SinkattnValueError, ["softcap", "-1"]),
+    ("softmax-scale-nan", lambda: attn(q0, k0, v0, softmax_scale=float("nan")), SinkattnValueError, ["softmax_scale"]),
+    ("k-device", lambda: attn(q0, k0.to("meta"), v0), SinkattnValueError, ["k", "meta", "same device"]),
+    ("v-device", lambda: attn(q0, k0, v0.to("meta")), SinkattnValueError, ["v", "meta"]),
+    ("q-last-dim", lambda: attn(transposed_last(q0), k0, v0), SinkattnValueError, ["q", "contiguous last dimension"]),
+    ("k-last-dim", lambda: attn(q0, transposed_last(k0), v0), SinkattnValueError, ["k", "stride"]),
+    ("backend-unknown", lambda: attn(q0, k0, v0, backend="triton"), SinkattnValueError, ["backend", "triton", "reference"]),
+    ("backend-forced-gpu-on-cpu", lambda: attn(q0, k0, v0, backend="sm90"), SinkattnRuntimeError,
+     ["backend='sm90'", "CUDA", "reference"]),
+]
+
+
+def varlen(cq=None, ck=None, mq=S, mk=S, q=None, k=None, v=None, **kw):
+    q = torch.randn(2 * S, H, D) if q is None else q
+    k = torch.randn(2 * S, HK, D) if k is None else k
+    v = torch.randn(2 * S, HK, D) if v is None else v
+    cq = torch.tensor([0, S, 2 * S], dtype=torch.int32) if cq is None else cq
+    ck = torch.tensor([0, S, 2 * S], dtype=torch.int32) if ck is None else ck
+    return sinkattn.flash_attn_varlen_with_sinks(q, k, v, cq, ck, mq, mk, **kw)
+
+
+def i32(*xs):
+    return torch.tensor(xs, dtype=torch.int32)
+
+
+VARLEN = [
+    ("cu-int64", lambda: varlen(cq=torch.tensor([0, S, 2 * S])), SinkattnTypeError, ["cu_seqlens_q", "int64", "int32"]),
+    ("cu-k-float", lambda: varlen(ck=torch.tensor([0.0, 8, 16])), SinkattnTypeError, ["cu_seqlens_k", "int32"]),
+    ("cu-not-monotonic", lambda: varlen(ck=i32(0, 12, 10)), SinkattnValueError, ["cu_seqlens_k", "non-decreasing"]),
+    ("cu-lengths-differ", lambda: varlen(cq=i32(0, 8, 12, 16)), SinkattnValueError,
+     ["cu_seqlens_q", "cu_seqlens_k", "length"]),
+    ("cu-2d", lambda: varlen(cq=i32(0, 8, 16)[None]), SinkattnValueError, ["cu_seqlens_q", "1-D"]),
+    ("cu-empty", lambda: varlen(cq=i32(), ck=i32()), SinkattnValueError, ["cu_seqlens_q", "length 0"]),
+    ("cu-start", lambda: varlen(cq=i32(1, 8, 16)), SinkattnValueError, ["cu_seqlens_q[0]", "0"]),
+    ("cu-past-end", lambda: varlen(ck=i32(0, 8, 17)), SinkattnValueError, ["cu_seqlens_k[-1]", "17", "16"]),
+    ("max-seqlen-small", lambda: varlen(mq=4), SinkattnValueError, ["max_seqlen_q", "8"]),
+    ("max-seqlen-negative", lambda: varlen(mk=-1), SinkattnValueError, ["max_seqlen_k"]),
+    ("varlen-q-rank", lambda: varlen(q=torch.randn(1, 2 * S, H, D)), SinkattnValueError, ["q", "3-D", "total_q"]),
+    ("cu-device", lambda: varlen(cq=i32(0, 8, 16).to("meta")), SinkattnValueError, ["cu_seqlens_q", "meta"]),
+]
+
+
+def kvc(q=None, kc=None, vc=None, **kw):
+    q = torch.randn(B, 1, H, D) if q is None else q
+    kc = torch.randn(B, 16, HK, D) if kc is None else kc
+    vc = torch.randn(B, 16, HK, D) if vc is None else vc
+    kw.setdefault("cache_seqlens", i32(3, 5))
+    return sinkattn.flash_attn_with_kvcache(q, kc, vc, **kw)
+
+
+def paged(block_table, **kw):
+    return kvc(kc=torch.randn(6, 4, HK, D), vc=torch.randn(6, 4, HK, D), block_table=block_table, **kw)
+
+
+K1 = torch.randn(B, 1, HK, D)
+COS = torch.randn(32, 8)
+
+KVCACHE = [
+    ("cache-seqlens-beyond-capacity", lambda: kvc(cache_seqlens=i32(3, 16), k=K1, v=K1), SinkattnValueError,
+     ["cache_seqlens[1]", "16", "capacity"]),
+    ("cache-seqlens-past-capacity", lambda: kvc(cache_seqlens=i32(3, 17)), SinkattnValueError, ["cache_seqlens[1]"]),
+    ("cache-seqlens-negative", lambda: kvc(cache_seqlens=i32(-1, 2)), SinkattnValueError, ["cache_seqlens[0]", ">= 0"]),
+    ("cache-seqlens-int64", lambda: kvc(cache_seqlens=torch.tensor([3, 5])), SinkattnTypeError, ["cache_seqlens", "int32"]),
+    ("cache-seqlens-shape", lambda: kvc(cache_seqlens=i32(3)), SinkattnValueError, ["cache_seqlens", "(2,)"]),
+    ("block-table-out-of-range", lambda: paged(i32(0, 1, 2, 3, 4, 9).view(2, 3), cache_seqlens=i32(3, 12)),
+     SinkattnValueError,
+     ["block_table[1, 2]", "9", "[0, 6)"]),
+    ("block-table-negative", lambda: paged(i32(0, -1, 2, 3, 4, 5).view(2, 3), cache_seqlens=i32(6, 5)),
+     SinkattnValueError,
+     ["block_table[0, 1]", "-1"]),
+    ("block-table-int64", lambda: paged(torch.arange(6).view(2, 3)), SinkattnTypeError, ["block_table", "int32"]),
+    ("block-table-rows", lambda: paged(i32(0, 1, 2)[None]), SinkattnValueError, ["block_table", "batch"]),
+    ("paged-capacity", lambda: paged(i32(0, 1, 2, 3, 4, 5).view(2, 3), cache_seqlens=i32(3, 12), k=K1, v=K1),
+     SinkattnValueError, ["cache_seqlens[1]", "capacity of 12"]),
+    ("k-without-v", lambda: kvc(k=K1), SinkattnValueError, ["k", "v", "together"]),
+    ("new-k-shape", lambda: kvc(k=torch.randn(B, 1, H, D), v=torch.randn(B, 1, H, D)), SinkattnValueError,
+     ["k", "shape"]),
+    ("new-k-dtype", lambda: kvc(k=K1.half(), v=K1.half()), SinkattnTypeError, ["k", "float16"]),
+    ("cache-dtype", lambda: kvc(kc=torch.randn(B, 16, HK, D).half()), SinkattnTypeError, ["k_cache", "float16"]),
+    ("cache-batch", lambda: kvc(kc=torch.randn(3, 16, HK, D), vc=torch.randn(3, 16, HK, D)), SinkattnValueError,
+     ["k_cache", "batch"]),
+    ("v-cache-shape", lambda: kvc(vc=torch.randn(B, 8, HK, D)), SinkattnValueError, ["v_cache", "k_cache"]),
+    ("rotary-cos-only", lambda: kvc(rotary_cos=COS), SinkattnValueError, ["rotary_cos", "rotary_sin"]),
+    ("rotary-too-wide", lambda: kvc(rotary_cos=torch.randn(32, 20), rotary_sin=torch.randn(32, 20)),
+     SinkattnValueError, ["rotary_cos", "20"]),
+    ("rotary-too-short", lambda: kvc(rotary_cos=COS[:4], rotary_sin=COS[:4], k=K1, v=K1), SinkattnValueError,
+     ["rotary_cos", "4 positions"]),
+    ("kv-none-with-full-cache", lambda: kvc(cache_seqlens=None, k=K1, v=K1), SinkattnValueError, ["cache_seqlens"]),
+    ("num-splits", lambda: kvc(num_splits=-1), SinkattnValueError, ["num_splits"]),
+    ("cache-last-dim", lambda: kvc(kc=transposed_last(torch.randn(B, 16, HK, D))), SinkattnValueError,
+     ["k_cache", "contiguous"]),
+    ("cache-seqlens-device", lambda: kvc(cache_seqlens=i32(3, 5).to("meta")), SinkattnValueError,
+     ["cache_seqlens", "meta"]),
+]
+
+
+@pytest.mark.parametrize("call,exc,words", [pytest.param(*c[1:], id=c[0]) for c in BATCHED + VARLEN + KVCACHE])
+def test_error(call, exc, words):
+    with pytest.raises(exc) as info:
+        call()
+    assert isinstance(info.value, SinkattnError)
+    builtin = {SinkattnValueError: ValueError, SinkattnTypeError: TypeError, SinkattnRuntimeError: RuntimeError}[exc]
+    assert isinstance(info.value, builtin)
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in message: {msg}"
+
+
+def test_unused_block_table_entries_may_be_padding():
+    """Only the pages a sequence uses are checked: -1 padding past them is fine (as in vLLM)."""
+    out = paged(i32(0, -1, -1, 3, 4, -1).view(2, 3), cache_seqlens=i32(4, 8))
+    assert out.shape == (B, 1, H, D) and not out.isnan().any()
+
+
+def test_failed_append_writes_nothing():
+    kc, vc = torch.randn(B, 16, HK, D), torch.randn(B, 16, HK, D)
+    before = kc.clone(), vc.clone()
+    with pytest.raises(SinkattnValueError):
+        sinkattn.flash_attn_with_kvcache(torch.randn(B, 2, H, D), kc, vc, k=torch.randn(B, 2, HK, D),
+                                         v=torch.randn(B, 2, HK, D), cache_seqlens=i32(0, 15))
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_no_nan_for_degenerate_inputs():
+    """Nothing visible, sinks -inf or +inf, empty sequences: finite outputs (lse may be +-inf), never NaN."""
+    q, k, v = qkv()
+    for sinks in (None, torch.full((H,), float("-inf")), torch.full((H,), float("inf")), torch.zeros(H)):
+        for kw in (dict(window_size=(0, 0), sink_tokens=0), dict(causal=True)):
+            out, lse = attn(q[:, :, :, :], k[:, :0], v[:, :0], sinks, return_lse=True, **kw)
+            assert not out.isnan().any() and not lse.isnan().any() and (out == 0).all()
+            out, lse = attn(q, k, v, sinks, return_lse=True, **kw)
+            assert not out.isnan().any() and not lse.isnan().any()
