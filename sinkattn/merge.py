@@ -44,13 +44,19 @@ def check_merge_args(out_a, lse_a, out_b, lse_b, sinks):
         raise SinkattnValueError("merge_attn_states: out_a/out_b need a contiguous last dimension")
 
 
+def _acc_dtype(out: torch.Tensor) -> torch.dtype:
+    return torch.float64 if out.dtype == torch.float64 else torch.float32
+
+
 def merge_reference(out_a, lse_a, out_b, lse_b, sinks=None):
-    """The merge in PyTorch (fp32 math); out (batch, seqlen, nheads, d), lse (batch, nheads, seqlen)."""
-    la, lb = lse_a.float(), lse_b.float()
+    """The merge in PyTorch (fp32 math, float64 for float64 inputs); out (batch, seqlen, nheads, d),
+    lse (batch, nheads, seqlen)."""
+    acc = _acc_dtype(out_a)
+    la, lb = lse_a.to(acc), lse_b.to(acc)
     if sinks is None:
         ls = torch.full_like(la, float("-inf"))
     else:
-        ls = sinks.float().view(1, -1, 1).expand_as(la)
+        ls = sinks.to(acc).view(1, -1, 1).expand_as(la)
     m = torch.maximum(torch.maximum(la, lb), ls)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     ea, eb, es = (torch.exp(x - m_safe) for x in (la, lb, ls))
@@ -59,8 +65,8 @@ def merge_reference(out_a, lse_a, out_b, lse_b, sinks=None):
     denom = torch.where(empty, torch.ones_like(total), total)
     wa = (ea / denom).transpose(1, 2).unsqueeze(-1)  # (batch, seqlen, nheads, 1)
     wb = (eb / denom).transpose(1, 2).unsqueeze(-1)
-    pa = torch.where(wa != 0, wa * out_a.float(), torch.zeros((), dtype=torch.float32, device=out_a.device))
-    pb = torch.where(wb != 0, wb * out_b.float(), torch.zeros((), dtype=torch.float32, device=out_b.device))
+    pa = torch.where(wa != 0, wa * out_a.to(acc), torch.zeros((), dtype=acc, device=out_a.device))
+    pb = torch.where(wb != 0, wb * out_b.to(acc), torch.zeros((), dtype=acc, device=out_b.device))
     lse = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(denom))
     return (pa + pb).to(out_a.dtype), lse
 
@@ -80,7 +86,56 @@ def _merge_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse
 @_merge_op.register_fake
 def _(out_a, lse_a, out_b, lse_b, sinks):
     return torch.empty_like(out_a, memory_format=torch.contiguous_format), torch.empty_like(
-        lse_a, dtype=torch.float32, memory_format=torch.contiguous_format)
+        lse_a, dtype=_acc_dtype(out_a), memory_format=torch.contiguous_format)
+
+
+# Autograd (context-parallel training backpropagates through the merges). With lse the merged lse,
+# w_x = exp(lse_x - lse) for x in {a, b} and w_s = exp(sink - lse):
+#   out = w_a out_a + w_b out_b,  lse = log(exp(lse_a) + exp(lse_b) + exp(sink))
+#   dout_x = w_x dout
+#   dlse_x = w_x (D_x + dlse),            D_x = rowsum(dout * (out_x - out))
+#   dsink  = sum_{batch, rows} w_s (dlse - rowsum(dout * out))
+# A part with zero weight (lse_x = -inf, or an empty row) gets zero gradients even when its out_x is NaN.
+def _merge_setup(ctx, inputs, output):
+    out_a, lse_a, out_b, lse_b, sinks = inputs
+    out, lse = output
+    ctx.save_for_backward(out_a, lse_a, out_b, lse_b, sinks, out, lse)
+
+
+def _merge_backward(ctx, dout, dlse):
+    out_a, lse_a, out_b, lse_b, sinks, out, lse = ctx.saved_tensors
+    acc = _acc_dtype(out_a)
+    total = lse.to(acc)
+    live = torch.isfinite(total)
+    total_safe = torch.where(live, total, torch.zeros_like(total))
+    zero = torch.zeros((), dtype=acc, device=out_a.device)
+
+    def weight(lse_x):  # (batch, nheads, seqlen)
+        lx = lse_x.to(acc)
+        ok = live & (lx > float("-inf"))
+        return torch.where(ok, torch.exp(torch.where(ok, lx, total_safe) - total_safe), zero)
+
+    o = out.to(acc)
+    do = torch.zeros_like(o) if dout is None else dout.to(acc)
+    dl = torch.zeros_like(total) if dlse is None else dlse.to(acc)
+    grads = []
+    for out_x, lse_x in ((out_a, lse_a), (out_b, lse_b)):
+        w = weight(lse_x)
+        w4 = w.transpose(1, 2).unsqueeze(-1)  # (batch, seqlen, nheads, 1)
+        d_x = (do * (out_x.to(acc) - o)).sum(-1).transpose(1, 2)  # (batch, nheads, seqlen)
+        d_x = torch.where(w != 0, d_x, zero)
+        dlse_x = torch.where(w != 0, w * (d_x + dl), zero)
+        dout_x = torch.where(w4 != 0, w4 * do, zero)
+        grads += [dout_x.to(out_x.dtype), dlse_x.to(lse_x.dtype)]
+    dsinks = None
+    if sinks is not None:
+        ws = weight(sinks.view(1, -1, 1).expand_as(total))
+        d_o = (do * o).sum(-1).transpose(1, 2)
+        dsinks = torch.where(ws != 0, ws * (dl - d_o), zero).sum(dim=(0, 2)).to(sinks.dtype)
+    return grads[0], grads[1], grads[2], grads[3], dsinks
+
+
+torch.library.register_autograd("sinkattn::merge_attn_states", _merge_backward, setup_context=_merge_setup)
 
 
 def merge_attn_states(out_a, lse_a, out_b, lse_b, sinks=None):
@@ -88,6 +143,8 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b, sinks=None):
 
     out_a, out_b: (batch, seqlen, nheads, headdim), same dtype; lse_a, lse_b: (batch, nheads, seqlen), natural
     log, without the sink. sinks: optional (nheads,) logits in scaled-score units, counted once here.
-    Returns (out, lse) with lse including the sink. Not differentiable (a serving primitive)."""
+    Returns (out, lse) with lse including the sink. Differentiable in every input. (The op itself,
+    torch.ops.sinkattn.merge_attn_states, also merges float64 states in float64: gradcheck and the
+    float64 context-parallel path use it directly.)"""
     check_merge_args(out_a, lse_a, out_b, lse_b, sinks)
     return _merge_op(out_a, lse_a, out_b, lse_b, sinks)
