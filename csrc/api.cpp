@@ -11,11 +11,14 @@
 #include "common/mask.h"
 #include "common/merge.h"
 #include "common/softmax.h"
+#include "emu/emu_launch.h"
 #include "params.h"
 
 namespace sinkattn {
 
 using MergeFn = void (*)(MergeParams const&, cudaStream_t);
+using FwdFn = void (*)(FwdParams const&, cudaStream_t);
+using FwdEmuFn = void (*)(FwdParams const&, EmuLaunch const&);
 
 static std::string dtype_name(at::ScalarType t) {
   switch (t) {
@@ -97,6 +100,110 @@ static std::vector<at::Tensor> merge_states(at::Tensor out_a, at::Tensor lse_a, 
   return {out, lse};
 }
 
+// ---- attention forward --------------------------------------------------------------------------------
+static int served_headdim(int d) {
+  for (int h : {64, 128, 256})
+    if (d <= h) return h;
+  return 0;
+}
+
+// Writes out (like q) and lse (fp32: (batch, nheads, seqlen_q), or (nheads, total_q) when varlen) in place.
+// backend: "sm80" (CUDA tensors) or "sm80-emulated" (CPU tensors, the same kernel body under host emulation).
+// max_smem: the shared-memory limit that picks the tile configuration; 0 = the device's (GPU) or sm80's (emulated).
+static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> sinks,
+                at::Tensor out, at::Tensor lse, std::optional<at::Tensor> cu_seqlens_q,
+                std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                int64_t window_left, int64_t window_right, int64_t sink_tokens, double softcap, int64_t max_smem) {
+  bool const emulated = backend == "sm80-emulated";
+  TORCH_CHECK(emulated || backend == "sm80", "sinkattn fwd: unknown backend '", backend, "'");
+  bool const varlen = cu_seqlens_q.has_value();
+  TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "sinkattn fwd: cu_seqlens_q and cu_seqlens_k go together");
+  int const rank = varlen ? 3 : 4;
+  TORCH_CHECK(q.dim() == rank && k.dim() == rank && v.dim() == rank, "sinkattn fwd: q/k/v rank must be ", rank);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "sinkattn fwd: q, k, v and out must share a dtype");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "sinkattn fwd: lse must be float32");
+  for (auto const* t : {&q, &k, &v, &out}) {
+    TORCH_CHECK(t->stride(-1) == 1, "sinkattn fwd: tensors need a contiguous last dimension");
+    TORCH_CHECK(emulated ? t->device().is_cpu() : t->is_cuda(), "sinkattn fwd: backend ", backend,
+                emulated ? " takes CPU tensors" : " takes CUDA tensors");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "sinkattn fwd: tensors must be 16-byte aligned");
+    for (int i = 0; i < t->dim() - 1; ++i)
+      TORCH_CHECK(t->stride(i) % 8 == 0 || t->size(i) == 1, "sinkattn fwd: strides must be multiples of 8 elements");
+  }
+  int const d = q.size(-1);
+  TORCH_CHECK(d % 8 == 0 && d <= 256 && k.size(-1) == d && v.size(-1) == d,
+              "sinkattn fwd: head dims must match and be a multiple of 8 up to 256");
+  int const hd = served_headdim(d);
+  std::string const dt = dtype_name(q.scalar_type());
+  auto const* info = find_kernel(backend, "fwd", hd, dt);
+  TORCH_CHECK(info, "sinkattn fwd: no ", backend, " kernel for head dim ", hd, " ", dt, " in this build");
+
+  FwdParams p;
+  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  at::Tensor sinks_f;
+  if (sinks) {
+    sinks_f = sinks->to(at::kFloat).contiguous();
+    p.sinks = sinks_f.data_ptr<float>();
+  }
+  p.headdim = d;
+  p.nheads = q.size(-2);
+  p.nheads_k = k.size(-2);
+  TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn fwd: nheads must be a multiple of nheads_k");
+  if (varlen) {
+    auto const& cq = *cu_seqlens_q;
+    auto const& ck = *cu_seqlens_k;
+    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt && cq.is_contiguous() && ck.is_contiguous(),
+                "sinkattn fwd: cu_seqlens must be contiguous int32");
+    TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "sinkattn fwd: cu_seqlens_q/k lengths differ");
+    p.batch = cq.numel() - 1;
+    p.cu_seqlens_q = cq.data_ptr<int>();
+    p.cu_seqlens_k = ck.data_ptr<int>();
+    p.seqlen_q = max_seqlen_q;
+    p.seqlen_k = max_seqlen_k;
+    p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
+    p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
+    p.v_row_stride = v.stride(0); p.v_head_stride = v.stride(1);
+    p.o_row_stride = out.stride(0); p.o_head_stride = out.stride(1);
+    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == p.nheads && lse.size(1) == q.size(0) && lse.is_contiguous(),
+                "sinkattn fwd: varlen lse must be contiguous (nheads, total_q)");
+    p.lse_batch_stride = 0;
+    p.lse_head_stride = lse.stride(0);
+  } else {
+    p.batch = q.size(0);
+    p.seqlen_q = q.size(1);
+    p.seqlen_k = k.size(1);
+    p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
+    p.k_batch_stride = k.stride(0); p.k_row_stride = k.stride(1); p.k_head_stride = k.stride(2);
+    p.v_batch_stride = v.stride(0); p.v_row_stride = v.stride(1); p.v_head_stride = v.stride(2);
+    p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
+    TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.batch && lse.size(1) == p.nheads && lse.size(2) == p.seqlen_q &&
+                    lse.is_contiguous(), "sinkattn fwd: lse must be contiguous (batch, nheads, seqlen_q)");
+    p.lse_batch_stride = lse.stride(0);
+    p.lse_head_stride = lse.stride(1);
+  }
+  p.softmax_scale = float(softmax_scale);
+  p.softcap = float(softcap);
+  p.window_left = int(window_left);
+  p.window_right = int(window_right);
+  p.sink_tokens = int(sink_tokens);
+
+  if (emulated) {
+    EmuLaunch launch;
+    if (max_smem > 0) launch.max_smem_per_block = int(max_smem);
+    py::gil_scoped_release no_gil;  // the emulation runs for a while on its own threads
+    reinterpret_cast<FwdEmuFn>(info->fn)(p, launch);
+    return;
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  int dev = q.get_device(), smem = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  p.max_smem_per_block = max_smem > 0 ? int(std::min<int64_t>(max_smem, smem)) : smem;
+  reinterpret_cast<FwdFn>(info->fn)(p, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // ---- host entry points to the shared logic, for the CPU tests -----------------------------------------
 // (m_block, n_block, needs_mask) for every block each M tile visits, in visiting order.
 static at::Tensor mask_tile_blocks(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n) {
@@ -156,6 +263,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &build_info, "versions baked in at build time");
   m.def("runtime_info", &runtime_info, "CUDA runtime and driver versions now");
   m.def("merge_states", &merge_states, "merge two partial (out, lse) states, adding the sink once (CUDA)");
+  m.def("fwd", &fwd, "attention forward on a kernel backend (sm80, sm80-emulated)");
   m.def("mask_tile_blocks", &mask_tile_blocks, "host entry: blocks each M tile visits and whether they need a mask");
   m.def("mask_visible", &mask_visible, "host entry: the element visibility of the mask policy");
   m.def("finalize_rows", &finalize_rows, "host entry: the softmax finalize with the sink");

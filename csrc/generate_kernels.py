@@ -122,12 +122,9 @@ SINKATTN_REGISTER_KERNEL(merge_{dtype}, "common", "merge", 0, "{dtype}", "sinks"
 
 def units(grid: Grid) -> list[Unit]:
     out = [_merge_unit(d) for d in (*grid.dtypes, "fp32")]
-    have_fwd = os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm80", "fwd_launch.cuh"))
-    if have_fwd and "sm80" in grid.families and family_targets("sm80", grid.archs):
+    if "sm80" in grid.families and family_targets("sm80", grid.archs):
         out += [_fwd_sm80_unit(h, d) for h in grid.headdims for d in grid.dtypes]
-    if have_fwd and grid.emulation:
-        # The emulated kernels are a test vehicle: one head dim per dtype family is enough to run the
-        # whole kernel body on the CPU, so the grid is the narrowed one, not the product.
+    if grid.emulation:
         out += [_fwd_emu_unit(h, d) for h in grid.headdims for d in grid.dtypes]
     return out
 

@@ -7,6 +7,8 @@ same function, so what it prints is what dispatch does.
 """
 from __future__ import annotations
 
+import torch
+
 from . import _device, _ext
 from ._problem import Problem
 
@@ -115,11 +117,24 @@ def _kernel_name(backend: str, problem: Problem) -> str:
 
 def forward(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, window_left: int,
             window_right: int, sink_tokens: int, softcap: float,
-            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+            max_smem: int = 0) -> None:
     """Run the forward kernel of `backend`, writing `out` (like q) and `lse` (fp32) in place.
 
     q (b, sq, h, d) and k/v (b, sk, hk, d), or packed (total, h, d) with cu_seqlens when varlen; the caller
-    has validated shapes and checked `why_not` first."""
+    has validated shapes and checked `why_not` first. `max_smem` overrides the shared-memory limit that picks
+    the tile configuration (tests use it to run the sm86 configuration under emulation)."""
     C = _ext.require()
-    C.fwd(backend, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-          float(softmax_scale), int(window_left), int(window_right), int(sink_tokens), float(softcap))
+    q, k, v = (t if _aligned(t) else t.contiguous() for t in (q, k, v))
+    target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    C.fwd(backend, q, k, v, sinks, target, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+          float(softmax_scale), int(window_left), int(window_right), int(sink_tokens), float(softcap), int(max_smem))
+    if target is not out:
+        out.copy_(target)
+
+
+def _aligned(t) -> bool:
+    """cp.async moves 16-byte vectors: the base and every outer stride must be 16-byte aligned."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    return all(t.stride(i) % 8 == 0 or t.size(i) == 1 for i in range(t.dim() - 1))

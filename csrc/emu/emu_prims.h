@@ -1,0 +1,114 @@
+// emu_prims.h: the hardware pieces of the sm80 kernels, emulated on the host.
+//
+// The MMA and ldmatrix atoms keep the real atoms' CuTe traits (thread/value layouts), so the kernel's
+// partitioning is exactly the GPU's; only the execution is a warp-collective on host threads. cp.async is a
+// synchronous 16-byte copy.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm75.hpp>
+#include <cute/atom/mma_traits_sm80.hpp>
+#include <cutlass/numeric_types.h>
+#include <type_traits>
+
+#include "emu/emu_runtime.h"
+
+namespace sinkattn::emu {
+
+template <class RealOp>
+struct EmuMma : RealOp {};
+
+// ldmatrix.x4: lanes 8q..8q+7 give the row addresses of 8x8 matrix q (16-byte rows); lane l receives in
+// register q the 32-bit word l % 4 of row l / 4 of matrix q.
+struct EmuLdsmN {
+  using SRegisters = cute::uint128_t[1];
+  using DRegisters = uint32_t[4];
+  static void copy(cute::uint128_t const& src, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
+    void const** rows = warp_ptrs();
+    int lane = lane_id();
+    rows[lane] = &src;
+    sync_warp();
+    uint32_t d[4];
+    for (int q = 0; q < 4; ++q) d[q] = static_cast<uint32_t const*>(rows[8 * q + lane / 4])[lane % 4];
+    sync_warp();
+    d0 = d[0]; d1 = d[1]; d2 = d[2]; d3 = d[3];
+  }
+};
+
+// ldmatrix.x4.trans: lane l receives in register q the 16-bit elements (row 2(l%4), col l/4) and
+// (row 2(l%4)+1, col l/4) of matrix q, low half first.
+struct EmuLdsmT {
+  using SRegisters = cute::uint128_t[1];
+  using DRegisters = uint32_t[4];
+  static void copy(cute::uint128_t const& src, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
+    void const** rows = warp_ptrs();
+    int lane = lane_id();
+    rows[lane] = &src;
+    sync_warp();
+    uint32_t d[4];
+    for (int q = 0; q < 4; ++q) {
+      int col = lane / 4, r0 = 2 * (lane % 4);
+      uint16_t lo = static_cast<uint16_t const*>(rows[8 * q + r0])[col];
+      uint16_t hi = static_cast<uint16_t const*>(rows[8 * q + r0 + 1])[col];
+      d[q] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+    sync_warp();
+    d0 = d[0]; d1 = d[1]; d2 = d[2]; d3 = d[3];
+  }
+};
+
+struct EmuPrims {
+  template <class Element>
+  using Mma = EmuMma<std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>,
+                                        cute::SM80_16x8x16_F32BF16BF16F32_TN, cute::SM80_16x8x16_F32F16F16F32_TN>>;
+  using GmemCopyAsync = cute::UniversalCopy<cute::uint128_t>;
+  using LdsmN = EmuLdsmN;
+  using LdsmT = EmuLdsmT;
+
+  static void sync_threads() { emu::sync_threads(); }
+  static float shfl_xor(float x, int lane_mask) { return emu::shfl_xor(x, lane_mask); }
+  static void cp_async_fence() {}
+  template <int N>
+  static void cp_async_wait() {}
+};
+
+}  // namespace sinkattn::emu
+
+namespace cute {
+
+template <>
+struct Copy_Traits<sinkattn::emu::EmuLdsmN> : Copy_Traits<SM75_U32x4_LDSM_N> {};
+template <>
+struct Copy_Traits<sinkattn::emu::EmuLdsmT> : Copy_Traits<SM75_U16x8_LDSM_T> {};
+
+template <class RealOp>
+struct MMA_Traits<sinkattn::emu::EmuMma<RealOp>> : MMA_Traits<RealOp> {};
+
+// The MMA as a warp collective: every lane publishes its A and B values at the (m, k) / (n, k) positions the
+// real atom's layouts give them, then computes its own D values. Layouts map (lane, value) to a column-major
+// index in the M x K, N x K and M x N tiles.
+template <class RealOp, class TD, class DLayout, class TA, class ALayout, class TB, class BLayout, class TC, class CLayout>
+void mma_unpack(MMA_Traits<sinkattn::emu::EmuMma<RealOp>> const&, Tensor<TD, DLayout>& D, Tensor<TA, ALayout> const& A,
+                Tensor<TB, BLayout> const& B, Tensor<TC, CLayout> const& C) {
+  using T = MMA_Traits<RealOp>;
+  constexpr int M = size<0>(typename T::Shape_MNK{});
+  constexpr int N = size<1>(typename T::Shape_MNK{});
+  constexpr int K = size<2>(typename T::Shape_MNK{});
+  static_assert(M * K + N * K <= sinkattn::emu::kWarpScratchFloats);
+  float* buf = sinkattn::emu::warp_scratch();
+  int lane = sinkattn::emu::lane_id();
+  for (int v = 0; v < size(A); ++v) buf[typename T::ALayout{}(lane, v)] = float(A(v));
+  for (int v = 0; v < size(B); ++v) buf[M * K + typename T::BLayout{}(lane, v)] = float(B(v));
+  sinkattn::emu::sync_warp();
+  float d[decltype(size(D))::value];
+  for (int v = 0; v < size(D); ++v) {
+    int idx = typename T::CLayout{}(lane, v);
+    int m = idx % M, n = idx / M;
+    float acc = C(v);
+    for (int k = 0; k < K; ++k) acc += buf[m + M * k] * buf[M * K + n + N * k];
+    d[v] = acc;
+  }
+  sinkattn::emu::sync_warp();
+  for (int v = 0; v < size(D); ++v) D(v) = d[v];
+}
+
+}  // namespace cute

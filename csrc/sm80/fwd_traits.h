@@ -1,0 +1,62 @@
+// fwd_traits.h: tile shapes, shared-memory layouts and atoms of the sm80 forward kernel.
+//
+// Prims names the hardware-facing pieces (MMA and copy atoms, barriers, shuffles, cp.async fences): the GPU
+// build passes GpuPrims (sm80/prims_gpu.cuh), the host-emulation build EmuPrims (emu/emu_prims.h), and the
+// kernel body is the same code for both. No torch, no CUDA intrinsics here.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace sinkattn::sm80 {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, class Element_, class Prims_>
+struct FwdTraits {
+  using Element = Element_;
+  using Prims = Prims_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static_assert(kHeadDim % 64 == 0, "compiled head dims are multiples of 64");
+  static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA tiles");
+
+  // Warps split M only: each warp owns 16-row slices of Q, S and O, so the softmax of a row stays within the
+  // 4 lanes of one quad and no warp ever needs another's rows. N tile 16 lets one ldmatrix.x4 feed two n8 atoms.
+  using TiledMma = TiledMMA<MMA_Atom<typename Prims::template Mma<Element>>, Layout<Shape<Int<kNWarps>, _1, _1>>,
+                            Tile<Int<16 * kNWarps>, _16, _16>>;
+
+  // 64-element (128-byte) rows, XOR-swizzled in 16-byte chunks so both the row-wise cp.async writes and the
+  // 8x8 ldmatrix reads (plain and transposed) hit 8 different bank groups.
+  static constexpr int kBlockKSmem = 64;
+  using SmemLayoutAtom = decltype(composition(Swizzle<3, 3, 3>{},
+                                              Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V read as the B operand of O = P V needs (d, n) indexing: the same bytes, transposed view.
+  using SmemLayoutVt = decltype(composition(SmemLayoutKV{},
+                                            make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+
+  static constexpr int kSmemQ = int(cosize_v<SmemLayoutQ>) * int(sizeof(Element));
+  static constexpr int kSmemKV = int(cosize_v<SmemLayoutKV>) * int(sizeof(Element));
+  static constexpr int kStages = 2;  // K and V double-buffered: block t+1 loads while block t computes
+  static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;
+
+  // Global <-> shared: 16-byte vectors, 8 threads per 64-element row.
+  static constexpr int kElemsPerVec = 16 / int(sizeof(Element));
+  static constexpr int kThreadsPerRow = kBlockKSmem / kElemsPerVec;
+  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>;
+  using GmemTiledCopyLoad = decltype(make_tiled_copy(Copy_Atom<typename Prims::GmemCopyAsync, Element>{}, GmemThreadLayout{},
+                                                     Layout<Shape<_1, Int<kElemsPerVec>>>{}));
+  using GmemTiledCopyStore = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{},
+                                                      GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerVec>>>{}));
+  using SmemCopyAtom = Copy_Atom<typename Prims::LdsmN, Element>;
+  using SmemCopyAtomT = Copy_Atom<typename Prims::LdsmT, Element>;
+  using SmemCopyAtomO = Copy_Atom<UniversalCopy<uint32_t>, Element>;
+};
+
+}  // namespace sinkattn::sm80

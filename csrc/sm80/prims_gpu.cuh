@@ -1,0 +1,28 @@
+// prims_gpu.cuh: the hardware pieces of the sm80 kernels on a real GPU (nvcc only).
+#pragma once
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <type_traits>
+#include <cutlass/numeric_types.h>
+
+namespace sinkattn::sm80 {
+
+struct GpuPrims {
+  template <class Element>
+  using Mma = std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
+                                 cute::SM80_16x8x16_F32F16F16F32_TN>;
+  using GmemCopyAsync = cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>;
+  using LdsmN = cute::SM75_U32x4_LDSM_N;
+  using LdsmT = cute::SM75_U16x8_LDSM_T;
+
+  static __device__ __forceinline__ void sync_threads() { __syncthreads(); }
+  static __device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
+    return __shfl_xor_sync(0xffffffffu, x, lane_mask);
+  }
+  static __device__ __forceinline__ void cp_async_fence() { cute::cp_async_fence(); }
+  template <int N>
+  static __device__ __forceinline__ void cp_async_wait() { cute::cp_async_wait<N>(); }
+};
+
+}  // namespace sinkattn::sm80
