@@ -1,5 +1,6 @@
 """python -m bench: run a benchmark grid and write results.csv, results.md, env.json and plots.png.
 
+    python -m bench                                   # --grid auto: smoke on a CPU, all on a GPU
     python -m bench --grid smoke                      # CPU: seconds, through the reference backend (CI)
     python -m bench --grid replication --filter hd128 --out bench/results/today
     python -m bench --grid all                        # on a GPU: every grid (long)
@@ -23,7 +24,7 @@ from . import comparators as C
 from . import env as _env
 from . import grids, report, run
 
-GRID_CHOICES = ["smoke", "check", "replication", "gptoss", "streaming", "decode", "all"]
+GRID_CHOICES = ["auto", "smoke", "check", "replication", "gptoss", "streaming", "decode", "all"]
 
 
 def select(cases: list, flt: str | None) -> list:
@@ -44,7 +45,8 @@ def select(cases: list, flt: str | None) -> list:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--grid", default="smoke", choices=GRID_CHOICES)
+    p.add_argument("--grid", default="auto", choices=GRID_CHOICES,
+                   help="auto: smoke without a GPU, all with one (hours: narrow it with --filter)")
     p.add_argument("--filter", default=None, help="comma-separated substrings of case ids (all must match; ~x negates)")
     p.add_argument("--out", default=None, help="results folder (default: $OUT if set, else bench/results/<timestamp>)")
     p.add_argument("--comparators", default=",".join(C.COMPARATORS),
@@ -70,6 +72,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.device == "auto":
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        device = torch.device(a.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", 0)
+    if a.grid == "auto":
+        a.grid = "all" if device.type == "cuda" else "smoke"
     cases = select(grids.get(a.grid), a.filter)
     if a.list:
         for c in cases:
@@ -85,12 +95,6 @@ def main(argv=None) -> int:
         print(f"bench: unknown comparator(s) {unknown}; known: {list(C.COMPARATORS)}", file=sys.stderr)
         return 2
     names = [C.PRIMARY] + [n for n in names if n != C.PRIMARY]
-    if a.device == "auto":
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    else:
-        device = torch.device(a.device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     gpu = device.type == "cuda"

@@ -103,8 +103,9 @@ def add_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch
 
     out (b, h, s, d) and lse (b, h, s) (natural log, over the visible keys) ->
     out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink)."""
-    w = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
-    return (out.float() * w[..., None]).to(out.dtype)
+    ct = torch.promote_types(out.dtype, torch.float32)  # fp32 math for bf16/fp16, fp64 stays fp64
+    w = torch.sigmoid(lse.to(ct) - sinks.to(ct).view(1, -1, 1))
+    return (out.to(ct) * w[..., None]).to(out.dtype)
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -214,6 +215,8 @@ def prep_sinkattn_sm80(case, x, device):
 def prep_reference(case, x, device):
     if device.type != "cuda":
         raise Unsupported("on the CPU the 'sinkattn' column already is the reference backend")
+    if _resolve(case, device, "auto")[0] == "reference":
+        raise Unsupported("no kernel serves this case, so the 'sinkattn' column already is the reference backend")
     if case_fwd_flops(case) > REF_MAX_FLOPS:
         raise Unsupported(f"too slow to time at this size (> {REF_MAX_FLOPS:.0e} FLOPs)")
     return _sinkattn(case, x, device, "reference")
@@ -359,8 +362,11 @@ def prep_flex(case: Case, x: Inputs, device: torch.device) -> Prepared:
     gqa = case.nheads != case.nheads_k
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        block_mask = create_block_mask(mask_mod_for(case), None, None, case.seqlen_q, case.seqlen_k,
-                                       device=str(device), **({"_compile": True} if device.type == "cuda" else {}))
+        args = (mask_mod_for(case), None, None, case.seqlen_q, case.seqlen_k)
+        try:  # _compile builds the block mask without materialising seqlen_q x seqlen_k (128k x 128k)
+            block_mask = create_block_mask(*args, device=str(device), _compile=device.type == "cuda")
+        except TypeError:
+            block_mask = create_block_mask(*args, device=str(device))
     q, k, v = _bhsd(x.q), _bhsd(x.k), _bhsd(x.v)
     note = "" if device.type == "cuda" else "eager (unfused) on the CPU"
     sinks = x.sinks

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# make gpu-check: one call on a fresh GPU machine with no network (DESIGN.md section 6, issue 9).
+#
+#   1. build only what this GPU needs, with every core (SINKATTN_CUDA_ARCHS from the GPU's compute
+#      capability: 90a on cc 9.0, which holds the sm90 kernels and the sm80 kernels as sm_90 SASS;
+#      no host-emulated kernels), in place: python setup.py build_ext --inplace
+#   2. the capability report, then pytest -m gpu
+#   3. a short benchmark grid (python -m bench --grid check)
+#   and writes everything into one folder: $OUT when set, else bench/results/gpucheck-<timestamp>.
+#
+# Each step is time-boxed against one deadline (GPU_CHECK_TOTAL, default 450 s, inside the 8 minutes).
+# The folder holds 8 files at most (the device tool returns 8): summary.txt, build.log, tests.log,
+# bench.log, results.csv, results.md, env.json, plots.png.
+#
+# On the device tool: run(command="bash bench/gpu_check.sh", carry=["third_party/cutlass/include"],
+# timeout_s=540). The CUTLASS headers are git-ignored, so they travel only when carried.
+#
+# Knobs (environment): SINKATTN_CUDA_ARCHS / SINKATTN_HEADDIMS / SINKATTN_DTYPES / SINKATTN_EMULATION
+# (build grid; defaults: by GPU, all head dims, bf16+fp16, no emulation), GPU_CHECK_JOBS (default: nproc;
+# the Makefile's MAX_JOBS=2 is for the shared dev box and is ignored here), GPU_CHECK_GRID (check),
+# GPU_CHECK_TOTAL, GPU_CHECK_BUILD_CAP (300), GPU_CHECK_TEST_CAP (120), GPU_CHECK_BENCH_CAP (150),
+# GPU_CHECK_SKIP_BUILD=1 (use the extension as it is; also how the script is exercised on a CPU),
+# PYTHON (python3).
+set -u -o pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+PY=${PYTHON:-python3}
+START=$(date +%s)
+TOTAL=${GPU_CHECK_TOTAL:-450}
+DEADLINE=$((START + TOTAL))
+OUT=${OUT:-$REPO/bench/results/gpucheck-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+JOBS=${GPU_CHECK_JOBS:-$(nproc 2>/dev/null || echo 16)}
+export MAX_JOBS=$JOBS
+GRID=${GPU_CHECK_GRID:-check}
+declare -a STEPS=()
+FAILED=0
+
+say() { echo "gpu-check: $*" | tee -a "$SUMMARY"; }
+now() { date +%s; }
+left() { echo $((DEADLINE - $(now))); }
+min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
+
+# step NAME LOG TIMEOUT_S CMD...: run a time-boxed step, log its output, record its status.
+step() {
+  local name=$1 log=$2 limit=$3
+  shift 3
+  if [ "$limit" -lt 10 ]; then
+    say "$name: SKIPPED (only ${limit}s left before the deadline)"
+    STEPS+=("$name: skipped (no time left)")
+    FAILED=1
+    return 1
+  fi
+  say "$name: start (time box ${limit}s): $*"
+  local t0 rc
+  t0=$(now)
+  timeout -k 15 "$limit" "$@" >>"$log" 2>&1
+  rc=$?
+  local dt=$(($(now) - t0))
+  local what="exit $rc"
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && what="TIMEOUT after ${limit}s"
+  say "$name: $what in ${dt}s (log: $(basename "$log"))"
+  STEPS+=("$name: $what, ${dt}s")
+  return "$rc"
+}
+
+# ---------------------------------------------------------------------------------------------- 0. machine
+{
+  echo "== date: $(date -u +%FT%TZ)   repo: $REPO   git: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)"
+  echo "== nproc: $(nproc 2>/dev/null)   jobs: $JOBS   out: $OUT"
+  echo "== python: $($PY -c 'import sys; print(sys.version.split()[0])' 2>&1)"
+  echo "== torch: $($PY -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1)"
+  echo "== nvcc: $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'not found')"
+  echo "== ninja: $(ninja --version 2>/dev/null || echo 'not found')   ccache: $(command -v ccache || echo none)"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,compute_cap,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu,pstate --format=csv 2>&1
+  else
+    echo "nvidia-smi: not found"
+  fi
+} >>"$SUMMARY" 2>&1
+
+CC=""
+command -v nvidia-smi >/dev/null && CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
+if [ -z "${SINKATTN_CUDA_ARCHS:-}" ]; then
+  case "$CC" in
+    9.0) SINKATTN_CUDA_ARCHS="90a" ;;   # sm90 kernels (sm_90a) + the sm80 kernels compiled to sm_90 SASS
+    8.0) SINKATTN_CUDA_ARCHS="80" ;;
+    8.6|8.7) SINKATTN_CUDA_ARCHS="86" ;;
+    8.9) SINKATTN_CUDA_ARCHS="89" ;;
+    *) SINKATTN_CUDA_ARCHS="80;90a" ;;
+  esac
+fi
+export SINKATTN_CUDA_ARCHS
+export SINKATTN_EMULATION=${SINKATTN_EMULATION:-0}
+export SINKATTN_HEADDIMS=${SINKATTN_HEADDIMS:-64,128,256}
+export SINKATTN_DTYPES=${SINKATTN_DTYPES:-bf16,fp16}
+say "GPU compute capability '${CC:-none}': SINKATTN_CUDA_ARCHS=$SINKATTN_CUDA_ARCHS HEADDIMS=$SINKATTN_HEADDIMS DTYPES=$SINKATTN_DTYPES EMULATION=$SINKATTN_EMULATION MAX_JOBS=$MAX_JOBS"
+
+# ---------------------------------------------------------------------------------------------- 1. build
+BUILD_CAP=${GPU_CHECK_BUILD_CAP:-300}
+TEST_CAP=${GPU_CHECK_TEST_CAP:-120}
+BENCH_CAP=${GPU_CHECK_BENCH_CAP:-150}
+TEST_MIN=60   # what the later steps keep for themselves when an earlier one runs long
+BENCH_MIN=90
+if [ "${GPU_CHECK_SKIP_BUILD:-0}" = "1" ]; then
+  say "build: skipped (GPU_CHECK_SKIP_BUILD=1)"
+  STEPS+=("build: skipped by request")
+else
+  if [ -z "${SINKATTN_CUTLASS_DIR:-}" ] && [ ! -f third_party/cutlass/include/cute/tensor.hpp ]; then
+    say "build: CUTLASS headers missing at third_party/cutlass/include (git-ignored; there is no network here):"
+    say "       carry them (device tool: carry=[\"third_party/cutlass/include\"]) or set SINKATTN_CUTLASS_DIR"
+  fi
+  step build "$OUT/build.log" "$(min "$BUILD_CAP" $(($(left) - TEST_MIN - BENCH_MIN)))" \
+    "$PY" setup.py build_ext --inplace || FAILED=1
+  grep -E "error|warning: .*spill|Error" "$OUT/build.log" | head -20 >>"$SUMMARY"
+fi
+
+# ---------------------------------------------------------------------------------------------- 2. report + GPU tests
+{
+  echo "== extension:"
+  "$PY" -c "import sinkattn; from sinkattn import _ext; print('loaded', _ext.loaded(), _ext.IMPORT_ERROR); [print('  ', k) for k in _ext.registry()]" 2>&1
+  echo "== capability report:"
+  timeout 60 "$PY" -m sinkattn.report 2>&1 | head -80
+} >>"$SUMMARY" 2>&1
+
+step tests "$OUT/tests.log" "$(min "$TEST_CAP" $(($(left) - BENCH_MIN)))" \
+  "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  say "tests: pytest collected no GPU test (exit 5)"
+elif [ "$rc" -ne 0 ]; then
+  FAILED=1
+fi
+tail -15 "$OUT/tests.log" >>"$SUMMARY"
+
+# ---------------------------------------------------------------------------------------------- 3. bench
+BENCH_LIMIT=$(min "$BENCH_CAP" "$(left)")
+# The harness stops starting cases 40 s before its time box ends, so it always writes its results.
+step bench "$OUT/bench.log" "$BENCH_LIMIT" \
+  "$PY" -m bench --grid "$GRID" --out "$OUT" --no-progress --time-limit $((BENCH_LIMIT > 60 ? BENCH_LIMIT - 40 : 20)) \
+  || FAILED=1
+
+# ---------------------------------------------------------------------------------------------- summary
+{
+  echo "== after: $(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active --format=csv,noheader 2>&1)"
+  echo "== files in $OUT:"
+  ls -l "$OUT"
+} >>"$SUMMARY" 2>&1
+echo
+echo "---------------------------------------------------------------- bench (last lines)"
+tail -40 "$OUT/bench.log" 2>/dev/null
+echo "---------------------------------------------------------------- gpu-check summary"
+for s in "${STEPS[@]}"; do echo "  $s"; done | tee -a "$SUMMARY"
+TOTAL_S=$(($(now) - START))
+say "done in ${TOTAL_S}s; results in $OUT; $([ $FAILED -eq 0 ] && echo OK || echo 'SOME STEPS FAILED')"
+exit $FAILED
