@@ -1,0 +1,232 @@
+"""The instantiation grid (csrc/generate_kernels.py): env narrowing, gencode flags per family, units.
+
+Pure Python: nothing here compiles. `parse_grid(env)` takes the environment as a mapping, so each test
+passes its own and never touches os.environ.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_gen():
+    spec = importlib.util.spec_from_file_location("sinkattn_generate_kernels", ROOT / "csrc" / "generate_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gen = _load_gen()
+
+
+def _exit_message(env) -> str:
+    with pytest.raises(SystemExit) as e:
+        gen.parse_grid(env)
+    msg = str(e.value.code if e.value.code is not None else "")
+    assert msg and not msg.isdigit(), f"parse_grid({env}) exits without a message: {msg!r}"
+    return msg
+
+
+# ---- parse_grid ---------------------------------------------------------------------------------------
+def test_defaults():
+    g = gen.parse_grid({})
+    assert g.archs == ["80", "90a"]
+    assert g.headdims == [64, 128, 256]
+    assert g.dtypes == ["bf16", "fp16"]
+    assert g.emulation is True
+
+
+@pytest.mark.parametrize("value,want", [
+    ("80", ["80"]), ("90a", ["90a"]), ("80;90a", ["80", "90a"]), ("80,86", ["80", "86"]),
+    (" 80 ; 89 ", ["80", "89"]), ("80;86;89;90a", ["80", "86", "89", "90a"]),
+])
+def test_archs_narrowing(value, want):
+    assert gen.parse_grid({"SINKATTN_CUDA_ARCHS": value}).archs == want
+
+
+@pytest.mark.parametrize("value,want", [("128", [128]), ("256,64", [64, 256]), ("64;64", [64]), (" 128 ", [128])])
+def test_headdims_narrowing(value, want):
+    g = gen.parse_grid({"SINKATTN_HEADDIMS": value})
+    assert g.headdims == want and g.archs == ["80", "90a"] and g.dtypes == ["bf16", "fp16"]
+
+
+@pytest.mark.parametrize("value,want", [("bf16", ["bf16"]), ("fp16", ["fp16"]), ("fp16,bf16", ["bf16", "fp16"])])
+def test_dtypes_narrowing(value, want):
+    g = gen.parse_grid({"SINKATTN_DTYPES": value})
+    assert g.dtypes == want and g.headdims == [64, 128, 256]
+
+
+def test_emulation_switch():
+    assert gen.parse_grid({"SINKATTN_EMULATION": "0"}).emulation is False
+    assert gen.parse_grid({"SINKATTN_EMULATION": "1"}).emulation is True
+
+
+@pytest.mark.parametrize("env,names", [
+    ({"SINKATTN_CUDA_ARCHS": "90"}, ["SINKATTN_CUDA_ARCHS", "'90'", "90a"]),
+    ({"SINKATTN_CUDA_ARCHS": "80;sm_86"}, ["SINKATTN_CUDA_ARCHS", "sm_86", "80, 86, 89, 90a"]),
+    ({"SINKATTN_CUDA_ARCHS": "75"}, ["SINKATTN_CUDA_ARCHS", "75"]),
+    ({"SINKATTN_HEADDIMS": "96"}, ["SINKATTN_HEADDIMS", "96", "64", "128", "256"]),
+    ({"SINKATTN_HEADDIMS": "64,512"}, ["SINKATTN_HEADDIMS", "512"]),
+    ({"SINKATTN_DTYPES": "fp32"}, ["SINKATTN_DTYPES", "fp32", "bf16, fp16"]),
+    ({"SINKATTN_DTYPES": "bfloat16"}, ["SINKATTN_DTYPES", "bfloat16"]),
+])
+def test_bad_values_are_rejected_clearly(env, names):
+    msg = _exit_message(env)
+    for n in names:
+        assert n in msg, f"message for {env} should mention {n!r}: {msg}"
+
+
+@pytest.mark.xfail(strict=True, reason="DEFECT: a non-numeric SINKATTN_HEADDIMS raises a bare ValueError from int() "
+                                       "('invalid literal for int() with base 10: 'abc''), not a message naming the variable")
+@pytest.mark.parametrize("value", ["64,abc", "128.0", "hdim128"])
+def test_non_numeric_headdims_rejected_clearly(value):
+    msg = _exit_message({"SINKATTN_HEADDIMS": value})
+    assert "SINKATTN_HEADDIMS" in msg
+
+
+@pytest.mark.xfail(strict=True, reason="DEFECT: an empty (or separator-only) SINKATTN_CUDA_ARCHS/HEADDIMS/DTYPES "
+                                       "gives an empty list silently (archs=[] compiles the merge kernel with no "
+                                       "-gencode at all); it should be rejected or mean the default")
+@pytest.mark.parametrize("var", ["SINKATTN_CUDA_ARCHS", "SINKATTN_HEADDIMS", "SINKATTN_DTYPES"])
+@pytest.mark.parametrize("value", ["", ";", " , "])
+def test_empty_values_not_silently_empty(var, value):
+    try:
+        g = gen.parse_grid({var: value})
+    except SystemExit as e:
+        assert var in str(e.code)
+        return
+    assert g.archs and g.headdims and g.dtypes, f"{var}={value!r} gave {g}"
+
+
+@pytest.mark.xfail(strict=True, reason="DEFECT: SINKATTN_EMULATION accepts anything; 'false'/'off'/'no' silently "
+                                       "mean ON (only the exact string '0' switches it off)")
+@pytest.mark.parametrize("value", ["false", "off", "no"])
+def test_emulation_bad_value_not_silently_on(value):
+    try:
+        g = gen.parse_grid({"SINKATTN_EMULATION": value})
+    except SystemExit as e:
+        assert "SINKATTN_EMULATION" in str(e.code)
+        return
+    assert g.emulation is False
+
+
+@pytest.mark.xfail(strict=True, reason="DEFECT: repeated archs are kept (headdims/dtypes are deduplicated): "
+                                       "SINKATTN_CUDA_ARCHS='80;80' gives archs ['80','80'] and duplicate -gencode flags")
+def test_repeated_archs_deduplicated():
+    g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "80;80"})
+    assert g.archs == ["80"]
+    assert gen.gencode_flags("sm80", g.archs) == ["-gencode=arch=compute_80,code=sm_80"]
+
+
+# ---- family targets and gencode flags ---------------------------------------------------------------------
+def test_sm80_family_default_archs():
+    # sm_80 SASS for cc 8.x and, from the same compute_80 source, sm_90 SASS: the portable path on Hopper.
+    assert gen.family_targets("sm80", ["80", "90a"]) == [("compute_80", "sm_80"), ("compute_80", "sm_90")]
+    assert gen.gencode_flags("sm80", ["80", "90a"]) == [
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_80,code=sm_90"]
+    assert gen.arch_list_string("sm80", ["80", "90a"]) == "sm_80,sm_90"
+
+
+def test_sm90_family_only_with_90a():
+    assert gen.family_targets("sm90", ["80", "90a"]) == [("compute_90a", "sm_90a")]
+    assert gen.gencode_flags("sm90", ["90a"]) == ["-gencode=arch=compute_90a,code=sm_90a"]
+    for archs in (["80"], ["86"], ["80", "86", "89"]):
+        assert gen.family_targets("sm90", archs) == []
+        assert gen.gencode_flags("sm90", archs) == []
+    # never plain sm_90 / compute_90 for the wgmma family
+    for f in gen.gencode_flags("sm90", ["80", "86", "89", "90a"]):
+        assert "sm_90a" in f and "compute_90a" in f
+
+
+def test_sm80_family_per_arch():
+    assert gen.family_targets("sm80", ["86"]) == [("compute_86", "sm_86")]
+    assert gen.family_targets("sm80", ["80", "86", "89"]) == [
+        ("compute_80", "sm_80"), ("compute_86", "sm_86"), ("compute_89", "sm_89")]
+    assert gen.family_targets("sm80", ["90a"]) == [("compute_80", "sm_90")]
+    # no family is built as sm_90a except the sm90 one, and no sm80 code is ever compute_90a
+    for arch_set in (["80", "90a"], ["90a"], ["80", "86", "89", "90a"]):
+        for v, r in gen.family_targets("sm80", arch_set):
+            assert v.startswith("compute_8") and not r.endswith("a")
+
+
+def test_common_family_every_arch():
+    # the merge kernel ("common") is compiled for every requested arch as itself
+    assert gen.family_targets("common", ["80", "90a"]) == [("compute_80", "sm_80"), ("compute_90a", "sm_90a")]
+    assert gen.arch_list_string("common", ["80", "86", "90a"]) == "sm_80,sm_86,sm_90a"
+
+
+# ---- units ----------------------------------------------------------------------------------------------
+def _names(grid):
+    return sorted(u.name for u in gen.units(grid))
+
+
+@pytest.fixture
+def with_fwd(monkeypatch):
+    """Pretend csrc/sm80/fwd_launch.cuh exists so the forward units are generated (nothing is compiled)."""
+    real = os.path.exists
+
+    def exists(p):
+        return True if str(p).endswith(os.path.join("sm80", "fwd_launch.cuh")) else real(p)
+
+    monkeypatch.setattr(os.path, "exists", exists)
+
+
+def test_units_merge_only_narrowed():
+    have_fwd = (ROOT / "csrc" / "sm80" / "fwd_launch.cuh").exists()
+    g = gen.Grid(archs=["80"], headdims=[128], dtypes=["bf16"], emulation=False)
+    names = _names(g)
+    assert "merge_bf16" in names and "merge_fp32" in names and "merge_fp16" not in names
+    assert ("fwd_sm80_hdim128_bf16" in names) == have_fwd
+    assert not any("emu" in n for n in names)
+    for u in gen.units(g):
+        assert u.family in ("common", "sm80", "sm90", "emu")
+        assert "do not edit" in u.text and u.name in u.text
+
+
+def test_units_full_grid_with_fwd(with_fwd):
+    g = gen.parse_grid({})
+    names = _names(g)
+    want = {f"merge_{d}" for d in ("bf16", "fp16", "fp32")}
+    want |= {f"fwd_sm80_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
+    want |= {f"fwd_emu_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
+    assert set(names) == want and len(names) == len(want)
+    fam = {u.name: u.family for u in gen.units(g)}
+    assert fam["fwd_sm80_hdim64_bf16"] == "sm80" and fam["fwd_emu_hdim64_bf16"] == "emu" and fam["merge_fp32"] == "common"
+
+
+def test_units_narrowed_with_fwd(with_fwd):
+    g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "86", "SINKATTN_HEADDIMS": "128", "SINKATTN_DTYPES": "fp16",
+                        "SINKATTN_EMULATION": "0"})
+    assert _names(g) == ["fwd_sm80_hdim128_fp16", "merge_fp16", "merge_fp32"]
+    g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "90a", "SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "bf16"})
+    # 90a alone still builds the sm80 family (as sm_90) and the emulated kernel
+    assert _names(g) == ["fwd_emu_hdim64_bf16", "fwd_sm80_hdim64_bf16", "merge_bf16", "merge_fp32"]
+    fwd = next(u for u in gen.units(g) if u.name == "fwd_sm80_hdim64_bf16")
+    assert "run_fwd_sm80<64, cutlass::bfloat16_t>" in fwd.text and '"sm80", "fwd", 64, "bf16"' in fwd.text
+
+
+def test_generate_writes_units_and_removes_stale(tmp_path):
+    g = gen.Grid(archs=["80"], headdims=[64], dtypes=["bf16", "fp16"], emulation=False)
+    stale = tmp_path / "merge_old.cu"
+    stale.write_text("// stale")
+    keep_other = tmp_path / "notes.txt"
+    keep_other.write_text("x")
+    written = gen.generate(str(tmp_path), g)
+    by_name = {pathlib.Path(p).stem: fam for p, fam in written}
+    assert set(by_name) == {u.name for u in gen.units(g)}
+    assert not stale.exists() and keep_other.exists()
+    for u in gen.units(g):
+        ext = ".cpp" if u.family == "emu" else ".cu"
+        assert (tmp_path / (u.name + ext)).read_text() == u.text
+    # unchanged units are not rewritten (ninja/ccache keep their work)
+    p = tmp_path / "merge_bf16.cu"
+    os.utime(p, (1, 1))
+    gen.generate(str(tmp_path), g)
+    assert p.stat().st_mtime == 1
