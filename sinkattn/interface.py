@@ -1,6 +1,6 @@
 """The public attention functions (DESIGN.md sections 1 and 2).
 
-Conventions shared by every function here:
+Each function's docstring ends with the conventions below (appended at import, so help() shows them).
 
 - Layout as FlashAttention: q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k,
   headdim), nheads a multiple of nheads_k (GQA/MQA: query head h reads KV head h // (nheads // nheads_k)).
@@ -34,6 +34,8 @@ import torch
 
 from . import _checks, ops  # noqa: F401  (ops registers torch.ops.sinkattn.*)
 from .errors import SinkattnTypeError, SinkattnValueError
+
+_CONVENTIONS = (__doc__ or "").partition("(appended at import, so help() shows them).\n")[2]
 
 
 def _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend):
@@ -133,3 +135,8 @@ def _cache_seqlens(q, k_cache, k, cache_seqlens, block_table):
         cache_seqlens = full
     _checks.check_int("cache_seqlens", cache_seqlens, minimum=0)
     return torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+
+
+for _f in (flash_attn_with_sinks, flash_attn_varlen_with_sinks, flash_attn_with_kvcache):
+    if _f.__doc__ and _CONVENTIONS:  # python -OO strips docstrings
+        _f.__doc__ += "\n    Conventions:\n" + "".join(f"    {line}\n" for line in _CONVENTIONS.strip("\n").splitlines())
