@@ -18,6 +18,9 @@ them stable:
         GPT-J interleaved pairs), the rest pass through.
     tolerance_check(name, got, ref, baseline, atol) -> None
         FlashAttention's rule: max|got - ref| <= 2 * max|baseline - ref| + atol, with a readable error.
+    single_thread
+        A pytest fixture; import it into a test module to run each test on one torch thread (tests use
+        tiny tensors, and two OpenMP threads on two cores shared with compilers wait on each other).
 
 Nothing here tiles, skips blocks or uses an online softmax: the point is to be obviously right.
 """
@@ -25,7 +28,16 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def visible(seqlen_q: int, seqlen_k: int, window_left: int = -1, window_right: int = -1,

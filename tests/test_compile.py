@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import sinkattn
+from oracle import single_thread  # noqa: F401  (autouse: one torch thread per test)
 
 
 class SinkAttention(torch.nn.Module):

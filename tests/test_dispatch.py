@@ -11,6 +11,7 @@ import sinkattn
 from sinkattn import _kernels, dispatch
 from sinkattn._problem import Problem
 from sinkattn.errors import SinkattnRuntimeError
+from oracle import single_thread  # noqa: F401  (autouse: one torch thread per test)
 
 CUDA_PROBLEM = Problem(kind="fwd", device_type="cuda", dtype=torch.bfloat16, headdim=128, headdim_v=128, nheads=8,
                        nheads_k=8, window_left=-1, window_right=0, sink_tokens=0, softcap=0.0, has_sinks=True,

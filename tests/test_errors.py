@@ -4,6 +4,7 @@ import torch
 
 import sinkattn
 from sinkattn import SinkattnError, SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
+from oracle import single_thread  # noqa: F401  (autouse: one torch thread per test)
 
 B, S, H, HK, D = 2, 8, 4, 2, 32
 

@@ -6,6 +6,7 @@ import torch
 import sinkattn
 from sinkattn import reference
 from oracle import attention_oracle, tolerance_check
+from oracle import single_thread  # noqa: F401  (autouse: one torch thread per test)
 
 
 @pytest.fixture(autouse=True)

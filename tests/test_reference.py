@@ -12,6 +12,7 @@ import torch
 import sinkattn
 from sinkattn import reference
 from oracle import attention_oracle, tolerance_check, visible
+from oracle import single_thread  # noqa: F401  (autouse: one torch thread per test)
 
 BASE = dict(dtype=torch.float32, d=64, h=4, hk=4, b=2, sq=67, sk=93, causal=False, window=(-1, -1), n=0,
             sinks="random", softcap=0.0)
