@@ -22,7 +22,7 @@ import torch
 from . import ceilings as _ceilings
 from . import comparators as C
 from . import env as _env
-from . import grids, report, run
+from . import grids, report, run, timing
 
 GRID_CHOICES = ["auto", "smoke", "check", "replication", "gptoss", "streaming", "decode", "all"]
 
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     rows = run.run_grid(cases, names, device, ceilings=env["ceilings"], timing_kw=timing_kw, graph=a.graph,
                         time_limit_s=a.time_limit, progress=not a.no_progress, verbose_errors=a.verbose_errors)
     if gpu:
-        env["gpu_state_after"] = _env.timing.gpu_state(device.index or 0)
+        env["gpu_state_after"] = timing.gpu_state(device.index or 0)
     env["elapsed_s"] = time.time() - t0
     paths = report.write_all(rows, env, out, plots=not a.no_plots)
     print(report.summary_table(rows))

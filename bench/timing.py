@@ -95,8 +95,8 @@ def bench_cuda(fn, *, warmup_ms: float = 50.0, min_warmup: int = 3, budget_ms: f
         end.record()
         end.synchronize()
         spent = start.elapsed_time(end)
-        if n_warm >= min_warmup and spent >= warmup_ms:
-            break
+        if spent >= warmup_ms and (n_warm >= min_warmup or spent / n_warm > warmup_ms):
+            break  # enough warm-up; one slow call (longer than warmup_ms) after the first is enough
         if n_warm >= 1000:
             break
     est = spent / n_warm
@@ -110,6 +110,8 @@ def bench_cuda(fn, *, warmup_ms: float = 50.0, min_warmup: int = 3, budget_ms: f
             for _ in range(min_warmup):
                 run()
             torch.cuda.synchronize()
+    if est * min_reps > 3 * budget_ms:  # slow calls (the reference backend): fewer runs, at least 3
+        min_reps = max(3, min(min_reps, int(3 * budget_ms // max(est, 1e-6))))
     reps = _reps_for(est + (0.05 if flush else 0.0), budget_ms, min_reps, max_reps)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
