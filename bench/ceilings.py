@@ -25,7 +25,6 @@ def measure_copy(device: torch.device, nbytes: int | None = None, budget_ms: flo
     t = timing.bench(lambda: dst.copy_(src), device, budget_ms=budget_ms, min_reps=5, max_reps=50,
                      flush_l2=False)  # a copy of GBs does not live in L2
     moved = 2 * src.numel() * src.element_size()
-    del src, dst
     return {"copy_GBps": moved / (t.median_ms * 1e-3) / 1e9, "copy_bytes": moved, "copy_ms": t.median_ms,
             "copy_reps": t.reps}
 
@@ -42,7 +41,6 @@ def measure_matmul(device: torch.device, n: int | None = None, dtype=torch.bfloa
     t = timing.bench(lambda: torch.matmul(a, b, out=c), device, budget_ms=budget_ms, min_reps=5, max_reps=50,
                      flush_l2=False)  # 3 x 128 MiB operands; compute-bound
     flops = 2 * n ** 3
-    del a, b, c
     return {"matmul_TFLOPs": flops / (t.median_ms * 1e-3) / 1e12, "matmul_n": n, "matmul_dtype": str(dtype),
             "matmul_ms": t.median_ms, "matmul_reps": t.reps}
 

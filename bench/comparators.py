@@ -16,7 +16,9 @@
                     as a user would cache it), learnable sinks by the same exact lse correction, which is
                     differentiable here. Paged decode: n/a.
 
-Every prepared comparator returns a callable that is timed, the sink handling ("exact (native)",
+Timed callables do nothing but the call (no per-call warning filters: bench.run silences the one-time
+fallback and FlexAttention warnings around the whole grid). Every prepared comparator returns a callable
+that is timed, the sink handling ("exact (native)",
 "exact (lse correction)", "no sink", "none needed"), the backend that ran, and, for the error column,
 its forward output (or dq for a backward) in (batch, seqlen_q, nheads, headdim) layout.
 """
@@ -173,13 +175,13 @@ def _sinkattn(case: Case, x: Inputs, device: torch.device, backend: str) -> Prep
 
             def run():
                 return sinkattn.flash_attn_with_kvcache(x.q, x.k_cache, x.v_cache, x.sinks, **fkw)
-            return Prepared(_quiet(run), "exact (native)" if case.sinks else "none needed", chosen,
-                            output=_quiet(run), graphable=graphable, note=note)
+            return Prepared(run, "exact (native)" if case.sinks else "none needed", chosen,
+                            output=run, graphable=graphable, note=note)
         if case.mode == "fwd":
             def run():
                 return sinkattn.flash_attn_with_sinks(x.q, x.k, x.v, x.sinks, **kw)
-            return Prepared(_quiet(run), "exact (native)" if case.sinks else "none needed", chosen,
-                            output=_quiet(run), graphable=graphable, note=note)
+            return Prepared(run, "exact (native)" if case.sinks else "none needed", chosen,
+                            output=run, graphable=graphable, note=note)
         q, k, v = _leaf(x.q), _leaf(x.k), _leaf(x.v)
         leaves = (q, k, v)
         s = None
@@ -187,17 +189,9 @@ def _sinkattn(case: Case, x: Inputs, device: torch.device, backend: str) -> Prep
             s = _leaf(x.sinks)
             leaves += (s,)
         out = sinkattn.flash_attn_with_sinks(q, k, v, s, **kw)
-    run = _quiet(_bwd_callable(out, leaves, x.dout))
+    run = _bwd_callable(out, leaves, x.dout)
     return Prepared(run, "exact (native)" if case.sinks else "none needed", chosen, output=lambda: run()[0],
                     graphable=False, note=note, keep=[out])
-
-
-def _quiet(fn):
-    def run():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn()
-    return run
 
 
 def prep_sinkattn(case, x, device):
@@ -373,9 +367,7 @@ def prep_flex(case: Case, x: Inputs, device: torch.device) -> Prepared:
     handling = "exact (lse correction)" if sinks is not None else "none needed"
 
     def fwd(q_, k_, v_, s_):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out, lse = _flex_call(flex, q_, k_, v_, block_mask, scale, gqa)
+        out, lse = _flex_call(flex, q_, k_, v_, block_mask, scale, gqa)
         return add_sink(out, lse, s_) if s_ is not None else out
 
     if case.mode == "fwd":
