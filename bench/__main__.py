@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     errors = [r for r in rows if r.get("status") == "error"]
     if errors:
         print(f"bench: {len(errors)} (case, comparator) pairs failed; see the details table", file=sys.stderr)
+        for r in errors[:10]:
+            print(f"  {r['id']} {r['comparator']}: {r.get('reason')}", file=sys.stderr)
+        return 1
     return 0
 
 

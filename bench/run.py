@@ -66,6 +66,14 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
+_FATAL = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
+          "illegal instruction", "an illegal address")
+
+
+class CudaContextLost(RuntimeError):
+    """A kernel fault poisons the CUDA context; nothing after it in this process can be trusted."""
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -96,6 +104,8 @@ def run_case(case: Case, names: list[str], device: torch.device, *, ceilings: di
             out = prep.output() if prep.output is not None else None
             if name == C.PRIMARY:
                 primary_out = out.detach() if out is not None else None
+                if primary_out is not None and not bool(torch.isfinite(primary_out).all()):
+                    raise RuntimeError("non-finite values (NaN/inf) in sinkattn's output; not timed")
             elif out is not None and primary_out is not None and prep.sink_handling != "no sink":
                 row["rel_err_vs_sinkattn"] = rel_err(out, primary_out)
             del out
@@ -121,6 +131,12 @@ def run_case(case: Case, names: list[str], device: torch.device, *, ceilings: di
             row.update(status="oom" if _is_oom(e) else "error", reason=_first_line(e))
             if verbose_errors:
                 traceback.print_exc()
+            if any(f in str(e) for f in _FATAL):
+                lost = CudaContextLost(f"{case.id} / {name}: {_first_line(e)}")
+                rest = names[names.index(name) + 1:]
+                lost.rows = rows + [dict(base, comparator=n, status="not run", reason=f"CUDA context lost ({lost})")
+                                    for n in rest]
+                raise lost from e
         finally:
             del prep
             _free(device)
@@ -212,6 +228,16 @@ def _run_cases(cases, names, device, rows, bar, t0, ceilings, timing_kw, graph, 
             bar.update(case.id + " (time limit)")
             continue
         use_graph = graph == "on" or (graph == "auto" and case.kind == "decode")
-        rows += run_case(case, names, device, ceilings=ceilings, timing_kw=timing_kw, use_graph=use_graph,
-                         flusher=flusher, verbose_errors=verbose_errors)
+        try:
+            rows += run_case(case, names, device, ceilings=ceilings, timing_kw=timing_kw, use_graph=use_graph,
+                             flusher=flusher, verbose_errors=verbose_errors)
+        except CudaContextLost as e:
+            rows += e.rows
+            lost = str(e)
+            for later in cases[cases.index(case) + 1:]:
+                rows += [dict(later.as_dict(), comparator=n, status="not run",
+                              reason=f"CUDA context lost earlier ({lost})") for n in names]
+                bar.update(later.id + " (not run)")
+            bar.update(case.id)
+            return
         bar.update(case.id)

@@ -178,6 +178,32 @@ def test_ratios_and_ceiling_fractions():
     assert "sinkattn_speedup" not in rows[4]  # no sinkattn time for case b: no ratio, never a guess
 
 
+def test_failures_are_rows_and_a_lost_cuda_context_stops_the_grid(monkeypatch):
+    cpu = torch.device("cpu")
+
+    def broken(case, x, device):
+        raise RuntimeError("something odd")
+
+    def nan_out(case, x, device):
+        return C.Prepared(lambda: None, "none needed", "fake", output=lambda: torch.full((2,), float("nan")))
+
+    def fault(case, x, device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setitem(C.COMPARATORS, "broken", broken)
+    monkeypatch.setitem(C.COMPARATORS, "fault", fault)
+    cases = [_cpu_case(seqlen_q=8, seqlen_k=8), _cpu_case(seqlen_q=16, seqlen_k=16)]
+    kw = dict(ceilings={}, timing_kw={"budget_ms": 1, "min_reps": 1, "max_reps": 1}, progress=False)
+    rows = run.run_grid(cases, ["sinkattn", "broken"], cpu, **kw)
+    assert [r["status"] for r in rows] == ["ok", "error"] * 2 and "something odd" in rows[1]["reason"]
+    rows = run.run_grid(cases, ["sinkattn", "fault", "broken"], cpu, **kw)
+    assert [r["status"] for r in rows] == ["ok", "error", "not run"] + ["not run"] * 3
+    assert all("context lost" in r["reason"] for r in rows[2:])
+    monkeypatch.setitem(C.COMPARATORS, "sinkattn", nan_out)
+    rows = run.run_grid(cases[:1], ["sinkattn"], cpu, **kw)
+    assert rows[0]["status"] == "error" and "non-finite" in rows[0]["reason"]
+
+
 def test_timing_statistics():
     t = timing.summarize([5.0, 1.0, 3.0, 2.0, 4.0], 1, "perf_counter", False)
     assert (t.median_ms, t.min_ms, t.reps) == (3.0, 1.0, 5)
