@@ -129,8 +129,11 @@ fi
   timeout 60 "$PY" -m sinkattn.report 2>&1 | head -80
 } >>"$SUMMARY" 2>&1
 
+PYTEST_EXTRA=()
+# A hung test fails alone (pytest-timeout, on the GPU image) instead of eating the whole time box.
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_EXTRA+=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-90}")
 step tests "$OUT/tests.log" "$(min "$TEST_CAP" $(($(left) - BENCH_MIN)))" \
-  "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests
+  "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" tests
 rc=$?
 if [ "$rc" -eq 5 ]; then
   say "tests: pytest collected no GPU test (exit 5)"
