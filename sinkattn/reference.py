@@ -151,17 +151,24 @@ def forward_seq(q, fetch, seqlen_k: int, nheads_k: int, sink, out, lse, m: Mask)
         lse[:, i0:i1].copy_(lse_c.reshape(h, r))
 
 
+def _sink_rows(sink, hk: int, g: int, r: int) -> torch.Tensor:
+    """(h,) -> (hk, g*rows): each query head's sink repeated over its rows."""
+    return sink.view(hk, g, 1).expand(hk, g, r).reshape(hk, g * r)
+
+
 def _finalize(row_max, row_sum, acc, sink, hk, g, r):
     """Fold the sink into the softmax denominator once, at the end (it has no value vector).
 
     The sink joins the running max before it joins the sum, so a sink far above the scores (+30)
     cannot overflow exp(). With sink = -inf this reduces exactly to lse = max + log(sum).
     """
-    sink_rows = sink.view(hk, g, 1).expand(hk, g, r).reshape(hk, g * r)
+    sink_rows = _sink_rows(sink, hk, g, r)
     top = torch.maximum(row_max, sink_rows)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    top = top.masked_fill(top == float("-inf"), 0.0)  # nothing visible and no sink: all weights are 0
     keys_w = torch.exp(row_max - top)
-    total = row_sum * keys_w + torch.exp(sink_rows - top)
+    # A +inf sink takes all the weight: exp(inf - inf) would be NaN, its weight relative to itself is 1.
+    sink_w = torch.exp(sink_rows - top).masked_fill(torch.isposinf(sink_rows), 1.0)
+    total = row_sum * keys_w + sink_w
     lse = top + torch.log(total)  # total == 0 (nothing visible, no sink) -> -inf
     factor = torch.where(total > 0, keys_w / total, torch.zeros_like(total))
     return acc * factor[..., None], lse
@@ -209,8 +216,8 @@ def backward_seq(dout, dlse, q, fetch, seqlen_k: int, sink, out, lse, dq, dk_acc
             dqc += torch.bmm(ds, kt.transpose(0, 1))
             dk_acc[:, t0:t1] += torch.bmm(ds.transpose(1, 2), qs)
         dq[i0:i1].copy_(_from_groups(dqc * m.scale, r))
-        sink_rows = sink.view(hk, g, 1).expand(hk, g, r).reshape(hk, g * r)
-        p_sink = torch.exp(sink_rows - lse_safe)
+        sink_rows = _sink_rows(sink, hk, g, r)
+        p_sink = torch.exp(sink_rows - lse_safe).masked_fill(torch.isposinf(sink_rows), 1.0)
         dsink_acc += (-p_sink * delta).view(hk * g, r).sum(-1)
 
 

@@ -181,11 +181,17 @@ def test_failed_append_writes_nothing():
 
 
 def test_no_nan_for_degenerate_inputs():
-    """Nothing visible, sinks -inf or +inf, empty sequences: finite outputs (lse may be +-inf), never NaN."""
+    """Nothing visible, sinks -inf or +inf, huge scores, empty sequences: outputs and gradients are never
+    NaN (lse may be +-inf)."""
     q, k, v = qkv()
-    for sinks in (None, torch.full((H,), float("-inf")), torch.full((H,), float("inf")), torch.zeros(H)):
-        for kw in (dict(window_size=(0, 0), sink_tokens=0), dict(causal=True)):
-            out, lse = attn(q[:, :, :, :], k[:, :0], v[:, :0], sinks, return_lse=True, **kw)
+    for sinks in (None, torch.full((H,), float("-inf")), torch.full((H,), float("inf")), torch.zeros(H),
+                  torch.tensor([float("-inf"), float("inf"), 0.0, 30.0])):
+        for kw in (dict(window_size=(0, 0), sink_tokens=0), dict(causal=True), dict(softmax_scale=100.0)):
+            out, lse = attn(q, k[:, :0], v[:, :0], sinks, return_lse=True, **kw)
             assert not out.isnan().any() and not lse.isnan().any() and (out == 0).all()
-            out, lse = attn(q, k, v, sinks, return_lse=True, **kw)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            s = None if sinks is None else sinks.clone().requires_grad_()
+            out, lse = attn(*leaves, s, return_lse=True, **kw)
             assert not out.isnan().any() and not lse.isnan().any()
+            grads = torch.autograd.grad(out.sum(), leaves + ([s] if s is not None else []))
+            assert not any(g.isnan().any() for g in grads), (kw, sinks)
