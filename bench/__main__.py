@@ -64,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds after which no new case is started (the rest is reported 'not run')")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 on a CPU run, where the shapes are tiny and the cores "
+                        "often shared; torch's default on a GPU run)")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--verbose-errors", action="store_true", help="print tracebacks of failing comparators")
@@ -98,6 +101,9 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     gpu = device.type == "cuda"
+    threads = a.threads if a.threads is not None else (None if gpu else 1)
+    if threads:
+        torch.set_num_threads(threads)
     out = a.out or os.environ.get("OUT") or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results",
         datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + f"-{a.grid}")
