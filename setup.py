@@ -176,7 +176,10 @@ def cuda_extension():
 
     defines = [f"-DSINKATTN_CUTLASS_VERSION=\"{cutlass_version(cutlass_inc)}\"",
                f"-DSINKATTN_TORCH_VERSION_AT_BUILD=\"{torch.__version__}\"",
-               f"-DSINKATTN_REQUESTED_ARCHS=\"{';'.join(grid.archs)}\""]
+               f"-DSINKATTN_REQUESTED_ARCHS=\"{';'.join(grid.archs)}\"",
+               f"-DSINKATTN_REQUESTED_HEADDIMS=\"{','.join(map(str, grid.headdims))}\"",
+               f"-DSINKATTN_REQUESTED_DTYPES=\"{','.join(grid.dtypes)}\"",
+               f"-DSINKATTN_EMULATION_BUILT={int(grid.emulation)}"]
     ext = CUDAExtension(
         name="sinkattn._C",
         sources=["csrc/api.cpp"],

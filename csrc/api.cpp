@@ -52,6 +52,9 @@ static py::dict build_info() {
   d["cuda_arch_list"] = cuda_arch_list();
   d["torch_version_at_build"] = SINKATTN_TORCH_VERSION_AT_BUILD;
   d["requested_archs"] = SINKATTN_REQUESTED_ARCHS;
+  d["requested_headdims"] = SINKATTN_REQUESTED_HEADDIMS;
+  d["requested_dtypes"] = SINKATTN_REQUESTED_DTYPES;
+  d["emulation"] = bool(SINKATTN_EMULATION_BUILT);
   d["cutlass_version_header"] = SINKATTN_CUTLASS_VERSION;
   return d;
 }

@@ -8,7 +8,10 @@ it was really compiled for, so the capability report reads what the binary holds
 
 Environment knobs (read by setup.py and passed in as `Grid`):
     SINKATTN_CUDA_ARCHS  "80;90a" (default). 80/86/89 build sm_8x SASS; 90a builds the sm90 family
-                         for sm_90a and the sm80 family for sm_90 (the portable path on Hopper).
+                         for sm_90a and the sm80 family for sm_90 (the portable path on Hopper);
+                         100/120 build native SASS of the portable families for Blackwell. The sm80
+                         family also embeds compute_80 PTX, which the driver JIT-compiles on any
+                         newer GPU that has no SASS of its own in the build.
     SINKATTN_HEADDIMS    "64,128,256" (default)
     SINKATTN_DTYPES      "bf16,fp16" (default)
 """
@@ -19,7 +22,8 @@ from dataclasses import dataclass, field
 
 ALL_HEADDIMS = (64, 128, 256)
 ALL_DTYPES = ("bf16", "fp16")
-KNOWN_ARCHS = ("80", "86", "89", "90a")
+KNOWN_ARCHS = ("80", "86", "89", "90a", "100", "120")
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 CPP_DTYPE = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t", "fp32": "float"}
 
 
@@ -33,25 +37,32 @@ class Grid:
 
 
 def parse_grid(env=os.environ) -> Grid:
-    def split(value):
-        return [x.strip() for x in value.replace(";", ",").split(",") if x.strip()]
+    def split(var, default):
+        raw = env.get(var, default)
+        items = list(dict.fromkeys(x.strip() for x in raw.replace(";", ",").split(",") if x.strip()))
+        if not items:
+            raise SystemExit(f"sinkattn build: {var}={raw!r} names nothing; leave it unset for the default {default!r}")
+        return items
 
-    archs = split(env.get("SINKATTN_CUDA_ARCHS", "80;90a"))
+    archs = split("SINKATTN_CUDA_ARCHS", "80;90a")
     for a in archs:
         if a not in KNOWN_ARCHS:
             raise SystemExit(f"sinkattn build: SINKATTN_CUDA_ARCHS holds {a!r}; accepted: {', '.join(KNOWN_ARCHS)}"
                              " (write 90a, not 90: the Hopper kernels need the arch-specific sm_90a target)")
-    headdims = [int(x) for x in split(env.get("SINKATTN_HEADDIMS", ",".join(map(str, ALL_HEADDIMS))))]
-    for h in headdims:
-        if h not in ALL_HEADDIMS:
-            raise SystemExit(f"sinkattn build: SINKATTN_HEADDIMS holds {h}; compiled head dims are {ALL_HEADDIMS} "
-                             "(other head dims are served by the next compiled one)")
-    dtypes = split(env.get("SINKATTN_DTYPES", ",".join(ALL_DTYPES)))
+    headdims = []
+    for h in split("SINKATTN_HEADDIMS", ",".join(map(str, ALL_HEADDIMS))):
+        if not h.isdigit() or int(h) not in ALL_HEADDIMS:
+            raise SystemExit(f"sinkattn build: SINKATTN_HEADDIMS holds {h!r}; compiled head dims are "
+                             f"{', '.join(map(str, ALL_HEADDIMS))} (other head dims are served by the next compiled one)")
+        headdims.append(int(h))
+    dtypes = split("SINKATTN_DTYPES", ",".join(ALL_DTYPES))
     for d in dtypes:
         if d not in ALL_DTYPES:
             raise SystemExit(f"sinkattn build: SINKATTN_DTYPES holds {d!r}; accepted: {', '.join(ALL_DTYPES)}")
-    emulation = env.get("SINKATTN_EMULATION", "1") != "0"
-    return Grid(archs=archs, headdims=sorted(set(headdims)), dtypes=sorted(set(dtypes)), emulation=emulation)
+    emu = env.get("SINKATTN_EMULATION", "1").strip().lower()
+    if emu not in TRUE_WORDS + FALSE_WORDS:
+        raise SystemExit(f"sinkattn build: SINKATTN_EMULATION={emu!r}; accepted: 1/true/on/yes or 0/false/off/no")
+    return Grid(archs=archs, headdims=sorted(set(headdims)), dtypes=sorted(set(dtypes)), emulation=emu in TRUE_WORDS)
 
 
 def family_targets(family: str, archs: list[str]) -> list[tuple[str, str]]:
@@ -70,12 +81,24 @@ def family_targets(family: str, archs: list[str]) -> list[tuple[str, str]]:
     return targets
 
 
+def ptx_target(family: str, archs: list[str]) -> str | None:
+    """The PTX a family embeds for GPUs newer than its SASS (the portable path elsewhere, DESIGN.md section 2)."""
+    return "compute_80" if family in ("sm80", "common") and archs else None
+
+
 def gencode_flags(family: str, archs: list[str]) -> list[str]:
-    return [f"-gencode=arch={v},code={r}" for v, r in family_targets(family, archs)]
+    flags = [f"-gencode=arch={v},code={r}" for v, r in family_targets(family, archs)]
+    ptx = ptx_target(family, archs)
+    if ptx:
+        flags.append(f"-gencode=arch={ptx},code={ptx}")
+    return flags
 
 
 def arch_list_string(family: str, archs: list[str]) -> str:
-    return ",".join(r for _, r in family_targets(family, archs))
+    """What the registry records: the real archs with SASS, then the embedded PTX (compute_XX)."""
+    targets = [r for _, r in family_targets(family, archs)]
+    ptx = ptx_target(family, archs)
+    return ",".join(targets + ([ptx] if ptx else []))
 
 
 @dataclass

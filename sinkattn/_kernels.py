@@ -43,6 +43,26 @@ def sass_runs_on(arch: str, capability: tuple[int, int]) -> bool:
     return major == capability[0] and minor <= capability[1]
 
 
+def ptx_runs_on(arch: str, capability: tuple[int, int]) -> bool:
+    """Whether embedded PTX for `arch` ("compute_80") can be JIT-compiled for this capability (any newer GPU)."""
+    if not arch.startswith("compute_") or not arch[8:].isdigit():
+        return False
+    digits = arch[8:]
+    return (int(digits[:-1]), int(digits[-1])) <= tuple(capability)
+
+
+def how_it_runs(archs: str, capability: tuple[int, int]) -> str | None:
+    """How a kernel compiled for `archs` (the registry's comma list) runs on this capability, or None."""
+    codes = archs.split(",")
+    for a in codes:
+        if sass_runs_on(a, capability):
+            return f"native {a} code"
+    for a in codes:
+        if ptx_runs_on(a, capability):
+            return f"{a} PTX, JIT-compiled by the driver at first use"
+    return None
+
+
 def served_headdim(headdim: int) -> int | None:
     for h in COMPILED_HEADDIMS:
         if headdim <= h:
@@ -60,10 +80,16 @@ def _find(family: str, op: str, headdim: int, dtype: str):
 def _rebuild_hint(capability) -> str:
     if capability is None:
         return ""
-    arch = "90a" if capability == (9, 0) else f"{capability[0]}{capability[1]}"
-    if capability[0] == 8:
-        arch = "80" if capability[1] < 6 else f"80 (or {arch})"
+    major, minor = capability
+    arch = {8: "80", 9: "90a", 10: "100", 12: "120"}.get(major)
+    if arch is None:
+        return f"no sinkattn build targets cc {major}.{minor}"
     return f"rebuild with SINKATTN_CUDA_ARCHS={arch}"
+
+
+def _requested(key: str) -> list[str]:
+    info = _ext.build_info() or {}
+    return [x for x in str(info.get(key, "")).replace(";", ",").split(",") if x]
 
 
 def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None = None) -> str | None:
@@ -100,19 +126,38 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
                 f"(got {problem.headdim})")
     kernel = _find(BACKEND_FAMILY[backend], "fwd", hd, dtype)
     if kernel is None:
+        if str(hd) in _requested("requested_headdims") and dtype in _requested("requested_dtypes"):
+            if emulated:
+                return "this build has no emulated kernels (it was built with SINKATTN_EMULATION=0)"
+            # The grid asked for it and the generator still made none: the family does not exist yet.
+            return (f"sinkattn has no {backend} forward kernels yet"
+                    + ("; the sm80 kernels serve cc 9.0" if backend == "sm90" else ""))
         compiled = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry()
                            if k["family"] == BACKEND_FAMILY[backend] and k["op"] == "fwd"})
         return (f"no {backend} forward kernel for head dim {hd} {dtype} in this build (compiled: "
                 f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
                 f"including {dtype}")
-    if not emulated and not any(sass_runs_on(a, capability) for a in kernel["archs"].split(",")):
+    if not emulated and how_it_runs(kernel["archs"], capability) is None:
         return (f"the {backend} kernels in this build are compiled for {kernel['archs']}, none of which runs on "
                 f"cc {capability[0]}.{capability[1]}; {_rebuild_hint(capability)}")
     return None
 
 
-def _kernel_name(backend: str, problem: Problem) -> str:
-    return f"{BACKEND_FAMILY[backend]} fwd hdim{served_headdim(problem.headdim)} {DTYPE_NAMES[str(problem.dtype)]}"
+def served_by(backend: str, problem: Problem, capability: tuple[int, int] | None) -> str:
+    """Which compiled kernel serves `problem` on `backend` and how it runs (for the report)."""
+    kernel = _find(BACKEND_FAMILY[backend], "fwd", served_headdim(problem.headdim) or 0,
+                   DTYPE_NAMES.get(str(problem.dtype), ""))
+    if kernel is None:
+        return backend
+    how = "host emulation" if capability is None else how_it_runs(kernel["archs"], capability)
+    return f"{kernel['name']} ({how})"
+
+
+def merge_kernel_runs(dtype, device_index: int) -> bool:
+    """Whether a compiled merge kernel of this dtype can run on this CUDA device."""
+    name = DTYPE_NAMES.get(str(dtype))
+    kernel = next((k for k in _ext.registry() if k["op"] == "merge" and k["dtype"] == name), None)
+    return kernel is not None and how_it_runs(kernel["archs"], _device.capability(device_index)) is not None
 
 
 def forward(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, window_left: int,

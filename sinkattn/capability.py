@@ -56,7 +56,9 @@ def serving_paths(device: _device.DeviceInfo) -> dict:
         if not _kernels.preferred_backends(device.capability):
             declined["kernels"] = (f"sinkattn kernels need cc >= 8.0 (this GPU is cc "
                                    f"{device.capability[0]}.{device.capability[1]})")
-        paths[feature] = {"backend": chosen, "declined": declined}
+        served = _kernels.served_by(chosen, problem, device.capability) if chosen != "reference" else \
+            "PyTorch reference backend"
+        paths[feature] = {"backend": chosen, "kernel": served, "declined": declined}
     return paths
 
 
@@ -83,6 +85,14 @@ def _mismatches(build: dict | None, runtime: dict, devices: list[dict]) -> list[
                                f"{build['nvcc_version']}",
                     "fix": f"update the NVIDIA driver to one for CUDA {nvcc_major}.x"})
     for d in devices:
+        sinks_path = d["paths"]["learnable_sinks"]
+        if "JIT" in sinks_path.get("kernel", ""):
+            cc = tuple(int(x) for x in d["capability"].split("."))
+            out.append({"problem": f"GPU {d['index']} ({d['name']}, cc {d['capability']}) runs the kernels from "
+                                   "embedded PTX, JIT-compiled by the driver at first use (slow first call, no "
+                                   "tuning for this arch)",
+                        "fix": f"for native code, {_kernels._rebuild_hint(cc)}"})
+            continue
         for feature, path in d["paths"].items():
             if path["backend"] == "reference" and feature in ("learnable_sinks", "sink_tokens"):
                 why = "; ".join(f"{b}: {r}" for b, r in path["declined"].items())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ext
+from . import _ext, _kernels
 from .errors import SinkattnTypeError, SinkattnValueError
 
 
@@ -34,6 +34,9 @@ def check_merge_args(out_a, lse_a, out_b, lse_b, sinks):
         if not t.is_floating_point():
             raise SinkattnTypeError(f"merge_attn_states: {name} must be floating point (float32), got {t.dtype}")
     if sinks is not None:
+        if isinstance(sinks, torch.Tensor) and sinks.dtype not in (torch.float32, torch.bfloat16, torch.float16,
+                                                                    torch.float64):
+            raise SinkattnTypeError(f"merge_attn_states: sinks must be float32, bfloat16 or float16; got {sinks.dtype}")
         if not isinstance(sinks, torch.Tensor) or sinks.shape != (h,):
             raise SinkattnValueError(f"merge_attn_states: sinks must be a tensor of shape (nheads,) = ({h},); got "
                                      f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
@@ -60,6 +63,9 @@ def merge_reference(out_a, lse_a, out_b, lse_b, sinks=None):
     m = torch.maximum(torch.maximum(la, lb), ls)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     ea, eb, es = (torch.exp(x - m_safe) for x in (la, lb, ls))
+    # Infinite mass (an overflow upstream) is shared evenly between the infinite parts, as the kernel does.
+    inf_row = m == float("inf")
+    ea, eb, es = (torch.where(inf_row, (x == float("inf")).float(), e) for x, e in ((la, ea), (lb, eb), (ls, es)))
     total = ea + eb + es
     empty = total == 0
     denom = torch.where(empty, torch.ones_like(total), total)
@@ -68,15 +74,14 @@ def merge_reference(out_a, lse_a, out_b, lse_b, sinks=None):
     pa = torch.where(wa != 0, wa * out_a.to(acc), torch.zeros((), dtype=acc, device=out_a.device))
     pb = torch.where(wb != 0, wb * out_b.to(acc), torch.zeros((), dtype=acc, device=out_b.device))
     lse = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(denom))
+    lse = torch.where(inf_row, m, lse)
     return (pa + pb).to(out_a.dtype), lse
 
 
 @torch.library.custom_op("sinkattn::merge_attn_states", mutates_args=())
 def _merge_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
               sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if out_a.is_cuda and _ext.loaded() and any(
-            k["op"] == "merge" and k["dtype"] == {torch.bfloat16: "bf16", torch.float16: "fp16",
-                                                  torch.float32: "fp32"}.get(out_a.dtype) for k in _ext.registry()):
+    if out_a.is_cuda and _ext.loaded() and _kernels.merge_kernel_runs(out_a.dtype, out_a.device.index or 0):
         out, lse = _ext.require().merge_states(out_a, lse_a.float(), out_b, lse_b.float(), sinks)
         return out, lse
     out, lse = merge_reference(out_a, lse_a, out_b, lse_b, sinks)

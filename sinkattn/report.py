@@ -43,7 +43,7 @@ def render(cap: dict) -> str:
         sms = f", {d['sm_count']} SMs" if d["sm_count"] else ""
         lines.append(f"GPU {d['index']}: {d['name']} (cc {d['capability']}{sms}{smem})")
         for feature, path in d["paths"].items():
-            lines.append(f"  {feature:<16} -> {path['backend']}")
+            lines.append(f"  {feature:<16} -> {path['backend']}: {path.get('kernel', '')}")
             for backend, reason in path["declined"].items():
                 lines.append(f"  {'':<16}    not {backend}: {reason}")
     if cap["mismatches"]:

@@ -16,8 +16,10 @@ struct MergeWeights {
 SA_HOST_DEVICE MergeWeights merge_weights(float lse_a, float lse_b, float sink) {
   float m = fmaxf(fmaxf(lse_a, lse_b), sink);
   if (m == -INFINITY) return MergeWeights{0.f, 0.f, -INFINITY};
-  if (m == INFINITY) {  // an infinite lse is a caller's error upstream; keep it finite-free of NaN
-    return MergeWeights{lse_a == INFINITY ? 1.f : 0.f, lse_b == INFINITY ? 1.f : 0.f, INFINITY};
+  if (m == INFINITY) {  // infinite mass (a caller's overflow upstream): share it evenly, never NaN
+    float na = lse_a == INFINITY ? 1.f : 0.f, nb = lse_b == INFINITY ? 1.f : 0.f;
+    float n = na + nb + (sink == INFINITY ? 1.f : 0.f);
+    return MergeWeights{na / n, nb / n, INFINITY};
   }
   float ea = expf(lse_a - m), eb = expf(lse_b - m), es = expf(sink - m);
   float sum = ea + eb + es;

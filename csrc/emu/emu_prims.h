@@ -1,8 +1,8 @@
 // emu_prims.h: the hardware pieces of the sm80 kernels, emulated on the host.
 //
 // The MMA and ldmatrix atoms keep the real atoms' CuTe traits (thread/value layouts), so the kernel's
-// partitioning is exactly the GPU's; only the execution is a warp-collective on host threads. cp.async is a
-// synchronous 16-byte copy.
+// partitioning is exactly the GPU's; only the execution is a warp-collective on host threads. cp.async is
+// deferred to its wait; every shared-memory access is reported to the ordering check (emu_runtime.h).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm75.hpp>
@@ -25,6 +25,7 @@ struct EmuLdsmN {
   static void copy(cute::uint128_t const& src, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
     void const** rows = warp_ptrs();
     int lane = lane_id();
+    on_smem_read(&src, 16);
     rows[lane] = &src;
     sync_warp();
     uint32_t d[4];
@@ -42,6 +43,7 @@ struct EmuLdsmT {
   static void copy(cute::uint128_t const& src, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
     void const** rows = warp_ptrs();
     int lane = lane_id();
+    on_smem_read(&src, 16);
     rows[lane] = &src;
     sync_warp();
     uint32_t d[4];
@@ -56,25 +58,65 @@ struct EmuLdsmT {
   }
 };
 
+struct EmuCpAsync {
+  using SRegisters = cute::uint128_t[1];
+  using DRegisters = cute::uint128_t[1];
+  static void copy(cute::uint128_t const& src, cute::uint128_t& dst) { cp_async_issue(&src, &dst); }
+};
+
+// Plain shared-memory stores and loads of the epilogue, reported to the ordering check.
+struct EmuStore32 {
+  using SRegisters = uint32_t[1];
+  using DRegisters = uint32_t[1];
+  static void copy(uint32_t const& src, uint32_t& dst) {
+    on_smem_write(&dst, 4);
+    dst = src;
+  }
+};
+struct EmuLoad128 {
+  using SRegisters = cute::uint128_t[1];
+  using DRegisters = cute::uint128_t[1];
+  static void copy(cute::uint128_t const& src, cute::uint128_t& dst) {
+    on_smem_read(&src, 16);
+    dst = src;
+  }
+};
+
 struct EmuPrims {
   template <class Element>
   using Mma = EmuMma<std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>,
                                         cute::SM80_16x8x16_F32BF16BF16F32_TN, cute::SM80_16x8x16_F32F16F16F32_TN>>;
-  using GmemCopyAsync = cute::UniversalCopy<cute::uint128_t>;
+  using GmemCopyAsync = EmuCpAsync;
   using LdsmN = EmuLdsmN;
   using LdsmT = EmuLdsmT;
+  using SmemStore32 = EmuStore32;
+  using SmemLoad128 = EmuLoad128;
 
   static void sync_threads() { emu::sync_threads(); }
   static float shfl_xor(float x, int lane_mask) { return emu::shfl_xor(x, lane_mask); }
-  static void cp_async_fence() {}
+  static void cp_async_fence() { emu::cp_async_fence(); }
   template <int N>
-  static void cp_async_wait() {}
+  static void cp_async_wait() { emu::cp_async_wait(N); }
+  template <class Tensor_>
+  static void zero_fill(Tensor_&& t) {
+    using V = std::remove_cv_t<std::remove_reference_t<decltype(t(0))>>;
+    for (int i = 0; i < cute::size(t); ++i) {
+      on_smem_write(&t(i), sizeof(V));
+      t(i) = V{};
+    }
+  }
 };
 
 }  // namespace sinkattn::emu
 
 namespace cute {
 
+template <>
+struct Copy_Traits<sinkattn::emu::EmuCpAsync> : Copy_Traits<UniversalCopy<uint128_t>> {};
+template <>
+struct Copy_Traits<sinkattn::emu::EmuStore32> : Copy_Traits<UniversalCopy<uint32_t>> {};
+template <>
+struct Copy_Traits<sinkattn::emu::EmuLoad128> : Copy_Traits<UniversalCopy<uint128_t>> {};
 template <>
 struct Copy_Traits<sinkattn::emu::EmuLdsmN> : Copy_Traits<SM75_U32x4_LDSM_N> {};
 template <>

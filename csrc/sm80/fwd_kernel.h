@@ -31,9 +31,8 @@ using namespace cute;
 // Copies a (rows x d) tile global -> shared with the tiled cp.async copy. Vectors outside the valid rows or
 // beyond the real head dim are zero-filled in shared memory: K/V tails then give finite scores (masked later)
 // and zero contributions, whatever lies past the end of the tensors.
-template <class Kt, class ThrCopy, class TG, class TS, class TC>
-SA_DEVICE void load_tile(ThrCopy const& thr_copy, TG const& tXgX, TS& tXsX, TC const& tXcX, int valid_rows, int headdim) {
-  using Element = typename Kt::Element;
+template <class Kt, class TG, class TS, class TC>
+SA_DEVICE void load_tile(TG const& tXgX, TS&& tXsX, TC const& tXcX, int valid_rows, int headdim) {
   typename Kt::GmemTiledCopyLoad tiled_copy;
   CUTE_UNROLL
   for (int m = 0; m < size<1>(tXsX); ++m) {
@@ -42,7 +41,7 @@ SA_DEVICE void load_tile(ThrCopy const& thr_copy, TG const& tXgX, TS& tXsX, TC c
       if (get<0>(tXcX(0, m, k)) < valid_rows && get<1>(tXcX(0, m, k)) < headdim) {
         copy(tiled_copy, tXgX(_, m, k), tXsX(_, m, k));
       } else {
-        fill(tXsX(_, m, k), Element(0));
+        Kt::Prims::zero_fill(tXsX(_, m, k));
       }
     }
   }
@@ -161,14 +160,14 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     int rows = seqlen_k - n * kBlockN;
     Tensor tKsK = gmem_thr.partition_D(sK_stage(s));
     Tensor tVsV = gmem_thr.partition_D(sV_stage(s));
-    load_tile<Kt>(gmem_thr, gmem_thr.partition_S(gK_block(n)), tKsK, tKVcKV, rows, p.headdim);
-    load_tile<Kt>(gmem_thr, gmem_thr.partition_S(gV_block(n)), tVsV, tKVcKV, rows, p.headdim);
+    load_tile<Kt>(gmem_thr.partition_S(gK_block(n)), tKsK, tKVcKV, rows, p.headdim);
+    load_tile<Kt>(gmem_thr.partition_S(gV_block(n)), tVsV, tKVcKV, rows, p.headdim);
   };
 
   int const n_visit = range.count();
   {
     Tensor tQsQ = gmem_thr.partition_D(sQ);
-    load_tile<Kt>(gmem_thr, gmem_thr.partition_S(gQ), tQsQ, tQcQ, seqlen_q - m_block * kBlockM, p.headdim);
+    load_tile<Kt>(gmem_thr.partition_S(gQ), tQsQ, tQcQ, seqlen_q - m_block * kBlockM, p.headdim);
   }
   if (n_visit > 0) load_kv(0);
   Prims::cp_async_fence();

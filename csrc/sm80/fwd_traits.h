@@ -52,11 +52,11 @@ struct FwdTraits {
   using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>;
   using GmemTiledCopyLoad = decltype(make_tiled_copy(Copy_Atom<typename Prims::GmemCopyAsync, Element>{}, GmemThreadLayout{},
                                                      Layout<Shape<_1, Int<kElemsPerVec>>>{}));
-  using GmemTiledCopyStore = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{},
+  using GmemTiledCopyStore = decltype(make_tiled_copy(Copy_Atom<typename Prims::SmemLoad128, Element>{},
                                                       GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerVec>>>{}));
   using SmemCopyAtom = Copy_Atom<typename Prims::LdsmN, Element>;
   using SmemCopyAtomT = Copy_Atom<typename Prims::LdsmT, Element>;
-  using SmemCopyAtomO = Copy_Atom<UniversalCopy<uint32_t>, Element>;
+  using SmemCopyAtomO = Copy_Atom<typename Prims::SmemStore32, Element>;
 };
 
 }  // namespace sinkattn::sm80

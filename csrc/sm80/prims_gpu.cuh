@@ -15,6 +15,8 @@ struct GpuPrims {
   using GmemCopyAsync = cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>;
   using LdsmN = cute::SM75_U32x4_LDSM_N;
   using LdsmT = cute::SM75_U16x8_LDSM_T;
+  using SmemStore32 = cute::UniversalCopy<uint32_t>;
+  using SmemLoad128 = cute::UniversalCopy<cute::uint128_t>;
 
   static __device__ __forceinline__ void sync_threads() { __syncthreads(); }
   static __device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
@@ -23,6 +25,8 @@ struct GpuPrims {
   static __device__ __forceinline__ void cp_async_fence() { cute::cp_async_fence(); }
   template <int N>
   static __device__ __forceinline__ void cp_async_wait() { cute::cp_async_wait<N>(); }
+  template <class Tensor_>
+  static __device__ __forceinline__ void zero_fill(Tensor_&& t) { cute::clear(t); }
 };
 
 }  // namespace sinkattn::sm80
