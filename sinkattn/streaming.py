@@ -275,7 +275,7 @@ class SinkKVCache:
 
     def _step(self, layer, q, k, v, sinks, s_aux, softmax_scale, softcap, backend):
         s = q.shape[1]
-        seen, n, cap = self._seen[layer], self.sink_tokens, self.capacity
+        seen, cap = self._seen[layer], self.capacity
         kept = min(seen, cap) - max(0, min(seen, cap) + s - cap)  # old tokens kept after making room
         kw = dict(sinks=sinks, s_aux=s_aux, softmax_scale=softmax_scale, causal=True, softcap=softcap,
                   return_lse=True, backend=backend)
