@@ -197,3 +197,23 @@ def test_long_stream_keeps_sinks_and_positions_bounded():
             first.append(k)
     assert torch.equal(cache.k[0, :, :n], torch.cat(first, 1))
     assert math.isclose(cache.stats().occupancy, 1.0)
+
+
+def test_long_stream_example_smoke(tmp_path):
+    """examples/long_stream.py end to end on a short stream: memory flat, a plot written."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "long_stream.py")
+    spec = importlib.util.spec_from_file_location("long_stream_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    threads = torch.get_num_threads()
+    try:
+        summary = mod.main(["--tokens", "96", "--capacity", "32", "--every", "16", "--layers", "2",
+                            "--out", str(tmp_path / "plot.png")])
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["cache_mib_range"][0] == summary["cache_mib_range"][1]
+    assert summary["full_kv_cache_would_be_mib"] > summary["cache_mib"]
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
