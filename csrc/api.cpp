@@ -11,6 +11,7 @@
 #include "common/mask.h"
 #include "common/merge.h"
 #include "common/softmax.h"
+#include "common/split.h"
 #include "emu/emu_launch.h"
 #include "params.h"
 
@@ -113,6 +114,43 @@ static int served_headdim(int d) {
 // Writes out (like q) and lse (fp32: (batch, nheads, seqlen_q), or (nheads, total_q) when varlen) in place.
 // backend: "sm80" (CUDA tensors) or "sm80-emulated" (CPU tensors, the same kernel body under host emulation).
 // max_smem: the shared-memory limit that picks the tile configuration; 0 = the device's (GPU) or sm80's (emulated).
+static void check_kernel_tensors(std::vector<at::Tensor const*> const& ts, bool emulated, std::string const& backend) {
+  for (auto const* t : ts) {
+    TORCH_CHECK(t->stride(-1) == 1, "sinkattn fwd: tensors need a contiguous last dimension");
+    TORCH_CHECK(emulated ? t->device().is_cpu() : t->is_cuda(), "sinkattn fwd: backend ", backend,
+                emulated ? " takes CPU tensors" : " takes CUDA tensors");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "sinkattn fwd: tensors must be 16-byte aligned");
+    for (int i = 0; i < t->dim() - 1; ++i)
+      TORCH_CHECK(t->stride(i) % 8 == 0 || t->size(i) == 1, "sinkattn fwd: strides must be multiples of 8 elements");
+  }
+}
+
+static KernelInfo const* fwd_kernel_for(std::string const& backend, at::Tensor const& q) {
+  int const d = q.size(-1);
+  TORCH_CHECK(d % 8 == 0 && d <= 256, "sinkattn fwd: head dim must be a multiple of 8 up to 256");
+  int const hd = served_headdim(d);
+  std::string const dt = dtype_name(q.scalar_type());
+  auto const* info = find_kernel(backend, "fwd", hd, dt);
+  TORCH_CHECK(info, "sinkattn fwd: no ", backend, " kernel for head dim ", hd, " ", dt, " in this build");
+  return info;
+}
+
+static void launch_fwd(KernelInfo const* info, FwdParams& p, bool emulated, int64_t max_smem, at::Device device) {
+  if (emulated) {
+    EmuLaunch launch;
+    if (max_smem > 0) launch.max_smem_per_block = int(max_smem);
+    py::gil_scoped_release no_gil;  // the emulation runs for a while on its own threads
+    reinterpret_cast<FwdEmuFn>(info->fn)(p, launch);
+    return;
+  }
+  c10::cuda::CUDAGuard guard(device);
+  int smem = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
+  p.max_smem_per_block = max_smem > 0 ? int(std::min<int64_t>(max_smem, smem)) : smem;
+  reinterpret_cast<FwdFn>(info->fn)(p, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> sinks,
                 at::Tensor out, at::Tensor lse, std::optional<at::Tensor> cu_seqlens_q,
                 std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
@@ -126,21 +164,10 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() && out.scalar_type() == q.scalar_type(),
               "sinkattn fwd: q, k, v and out must share a dtype");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "sinkattn fwd: lse must be float32");
-  for (auto const* t : {&q, &k, &v, &out}) {
-    TORCH_CHECK(t->stride(-1) == 1, "sinkattn fwd: tensors need a contiguous last dimension");
-    TORCH_CHECK(emulated ? t->device().is_cpu() : t->is_cuda(), "sinkattn fwd: backend ", backend,
-                emulated ? " takes CPU tensors" : " takes CUDA tensors");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "sinkattn fwd: tensors must be 16-byte aligned");
-    for (int i = 0; i < t->dim() - 1; ++i)
-      TORCH_CHECK(t->stride(i) % 8 == 0 || t->size(i) == 1, "sinkattn fwd: strides must be multiples of 8 elements");
-  }
+  check_kernel_tensors({&q, &k, &v, &out}, emulated, backend);
   int const d = q.size(-1);
-  TORCH_CHECK(d % 8 == 0 && d <= 256 && k.size(-1) == d && v.size(-1) == d,
-              "sinkattn fwd: head dims must match and be a multiple of 8 up to 256");
-  int const hd = served_headdim(d);
-  std::string const dt = dtype_name(q.scalar_type());
-  auto const* info = find_kernel(backend, "fwd", hd, dt);
-  TORCH_CHECK(info, "sinkattn fwd: no ", backend, " kernel for head dim ", hd, " ", dt, " in this build");
+  TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, "sinkattn fwd: q, k and v head dims must match");
+  auto const* info = fwd_kernel_for(backend, q);
 
   FwdParams p;
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.out = out.data_ptr();
@@ -192,27 +219,98 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   p.window_right = int(window_right);
   p.sink_tokens = int(sink_tokens);
 
-  if (emulated) {
-    EmuLaunch launch;
-    if (max_smem > 0) launch.max_smem_per_block = int(max_smem);
-    py::gil_scoped_release no_gil;  // the emulation runs for a while on its own threads
-    reinterpret_cast<FwdEmuFn>(info->fn)(p, launch);
-    return;
+  launch_fwd(info, p, emulated, max_smem, q.device());
+}
+
+// Decode / chunked prefill over a KV cache that already holds the new keys: q (batch, seqlen_q, nheads, d);
+// k_cache/v_cache (batch, capacity, nheads_k, d), or page pools (num_pages, page_size, nheads_k, d) with
+// block_table (batch, max_pages) int32; seqused_k (batch,) int32 keys per sequence. GQA heads are packed
+// into one tile per KV head; num_splits 0 picks the split-KV count from the SM count and the work.
+static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                        std::optional<at::Tensor> sinks, at::Tensor out, at::Tensor lse, at::Tensor seqused_k,
+                        std::optional<at::Tensor> block_table, double softmax_scale, int64_t window_left,
+                        int64_t window_right, int64_t sink_tokens, double softcap, int64_t num_splits, int64_t max_smem) {
+  bool const emulated = backend == "sm80-emulated";
+  TORCH_CHECK(emulated || backend == "sm80", "sinkattn fwd_kvcache: unknown backend '", backend, "'");
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "sinkattn fwd_kvcache: q and the caches must be rank 4, k_cache and v_cache alike");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  out.scalar_type() == q.scalar_type() && lse.scalar_type() == at::kFloat,
+              "sinkattn fwd_kvcache: q, caches and out share a dtype; lse is float32");
+  check_kernel_tensors({&q, &k_cache, &v_cache, &out}, emulated, backend);
+  int const d = q.size(-1);
+  TORCH_CHECK(k_cache.size(-1) == d, "sinkattn fwd_kvcache: q and cache head dims must match");
+  auto const* info = fwd_kernel_for(backend, q);
+  TORCH_CHECK(seqused_k.scalar_type() == at::kInt && seqused_k.is_contiguous() && seqused_k.numel() == q.size(0),
+              "sinkattn fwd_kvcache: seqused_k must be contiguous int32 (batch,)");
+
+  FwdParams p;
+  p.q = q.data_ptr(); p.k = k_cache.data_ptr(); p.v = v_cache.data_ptr(); p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  at::Tensor sinks_f;
+  if (sinks) {
+    sinks_f = sinks->to(at::kFloat).contiguous();
+    p.sinks = sinks_f.data_ptr<float>();
   }
-  c10::cuda::CUDAGuard guard(q.device());
-  int dev = q.get_device(), smem = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  p.max_smem_per_block = max_smem > 0 ? int(std::min<int64_t>(max_smem, smem)) : smem;
-  reinterpret_cast<FwdFn>(info->fn)(p, c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  p.batch = q.size(0); p.seqlen_q = q.size(1); p.nheads = q.size(2); p.nheads_k = k_cache.size(2); p.headdim = d;
+  TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn fwd_kvcache: nheads must be a multiple of nheads_k");
+  p.headdim_rounded = served_headdim(d);
+  p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
+  p.k_batch_stride = k_cache.stride(0); p.k_row_stride = k_cache.stride(1); p.k_head_stride = k_cache.stride(2);
+  p.v_batch_stride = v_cache.stride(0); p.v_row_stride = v_cache.stride(1); p.v_head_stride = v_cache.stride(2);
+  p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.batch && lse.size(1) == p.nheads && lse.size(2) == p.seqlen_q &&
+                  lse.is_contiguous(), "sinkattn fwd_kvcache: lse must be contiguous (batch, nheads, seqlen_q)");
+  p.lse_batch_stride = lse.stride(0);
+  p.lse_head_stride = lse.stride(1);
+  p.seqused_k = seqused_k.data_ptr<int>();
+  int64_t capacity = k_cache.size(1);
+  if (block_table) {
+    TORCH_CHECK(block_table->scalar_type() == at::kInt && block_table->dim() == 2 && block_table->size(0) == p.batch &&
+                    block_table->stride(1) == 1, "sinkattn fwd_kvcache: block_table must be int32 (batch, max_pages)");
+    p.block_table = block_table->data_ptr<int>();
+    p.block_table_batch_stride = block_table->stride(0);
+    p.page_size = k_cache.size(1);
+    capacity = block_table->size(1) * p.page_size;
+  }
+  p.seqlen_k = int(capacity);
+  p.softmax_scale = float(softmax_scale);
+  p.softcap = float(softcap);
+  p.window_left = int(window_left);
+  p.window_right = int(window_right);
+  p.sink_tokens = int(sink_tokens);
+  p.pack_gqa = p.nheads > p.nheads_k;
+
+  // Split-KV: decode launches one CTA per (sequence, KV head); splitting the keys fills the SMs.
+  int const block_m = p.headdim_rounded == 256 ? 64 : 128, block_n = 64;
+  int64_t const rows = int64_t(p.seqlen_q) * (p.nheads / p.nheads_k);
+  int64_t const ctas = (rows + block_m - 1) / block_m * (p.pack_gqa ? p.nheads_k : p.nheads) * p.batch;
+  int sms = 108;  // the emulation pretends to be an A100
+  if (!emulated) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
+  int const n_blocks = int((capacity + block_n - 1) / block_n);
+  p.num_splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, 128))
+                                : choose_num_splits(ctas, sms, n_blocks, 64);
+  at::Tensor out_accum, lse_accum;
+  if (p.num_splits > 1) {
+    auto f32 = q.options().dtype(at::kFloat);
+    out_accum = at::empty({p.num_splits, p.batch, p.nheads, p.seqlen_q, p.headdim_rounded}, f32);
+    lse_accum = at::empty({p.num_splits, p.batch, p.nheads, p.seqlen_q}, f32);
+    p.out_accum = out_accum.data_ptr<float>();
+    p.lse_accum = lse_accum.data_ptr<float>();
+  }
+  launch_fwd(info, p, emulated, max_smem, q.device());
+}
+
+static int64_t num_splits_heuristic(int64_t ctas, int64_t num_sms, int64_t n_blocks, int64_t max_splits) {
+  return choose_num_splits(ctas, int(num_sms), int(n_blocks), int(max_splits));
 }
 
 // ---- host entry points to the shared logic, for the CPU tests -----------------------------------------
 // (m_block, n_block, needs_mask) for every block each M tile visits, in visiting order.
-static at::Tensor mask_tile_blocks(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n) {
-  TileMask tm{MaskPolicy{sq, sk, wl, wr, ns}, block_m, block_n};
+static at::Tensor mask_tile_blocks(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n, int group) {
+  TileMask tm{MaskPolicy{sq, sk, wl, wr, ns}, block_m, block_n, group};
   std::vector<int32_t> rows;
-  int m_blocks = ceil_div(sq, block_m);
+  int m_blocks = ceil_div(sq * group, block_m);
   for (int m = 0; m < m_blocks; ++m) {
     BlockRange r = tm.range(m);
     for (int t = 0; t < r.count(); ++t) {
@@ -267,7 +365,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("runtime_info", &runtime_info, "CUDA runtime and driver versions now");
   m.def("merge_states", &merge_states, "merge two partial (out, lse) states, adding the sink once (CUDA)");
   m.def("fwd", &fwd, "attention forward on a kernel backend (sm80, sm80-emulated)");
-  m.def("mask_tile_blocks", &mask_tile_blocks, "host entry: blocks each M tile visits and whether they need a mask");
+  m.def("fwd_kvcache", &fwd_kvcache, "attention over a KV cache (paged or not) with split-KV and GQA packing");
+  m.def("num_splits_heuristic", &num_splits_heuristic, "host entry: the split-KV count num_splits=0 picks");
+  m.def("mask_tile_blocks", &mask_tile_blocks, "host entry: blocks each M tile visits and whether they need a mask",
+        py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"),
+        py::arg("group") = 1);
   m.def("mask_visible", &mask_visible, "host entry: the element visibility of the mask policy");
   m.def("finalize_rows", &finalize_rows, "host entry: the softmax finalize with the sink");
   m.def("merge_weights", &merge_weights_host, "host entry: merge weights of two partial states with the sink");

@@ -37,6 +37,22 @@ struct FwdParams {
   int sink_tokens = 0;         // keys [0, sink_tokens) relax the left edge of the window
 
   int max_smem_per_block = 0;  // the device's opt-in limit; picks the tile configuration
+
+  // KV cache (decode and chunked prefill).
+  const int* seqused_k = nullptr;    // (batch,): keys in sequence b (cache_seqlens after the append); overrides seqlen_k
+  const int* block_table = nullptr;  // (batch, max_pages): k/v are then page pools (num_pages, page_size, nheads_k, d)
+  int64_t block_table_batch_stride = 0;  // and k/v_batch_stride are the page strides
+  int page_size = 0;
+  // GQA packing: the G = nheads / nheads_k query heads of one KV head share an M tile, so K/V are read once
+  // per group. Row r of the packed problem is query r / G of head kv_head * G + r % G.
+  int pack_gqa = 0;
+  // Split-KV: each split writes its partial result (normalised over its own keys, no sink) in fp32, and the
+  // combine adds the sink once. out_accum (num_splits, batch, nheads, seqlen_q, headdim_rounded),
+  // lse_accum (num_splits, batch, nheads, seqlen_q).
+  int num_splits = 1;
+  int headdim_rounded = 0;
+  float* out_accum = nullptr;
+  float* lse_accum = nullptr;
 };
 
 // Merge of two partial attention states computed over disjoint key sets (neither including the sink).

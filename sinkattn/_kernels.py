@@ -11,6 +11,7 @@ import torch
 
 from . import _device, _ext
 from ._problem import Problem
+from .errors import SinkattnRuntimeError
 
 KERNEL_BACKENDS = ("sm90", "sm80", "sm80-emulated")
 COMPILED_HEADDIMS = (64, 128, 256)
@@ -112,8 +113,8 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
             return f"backend 'sm90' needs a cc 9.0 GPU (this one is cc {capability[0]}.{capability[1]})"
         if backend == "sm80" and capability[0] < 8:
             return f"sinkattn kernels need cc >= 8.0 (this GPU is cc {capability[0]}.{capability[1]})"
-    if problem.kind != "fwd":
-        what = {"bwd": "backward", "kvcache": "KV-cache decode"}.get(problem.kind, problem.kind)
+    if problem.kind not in ("fwd", "kvcache"):
+        what = {"bwd": "backward"}.get(problem.kind, problem.kind)
         return f"no {what} kernel is built yet for backend {backend!r}; the reference backend serves it"
     dtype = DTYPE_NAMES.get(str(problem.dtype))
     if dtype not in ("bf16", "fp16"):
@@ -130,7 +131,8 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
             if emulated:
                 return "this build has no emulated kernels (it was built with SINKATTN_EMULATION=0)"
             # The grid asked for it and the generator still made none: the family does not exist yet.
-            return (f"sinkattn has no {backend} forward kernels yet"
+            what = "decode (KV-cache)" if problem.kind == "kvcache" else "forward"
+            return (f"sinkattn has no {backend} {what} kernels yet"
                     + ("; the sm80 kernels serve cc 9.0" if backend == "sm90" else ""))
         compiled = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry()
                            if k["family"] == BACKEND_FAMILY[backend] and k["op"] == "fwd"})
@@ -174,6 +176,29 @@ def forward(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, win
     target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     C.fwd(backend, q, k, v, sinks, target, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
           float(softmax_scale), int(window_left), int(window_right), int(sink_tokens), float(softcap), int(max_smem))
+    if target is not out:
+        out.copy_(target)
+
+
+def kvcache_forward(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_seqlens, block_table,
+                    softmax_scale: float, window_left: int, window_right: int, sink_tokens: int, softcap: float,
+                    num_splits: int = 0, max_smem: int = 0) -> None:
+    """Attention of q (b, sq, h, d) over a KV cache that already holds the new keys, writing out and lse (b, h, sq).
+
+    cache_seqlens (b,) int32 counts the keys of each sequence; block_table (b, max_pages) int32 for a paged
+    cache. The query heads of a KV head share a tile (K/V read once per group); num_splits 0 picks split-KV
+    from the SM count and the work, and the combine adds the sink once."""
+    C = _ext.require()
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not _aligned(t):
+            raise SinkattnRuntimeError(f"backend {backend!r}: {name} must have 16-byte aligned rows (strides multiple "
+                                       f"of 8 elements, last dim contiguous) to be read in place; got strides "
+                                       f"{tuple(t.stride())}. Use backend='reference' for this cache layout.")
+    q = q if _aligned(q) else q.contiguous()
+    target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    C.fwd_kvcache(backend, q, k_cache, v_cache, sinks, target, lse, cache_seqlens.to(torch.int32).contiguous(),
+                  None if block_table is None else block_table.to(torch.int32), float(softmax_scale),
+                  int(window_left), int(window_right), int(sink_tokens), float(softcap), int(num_splits), int(max_smem))
     if target is not out:
         out.copy_(target)
 

@@ -46,15 +46,28 @@ SA_HOST_DEVICE int max_i(int a, int b) { return a > b ? a : b; }
 SA_HOST_DEVICE int min_i(int a, int b) { return a < b ? a : b; }
 
 // Block sizes are runtime values so host tests can sweep them; in a kernel they are compile-time
-// constants at the call site and fold away.
+// constants at the call site and fold away. `group` > 1 is a GQA-packed tile: row r holds query r / group.
 struct TileMask {
   MaskPolicy p;
   int kBlockM, kBlockN;
+  int group = 1;
+
+  SA_HOST_DEVICE int query_of_row(int r) const { return group == 1 ? r : r / group; }
+
+  // First and last query of M tile m_block (last < first when the tile is past the end).
+  SA_HOST_DEVICE void tile_queries(int m_block, int& m0, int& m_last) const {
+    int r0 = m_block * kBlockM;
+    int r_last = min_i(r0 + kBlockM, p.seqlen_q * group) - 1;
+    m0 = query_of_row(r0);
+    m_last = r_last < r0 ? m0 - 1 : query_of_row(r_last);
+  }
+
+  SA_HOST_DEVICE bool visible_row(int r, int j) const { return p.visible(query_of_row(r), j); }
 
   SA_HOST_DEVICE BlockRange range(int m_block) const {
     BlockRange r{0, 0, 0};
-    int m0 = m_block * kBlockM;
-    int m_last = min_i(m0 + kBlockM, p.seqlen_q) - 1;
+    int m0, m_last;
+    tile_queries(m_block, m0, m_last);
     if (m_last < m0 || p.seqlen_k <= 0) return r;
     int hi = p.seqlen_k;  // one past the last visible key of any row in the tile
     if (p.window_right >= 0) hi = min_i(hi, m_last + p.offset() + p.window_right + 1);
@@ -72,8 +85,8 @@ struct TileMask {
   // True when some pair of the block (valid rows x block columns) is not visible, so the kernel must apply
   // the element mask. Exact: a block reported false has every pair visible.
   SA_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {
-    int m0 = m_block * kBlockM;
-    int m_last = min_i(m0 + kBlockM, p.seqlen_q) - 1;
+    int m0, m_last;
+    tile_queries(m_block, m0, m_last);
     int j0 = n_block * kBlockN, j1 = j0 + kBlockN - 1;
     if (j1 >= p.seqlen_k) return true;
     if (p.window_right >= 0 && j1 > m0 + p.offset() + p.window_right) return true;

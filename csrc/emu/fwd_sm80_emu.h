@@ -2,10 +2,12 @@
 // C++ compiler; no CUDA, no torch). Same configurations, grid order and block indices as run_fwd_sm80.
 #pragma once
 #include "build_info.h"
+#include "common/combine.h"
 #include "emu/emu_launch.h"
 #include "emu/emu_prims.h"
 #include "params.h"
 #include "sm80/fwd_config.h"
+#include "sm80/fwd_grid.h"
 #include "sm80/fwd_kernel.h"
 
 #define SINKATTN_FWD_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen"
@@ -15,14 +17,18 @@ namespace sinkattn {
 template <int kHeadDim, class Element>
 void run_fwd_sm80_emulated(FwdParams const& p, EmuLaunch const& launch) {
   sm80::with_fwd_config<kHeadDim, Element, emu::EmuPrims>(launch.max_smem_per_block, [&]<class Kt>() {
-    int const num_m_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
-    int64_t const grid = int64_t(num_m_blocks) * p.nheads * p.batch;
-    emu::launch(grid, Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
-      int const m_block = num_m_blocks - 1 - int(bid % num_m_blocks);
-      int const bh = int(bid / num_m_blocks);
-      sm80::fwd_block<Kt>(p, smem, tid, m_block, bh / p.nheads, bh % p.nheads);
+    sm80::FwdGrid const grid = sm80::fwd_grid<Kt::kBlockM>(p);
+    emu::launch(grid.size(p.batch), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
+      int m_block, split, head, batch;
+      grid.decode(bid, m_block, split, head, batch);
+      sm80::fwd_block<Kt>(p, smem, tid, m_block, batch, head, split);
     });
   });
+  if (p.num_splits > 1) {
+    for (int b = 0; b < p.batch; ++b)
+      for (int h = 0; h < p.nheads; ++h)
+        for (int i = 0; i < p.seqlen_q; ++i) combine_row<Element>(p, b, h, i, 0, 1);
+  }
 }
 
 }  // namespace sinkattn

@@ -13,6 +13,7 @@
 
 #include "common/defs.h"
 #include "common/mask.h"
+#include "common/split.h"
 #include "common/softmax.h"
 #include "params.h"
 #include "sm80/fwd_traits.h"
@@ -28,18 +29,24 @@ namespace sinkattn::sm80 {
 
 using namespace cute;
 
-// Copies a (rows x d) tile global -> shared with the tiled cp.async copy. Vectors outside the valid rows or
-// beyond the real head dim are zero-filled in shared memory: K/V tails then give finite scores (masked later)
-// and zero contributions, whatever lies past the end of the tensors.
-template <class Kt, class TG, class TS, class TC>
-SA_DEVICE void load_tile(TG const& tXgX, TS&& tXsX, TC const& tXcX, int valid_rows, int headdim) {
+// Copies a (rows x d) tile global -> shared with the tiled cp.async copy, row r read from row_ptr(r): rows
+// may sit anywhere (pages of a paged cache, query heads of a GQA-packed tile). Vectors outside the valid rows
+// or beyond the real head dim are zero-filled in shared memory: K/V tails then give finite scores (masked
+// later) and zero contributions, whatever lies past the end of the tensors. vec is the layout of one
+// 16-byte vector (contiguous columns).
+template <class Kt, class TS, class TC, class Vec, class RowPtr>
+SA_DEVICE void load_rows(TS&& tXsX, TC const& tXcX, Vec const& vec, int valid_rows, int headdim, RowPtr const& row_ptr) {
   typename Kt::GmemTiledCopyLoad tiled_copy;
   CUTE_UNROLL
   for (int m = 0; m < size<1>(tXsX); ++m) {
+    int const r = get<0>(tXcX(0, m, 0));
+    bool const row_ok = r < valid_rows;
+    auto const* src = row_ok ? row_ptr(r) : nullptr;
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tXsX); ++k) {
-      if (get<0>(tXcX(0, m, k)) < valid_rows && get<1>(tXcX(0, m, k)) < headdim) {
-        copy(tiled_copy, tXgX(_, m, k), tXsX(_, m, k));
+      int const c = get<1>(tXcX(0, m, k));
+      if (row_ok && c < headdim) {
+        copy(tiled_copy, make_tensor(make_gmem_ptr(src + c), vec), tXsX(_, m, k));
       } else {
         Kt::Prims::zero_fill(tXsX(_, m, k));
       }
@@ -93,44 +100,48 @@ SA_DEVICE float quad_sum(float x) {
   return x + Prims::shfl_xor(x, 2);
 }
 
+// One CTA: M tile m_block of sequence bidb, query head bidh (or KV head bidh when GQA-packed), split `split`.
 template <class Kt>
-SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, int bidb, int bidh) {
+SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, int bidb, int bidh, int split) {
   using Element = typename Kt::Element;
   using Prims = typename Kt::Prims;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
 
-  // ---- this sequence's extent (varlen: packed rows from cu_seqlens) --------------------------------------
+  // ---- this sequence's extent (varlen: packed rows from cu_seqlens; KV cache: seqused_k) ------------------
   bool const varlen = p.cu_seqlens_q != nullptr;
   int64_t const q_start = varlen ? p.cu_seqlens_q[bidb] : 0;
   int64_t const k_start = varlen ? p.cu_seqlens_k[bidb] : 0;
   int const seqlen_q = varlen ? int(p.cu_seqlens_q[bidb + 1] - q_start) : p.seqlen_q;
-  int const seqlen_k = varlen ? int(p.cu_seqlens_k[bidb + 1] - k_start) : p.seqlen_k;
-  if (m_block * kBlockM >= seqlen_q) return;  // uniform per CTA: the grid covers the longest sequence
-  int const bidh_k = bidh / (p.nheads / p.nheads_k);
+  int const seqlen_k = varlen ? int(p.cu_seqlens_k[bidb + 1] - k_start) : p.seqused_k ? p.seqused_k[bidb] : p.seqlen_k;
+  int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
+  int const rows = seqlen_q * group;  // rows of this (sequence, head or head group) problem
+  if (m_block * kBlockM >= rows) return;  // uniform per CTA: the grid covers the longest sequence
+  int const bidh_k = p.pack_gqa ? bidh : bidh / (p.nheads / p.nheads_k);
+  int const m0 = m_block * kBlockM;
+  // The query head and query index of tile row r.
+  auto head_of = [&](int r) { return group == 1 ? bidh : bidh * group + (m0 + r) % group; };
+  auto query_of = [&](int r) { return group == 1 ? m0 + r : (m0 + r) / group; };
 
-  TileMask const tile_mask{MaskPolicy{seqlen_q, seqlen_k, p.window_left, p.window_right, p.sink_tokens}, kBlockM, kBlockN};
+  TileMask const tile_mask{MaskPolicy{seqlen_q, seqlen_k, p.window_left, p.window_right, p.sink_tokens},
+                           kBlockM, kBlockN, group};
   BlockRange const range = tile_mask.range(m_block);
+  int t_begin = 0, t_end = range.count();
+  if (p.num_splits > 1) split_share(range.count(), split, p.num_splits, t_begin, t_end);
 
-  // ---- global tensors -------------------------------------------------------------------------------------
-  int64_t const q_off = (varlen ? q_start * p.q_row_stride : bidb * p.q_batch_stride) + bidh * p.q_head_stride +
-                        int64_t(m_block) * kBlockM * p.q_row_stride;
-  int64_t const k_off = (varlen ? k_start * p.k_row_stride : bidb * p.k_batch_stride) + bidh_k * p.k_head_stride;
-  int64_t const v_off = (varlen ? k_start * p.v_row_stride : bidb * p.v_batch_stride) + bidh_k * p.v_head_stride;
-  int64_t const o_off = (varlen ? q_start * p.o_row_stride : bidb * p.o_batch_stride) + bidh * p.o_head_stride +
-                        int64_t(m_block) * kBlockM * p.o_row_stride;
-  Tensor gQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q) + q_off),
-                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.q_row_stride, _1{}));
-  Tensor gO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + o_off),
-                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.o_row_stride, _1{}));
-  Element const* k_base = static_cast<Element const*>(p.k) + k_off;
-  Element const* v_base = static_cast<Element const*>(p.v) + v_off;
-  auto gK_block = [&](int n) {
-    return make_tensor(make_gmem_ptr(k_base + int64_t(n) * kBlockN * p.k_row_stride),
-                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.k_row_stride, _1{}));
-  };
-  auto gV_block = [&](int n) {
-    return make_tensor(make_gmem_ptr(v_base + int64_t(n) * kBlockN * p.v_row_stride),
-                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.v_row_stride, _1{}));
+  // ---- global rows ------------------------------------------------------------------------------------------
+  Element const* q_seq = static_cast<Element const*>(p.q) + (varlen ? q_start * p.q_row_stride : bidb * p.q_batch_stride);
+  Element* o_seq = static_cast<Element*>(p.out) + (varlen ? q_start * p.o_row_stride : bidb * p.o_batch_stride);
+  auto q_row = [&](int r) { return q_seq + int64_t(query_of(r)) * p.q_row_stride + int64_t(head_of(r)) * p.q_head_stride; };
+  auto o_row = [&](int r) { return o_seq + int64_t(query_of(r)) * p.o_row_stride + int64_t(head_of(r)) * p.o_head_stride; };
+  // Key j of this sequence: contiguous, or slot j % page_size of page block_table[j / page_size].
+  Element const* k_seq = static_cast<Element const*>(p.k) + int64_t(bidh_k) * p.k_head_stride +
+                         (p.block_table || varlen ? k_start * p.k_row_stride : bidb * p.k_batch_stride);
+  Element const* v_seq = static_cast<Element const*>(p.v) + int64_t(bidh_k) * p.v_head_stride +
+                         (p.block_table || varlen ? k_start * p.v_row_stride : bidb * p.v_batch_stride);
+  int const* pages = p.block_table ? p.block_table + bidb * p.block_table_batch_stride : nullptr;
+  auto kv_row = [&](Element const* seq, int64_t page_stride, int64_t row_stride, int j) {
+    if (pages) return seq + int64_t(pages[j / p.page_size]) * page_stride + int64_t(j % p.page_size) * row_stride;
+    return seq + int64_t(j) * row_stride;
   };
 
   // ---- shared memory: Q, then K stages, then V stages ---------------------------------------------------
@@ -155,21 +166,19 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor tQcQ = gmem_thr.partition_S(cQ);
   Tensor tKVcKV = gmem_thr.partition_S(cKV);
+  // The layout of one thread's 16-byte vector in a row-major global tile (only its column stride matters).
+  auto const vec = gmem_thr.partition_S(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, GenRowMajor{}))(_, 0, 0).layout();
   auto load_kv = [&](int t) {
-    int n = range.block(t), s = t % Kt::kStages;
-    int rows = seqlen_k - n * kBlockN;
-    Tensor tKsK = gmem_thr.partition_D(sK_stage(s));
-    Tensor tVsV = gmem_thr.partition_D(sV_stage(s));
-    load_tile<Kt>(gmem_thr.partition_S(gK_block(n)), tKsK, tKVcKV, rows, p.headdim);
-    load_tile<Kt>(gmem_thr.partition_S(gV_block(n)), tVsV, tKVcKV, rows, p.headdim);
+    int const n = range.block(t), s = (t - t_begin) % Kt::kStages, j0 = n * kBlockN;
+    load_rows<Kt>(gmem_thr.partition_D(sK_stage(s)), tKVcKV, vec, seqlen_k - j0, p.headdim,
+                  [&](int r) { return kv_row(k_seq, p.k_batch_stride, p.k_row_stride, j0 + r); });
+    load_rows<Kt>(gmem_thr.partition_D(sV_stage(s)), tKVcKV, vec, seqlen_k - j0, p.headdim,
+                  [&](int r) { return kv_row(v_seq, p.v_batch_stride, p.v_row_stride, j0 + r); });
   };
 
-  int const n_visit = range.count();
-  {
-    Tensor tQsQ = gmem_thr.partition_D(sQ);
-    load_tile<Kt>(gmem_thr.partition_S(gQ), tQsQ, tQcQ, seqlen_q - m_block * kBlockM, p.headdim);
-  }
-  if (n_visit > 0) load_kv(0);
+  load_rows<Kt>(gmem_thr.partition_D(sQ), tQcQ, vec, rows - m0, p.headdim, q_row);
+  if (t_end > t_begin) load_kv(t_begin);
   Prims::cp_async_fence();
 
   // ---- MMA partitions ----------------------------------------------------------------------------------------
@@ -198,11 +207,9 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   float const scale_nat = softcap ? 1.f : p.softmax_scale;
   float const scale_log2 = scale_nat * float(M_LOG2E);
   float const tanh_in_scale = softcap ? p.softmax_scale / p.softcap : 0.f;
-  int const m0 = m_block * kBlockM;
-
-  for (int t = 0; t < n_visit; ++t) {
-    int const n = range.block(t), s = t % Kt::kStages;
-    if (t + 1 < n_visit) {
+  for (int t = t_begin; t < t_end; ++t) {
+    int const n = range.block(t), s = (t - t_begin) % Kt::kStages;
+    if (t + 1 < t_end) {
       load_kv(t + 1);  // into the other stage, freed by the barrier that ended iteration t - 1
       Prims::cp_async_fence();
       Prims::template cp_async_wait<1>();
@@ -228,7 +235,7 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
         CUTE_UNROLL
         for (int c = 0; c < size<1>(scores); ++c) {
           auto coord = tScS(r, c);
-          if (!tile_mask.p.visible(m0 + get<0>(coord), n * kBlockN + get<1>(coord))) scores(r, c) = -INFINITY;
+          if (!tile_mask.visible_row(m0 + get<0>(coord), n * kBlockN + get<1>(coord))) scores(r, c) = -INFINITY;
         }
       }
     }
@@ -267,22 +274,42 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     Prims::sync_threads();  // every read of stage s done before iteration t + 1 refills it
   }
 
-  // ---- finalize: the sink joins the denominator once per row ----------------------------------------------
-  float const sink = p.sinks ? p.sinks[bidh] : -INFINITY;
+  // ---- finalize: the sink joins the denominator once per row (in the combine when split) ------------------
+  bool const split_kv = p.num_splits > 1;
   Tensor out_rows = rowcol_view(acc_o);
+  Tensor tOcO = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
   float lse[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     float sum = quad_sum<Prims>(row_sum[r]);
     float max_nat = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * scale_nat;
+    float const sink = split_kv ? -INFINITY : p.sinks ? p.sinks[head_of(get<0>(tOcO(r, 0)))] : -INFINITY;
     RowFinal f = finalize_row(max_nat, sum, sink);
     lse[r] = f.lse;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
   }
 
+  if (t_end == t_begin) Prims::template cp_async_wait<0>();  // the Q copy, when no key block was visited
+
+  if (split_kv) {
+    // Partial results in fp32, straight from registers: decode tiles are small and the combine reads them once.
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int const row = get<0>(tOcO(r, 0));
+      if (m0 + row >= rows) continue;
+      int64_t const idx = ((int64_t(split) * p.batch + bidb) * p.nheads + head_of(row)) * p.seqlen_q + query_of(row);
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(out_rows); ++c) {
+        int const col = get<1>(tOcO(r, c));
+        if (col < p.headdim) p.out_accum[idx * p.headdim_rounded + col] = out_rows(r, c);
+      }
+      if (get<1>(tOcO(r, 0)) == 0) p.lse_accum[idx] = lse[r];
+    }
+    return;
+  }
+
   // ---- epilogue: registers -> shared (reusing Q's space) -> global in 16-byte vectors ----------------------
-  if (n_visit == 0) Prims::template cp_async_wait<0>();
   Prims::sync_threads();  // no thread still reads sQ
   Tensor rO = make_tensor<Element>(acc_o.layout());
   CUTE_UNROLL
@@ -293,27 +320,29 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
 
   // LSE: the lane holding column 0 of a row writes it.
-  int64_t const lse_base = (varlen ? q_start : 0) + int64_t(bidb) * p.lse_batch_stride + int64_t(bidh) * p.lse_head_stride;
-  Tensor tOcO = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+  int64_t const lse_seq = (varlen ? q_start : 0) + int64_t(bidb) * p.lse_batch_stride;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    int row = get<0>(tOcO(r, 0));
-    if (get<1>(tOcO(r, 0)) == 0 && m0 + row < seqlen_q) p.lse[lse_base + m0 + row] = lse[r];
+    int const row = get<0>(tOcO(r, 0));
+    if (get<1>(tOcO(r, 0)) == 0 && m0 + row < rows) {
+      p.lse[lse_seq + int64_t(head_of(row)) * p.lse_head_stride + query_of(row)] = lse[r];
+    }
   }
 
   Prims::sync_threads();
   typename Kt::GmemTiledCopyStore gmem_store;
   auto store_thr = gmem_store.get_thread_slice(tid);
   Tensor tOsO = store_thr.partition_S(sO);
-  Tensor tOgO = store_thr.partition_D(gO);
   Tensor tOcOst = store_thr.partition_D(cQ);
   CUTE_UNROLL
-  for (int m = 0; m < size<1>(tOgO); ++m) {
+  for (int m = 0; m < size<1>(tOsO); ++m) {
+    int const row = get<0>(tOcOst(0, m, 0));
+    if (m0 + row >= rows) continue;
+    Element* dst = o_row(row);
     CUTE_UNROLL
-    for (int k = 0; k < size<2>(tOgO); ++k) {
-      if (m0 + get<0>(tOcOst(0, m, k)) < seqlen_q && get<1>(tOcOst(0, m, k)) < p.headdim) {
-        copy(gmem_store, tOsO(_, m, k), tOgO(_, m, k));
-      }
+    for (int k = 0; k < size<2>(tOsO); ++k) {
+      int const col = get<1>(tOcOst(0, m, k));
+      if (col < p.headdim) copy(gmem_store, tOsO(_, m, k), make_tensor(make_gmem_ptr(dst + col), vec));
     }
   }
 }

@@ -3,8 +3,10 @@
 #include <cuda_runtime.h>
 
 #include "build_info.h"
+#include "common/combine.h"
 #include "params.h"
 #include "sm80/fwd_config.h"
+#include "sm80/fwd_grid.h"
 #include "sm80/fwd_kernel.h"
 #include "sm80/prims_gpu.cuh"
 
@@ -14,15 +16,23 @@ namespace sinkattn {
 
 namespace sm80 {
 
-// One CTA per (M tile, head, batch) in a 1-D grid (no 65535 limit on batch * heads). M tiles vary fastest so
-// neighbouring CTAs share K/V in L2, and the last M tiles (the heaviest under a causal mask) start first.
 template <class Kt>
-__global__ void __launch_bounds__(Kt::kNThreads) fwd_kernel(__grid_constant__ const FwdParams p, int num_m_blocks) {
+__global__ void __launch_bounds__(Kt::kNThreads) fwd_kernel(__grid_constant__ const FwdParams p, FwdGrid const grid) {
   extern __shared__ __align__(128) char smem[];
-  int const bid = blockIdx.x;
-  int const m_block = num_m_blocks - 1 - bid % num_m_blocks;
-  int const bh = bid / num_m_blocks;
-  fwd_block<Kt>(p, smem, threadIdx.x, m_block, bh / p.nheads, bh % p.nheads);
+  int m_block, split, head, batch;
+  grid.decode(blockIdx.x, m_block, split, head, batch);
+  fwd_block<Kt>(p, smem, threadIdx.x, m_block, batch, head, split);
+}
+
+// One warp per output row (batch, head, query).
+template <class Element>
+__global__ void combine_kernel(__grid_constant__ const FwdParams p) {
+  int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
+  int64_t const warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
+    int const i = int(r % p.seqlen_q), h = int((r / p.seqlen_q) % p.nheads), b = int(r / (int64_t(p.seqlen_q) * p.nheads));
+    combine_row<Element>(p, b, h, i, threadIdx.x % 32, 32);
+  }
 }
 
 }  // namespace sm80
@@ -30,15 +40,19 @@ __global__ void __launch_bounds__(Kt::kNThreads) fwd_kernel(__grid_constant__ co
 template <int kHeadDim, class Element>
 void run_fwd_sm80(FwdParams const& p, cudaStream_t stream) {
   sm80::with_fwd_config<kHeadDim, Element, sm80::GpuPrims>(p.max_smem_per_block, [&]<class Kt>() {
-    int const num_m_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
-    int64_t const grid = int64_t(num_m_blocks) * p.nheads * p.batch;
-    if (grid == 0) return;
+    sm80::FwdGrid const grid = sm80::fwd_grid<Kt::kBlockM>(p);
+    if (grid.size(p.batch) == 0) return;
     auto kernel = sm80::fwd_kernel<Kt>;
     if (Kt::kSmemBytes > 48 * 1024) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
     }
-    kernel<<<dim3(unsigned(grid)), dim3(Kt::kNThreads), Kt::kSmemBytes, stream>>>(p, num_m_blocks);
+    kernel<<<dim3(unsigned(grid.size(p.batch))), dim3(Kt::kNThreads), Kt::kSmemBytes, stream>>>(p, grid);
   });
+  if (p.num_splits > 1) {
+    int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
+    int const blocks = int(rows / 4 + 1 < (1 << 20) ? rows / 4 + 1 : (1 << 20));
+    sm80::combine_kernel<Element><<<blocks, 128, 0, stream>>>(p);
+  }
 }
 
 }  // namespace sinkattn

@@ -1,0 +1,60 @@
+"""flash_attn_with_kvcache on a kernel backend against the oracle: shared by the emulated (CPU) and GPU tests.
+
+The expected result is the float64 oracle over each sequence's keys after the append (bottom-right aligned).
+"""
+from __future__ import annotations
+
+import torch
+
+import sinkattn
+from oracle import attention_oracle, tolerance_check
+from test_kvcache import Cache
+
+
+def run_decode(backend: str, device: str, seed, *, b=3, h=8, hk=2, d=64, capacity=160, lens=(0, 37, 120), sq=1,
+               sn=1, page_size=None, dtype=torch.bfloat16, sinks="random", num_splits=0, **kw):
+    lens = list(lens)
+    cache = Cache(b, hk, d, capacity, lens, dtype, page_size)
+    cache.k, cache.v = cache.k.to(device), cache.v.to(device)
+    bt = None if cache.block_table is None else cache.block_table.to(device)
+    q = torch.randn(b, sq, h, d).to(dtype)
+    k_new = torch.randn(b, sn, hk, d).to(dtype) if sn else None
+    v_new = torch.randn(b, sn, hk, d).to(dtype) if sn else None
+    s = {"random": torch.randn(h), "none": None, "-inf": torch.full((h,), float("-inf")),
+         "+30": torch.full((h,), 30.0)}[sinks]
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+    out, lse = sinkattn.flash_attn_with_kvcache(
+        dev(q), cache.k, cache.v, dev(s), k=dev(k_new), v=dev(v_new), cache_seqlens=dev(seqlens), block_table=bt,
+        return_lse=True, num_splits=num_splits, backend=backend, **kw)
+    out, lse = out.cpu(), lse.cpu()
+    cache.k, cache.v = cache.k.cpu(), cache.v.cpu()
+    for bi in range(b):
+        n = lens[bi]
+        want_k = cache.dense_k[bi, : n + sn].clone()
+        want_v = cache.dense_v[bi, : n + sn].clone()
+        if sn:
+            want_k[n:] = k_new[bi]
+            want_v[n:] = v_new[bi]
+        got_k, got_v = cache.read(bi, n + sn)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), f"cache of sequence {bi} (seed {seed})"
+        ref_out, ref_lse = attention_oracle(q[bi:bi + 1], want_k[None], want_v[None], s, **kw)
+        base_out, base_lse = attention_oracle(q[bi:bi + 1], want_k[None], want_v[None], s, compute_dtype=dtype, **kw)
+        tag = f"{backend} b{bi} n={n} splits={num_splits} page={page_size}"
+        tolerance_check(f"{tag} out", out[bi:bi + 1], ref_out, base_out, 1e-3, seed)
+        tolerance_check(f"{tag} lse", lse[bi:bi + 1], ref_lse, base_lse.float(), 1e-4, seed)
+    return out, lse
+
+
+# (name, kwargs): every feature of the decode path, small enough for the emulation.
+DECODE_CASES = [
+    ("contiguous-gqa-splits0", dict(sq=1, sn=1, causal=True)),
+    ("contiguous-window-sinktok-split3", dict(sq=1, sn=1, causal=True, window_size=(40, 0), sink_tokens=4, num_splits=3)),
+    ("paged16-shuffled-crossing", dict(sq=4, sn=4, causal=True, page_size=16, lens=(14, 33, 0), num_splits=2)),
+    ("paged5-odd-pages", dict(sq=2, sn=2, causal=True, page_size=5, capacity=80, lens=(3, 40, 71))),
+    ("empty-and-length1-caches", dict(sq=1, sn=0, lens=(0, 1, 0), causal=True, num_splits=4)),
+    ("split64-more-than-blocks", dict(sq=1, sn=1, causal=True, num_splits=64, lens=(100, 5, 130))),
+    ("chunked-prefill-mqa", dict(sq=9, sn=9, h=4, hk=1, causal=True, window_size=(20, 0), sink_tokens=2, num_splits=2)),
+    ("no-gqa-sinks+30-softcap", dict(sq=3, sn=1, h=2, hk=2, sinks="+30", softcap=10.0, num_splits=5)),
+    ("sinks-neginf-paged64", dict(sq=1, sn=1, page_size=64, capacity=192, lens=(120, 64, 1), sinks="-inf", num_splits=0)),
+]

@@ -1,0 +1,28 @@
+"""The decode path of the sm80 kernel (KV cache, paged pages, GQA packing, split-KV + combine) run on the CPU
+under host emulation, against the float64 oracle."""
+import pytest
+
+from decode_cases import DECODE_CASES, run_decode
+from sinkattn import _ext
+
+EMU = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry() if k["family"] == "sm80-emulated"})
+pytestmark = pytest.mark.skipif(not any(h == 64 and d == "bf16" for h, d in EMU),
+                                reason="no emulated hdim64 bf16 kernel in this build")
+
+
+@pytest.mark.parametrize("name,kw", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_emulated_decode_matches_oracle(name, kw, rng_seed):
+    run_decode("sm80-emulated", "cpu", rng_seed, **kw)
+
+
+def test_split_heuristic():
+    C = _ext._C
+    # Few CTAs and many key blocks: split to fill the SMs; never more splits than blocks.
+    assert C.num_splits_heuristic(8, 132, 2048, 64) > 4
+    assert C.num_splits_heuristic(8, 132, 3, 64) <= 3
+    # Enough CTAs already: no split.
+    assert C.num_splits_heuristic(1000, 132, 2048, 64) == 1
+    assert C.num_splits_heuristic(8, 132, 1, 64) == 1
+    for ctas in (1, 7, 16, 64, 100):
+        s = C.num_splits_heuristic(ctas, 108, 512, 64)
+        assert 1 <= s <= 64
