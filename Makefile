@@ -13,7 +13,8 @@ STAMP := build/.installed
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==$(TORCH_VERSION)
-	@$(PYTHON) -c "import pytest, numpy" 2>/dev/null || $(PYTHON) -m pip install pytest numpy
+	@$(PYTHON) -c "import pytest, numpy, matplotlib" 2>/dev/null || $(PYTHON) -m pip install pytest numpy matplotlib
+	@$(PYTHON) -c "import transformers" 2>/dev/null || $(PYTHON) -m pip install "transformers==5.24.0"
 	@command -v ninja >/dev/null || $(PYTHON) -m pip install ninja
 
 cutlass:

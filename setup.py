@@ -200,5 +200,9 @@ setup(
     python_requires=">=3.10",
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    entry_points={"console_scripts": ["sinkattn-report=sinkattn.report:main"]},
+    entry_points={
+        "console_scripts": ["sinkattn-report=sinkattn.report:main"],
+        # vLLM loads general plugins at start-up; ours does nothing unless SINKATTN_VLLM=1 (sinkattn/compat.py).
+        "vllm.general_plugins": ["sinkattn = sinkattn.compat:vllm_plugin"],
+    },
 )

@@ -12,13 +12,12 @@ from . import _ext  # noqa: E402
 from .capability import capabilities  # noqa: E402
 from .merge import merge_attn_states  # noqa: E402
 
-try:  # the public attention ops (being written in interface.py)
-    from .interface import flash_attn_varlen_with_sinks, flash_attn_with_kvcache, flash_attn_with_sinks  # noqa
-    from .dispatch import ReferenceFallbackWarning  # noqa
-except ImportError:  # pragma: no cover
-    pass
+from .interface import flash_attn_varlen_with_sinks, flash_attn_with_kvcache, flash_attn_with_sinks  # noqa: E402
+from .dispatch import ReferenceFallbackWarning  # noqa: E402
+from .streaming import SinkKVCache  # noqa: E402
 
 __all__ = [
     "flash_attn_with_sinks", "flash_attn_varlen_with_sinks", "flash_attn_with_kvcache", "merge_attn_states",
-    "capabilities", "ReferenceFallbackWarning", "SinkattnError", "SinkattnValueError", "SinkattnTypeError", "SinkattnRuntimeError",
+    "SinkKVCache", "capabilities", "ReferenceFallbackWarning", "SinkattnError", "SinkattnValueError",
+    "SinkattnTypeError", "SinkattnRuntimeError",
 ]

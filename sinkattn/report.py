@@ -15,10 +15,10 @@ def _kernel_table(kernels: list[dict]) -> list[str]:
     for k in kernels:
         groups.setdefault((k["family"], k["op"], k["archs"], k["features"]), []).append(
             f"{k['dtype']}" + (f"/hdim{k['headdim']}" if k["headdim"] else ""))
-    lines = [f"  {'family':<14} {'op':<6} {'archs':<16} {'variants':<40} features"]
-    for (family, op, archs, features), variants in sorted(groups.items()):
-        lines.append(f"  {family:<14} {op:<6} {archs:<16} {', '.join(sorted(variants)):<40} {features}")
-    return lines
+    rows = [("family", "op", "archs", "variants", "features")]
+    rows += [(f, o, a, ", ".join(sorted(v)), feat) for (f, o, a, feat), v in sorted(groups.items())]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
 
 
 def render(cap: dict) -> str:

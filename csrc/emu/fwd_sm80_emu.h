@@ -10,8 +10,6 @@
 #include "sm80/fwd_grid.h"
 #include "sm80/fwd_kernel.h"
 
-#define SINKATTN_FWD_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen"
-
 namespace sinkattn {
 
 template <int kHeadDim, class Element>

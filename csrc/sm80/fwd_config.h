@@ -4,6 +4,9 @@
 #pragma once
 #include "sm80/fwd_traits.h"
 
+// What every sm80 forward kernel serves (recorded in the registry, shown by the report).
+#define SINKATTN_FWD_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv"
+
 namespace sinkattn::sm80 {
 
 // Calls f.template operator()<Traits>() with the configuration for this head dim and shared-memory limit.

@@ -10,8 +10,6 @@
 #include "sm80/fwd_kernel.h"
 #include "sm80/prims_gpu.cuh"
 
-#define SINKATTN_FWD_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen"
-
 namespace sinkattn {
 
 namespace sm80 {
