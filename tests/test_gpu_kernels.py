@@ -22,7 +22,8 @@ def _cases():
     hds = sorted({h for h, _ in COMPILED})
     dts = [DTYPES[d] for d in sorted({d for _, d in COMPILED})]
     cases = [c for c in kernel_cases(hds, dts)
-             if (c.headdim, {torch.bfloat16: "bf16", torch.float16: "fp16"}[c.dtype]) in COMPILED]
+             if (_kernels.served_headdim(c.headdim), {torch.bfloat16: "bf16", torch.float16: "fp16"}[c.dtype])
+             in COMPILED]
     cases += [Case(f"d{h}-large-{d}", h, DTYPES[d], batch=3, seqlen_q=1000, seqlen_k=1531, nheads=8, nheads_k=2,
                    causal=True, window=(300, 0), sink_tokens=4) for h, d in COMPILED]
     if (256, "bf16") in COMPILED:
