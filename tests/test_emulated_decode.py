@@ -26,3 +26,17 @@ def test_split_heuristic():
     for ctas in (1, 7, 16, 64, 100):
         s = C.num_splits_heuristic(ctas, 108, 512, 64)
         assert 1 <= s <= 64
+
+
+@pytest.mark.parametrize("seqlen_k", [130, 1000, 4097, 70000])
+def test_windowed_decode_reads_only_sink_and_window_blocks(seqlen_k):
+    """A gpt-oss sliding-window layer (window (127, 0)) with 4 sink tokens, GQA-packed decode (8 query heads
+    per KV head, one query): the key blocks visited are the sink block and the window's blocks only, so the
+    pages read (and the time) do not grow with the cache."""
+    block_n = 64
+    rows = _ext._C.mask_tile_blocks(1, seqlen_k, 127, 0, 4, 128, block_n, 8)
+    visited = set(rows[:, 1].tolist())
+    lo = max(0, seqlen_k - 1 - 127)
+    want = set(range(lo // block_n, (seqlen_k - 1) // block_n + 1)) | {0}
+    assert visited == want
+    assert len(visited) <= 128 // block_n + 2
