@@ -12,10 +12,16 @@ from .errors import SinkattnRuntimeError
 _C = None
 IMPORT_ERROR: str | None = None
 
-try:
-    from . import _C  # noqa: F811
-except ImportError as e:  # no compiled extension (pure-Python build) or a broken one
-    IMPORT_ERROR = f"{type(e).__name__}: {e}"
+import importlib.util
+
+if importlib.util.find_spec(__package__ + "._C") is None:
+    IMPORT_ERROR = ("this is a pure-Python build: sinkattn._C was not compiled (SINKATTN_SKIP_CUDA=1, or no nvcc "
+                    "was found at build time)")
+else:
+    try:
+        from . import _C  # noqa: F811
+    except ImportError as e:  # a compiled extension that does not load (ABI, missing libraries, ...)
+        IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
 def loaded() -> bool:
