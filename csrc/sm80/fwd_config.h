@@ -13,7 +13,9 @@ namespace sinkattn::sm80 {
 template <int kHeadDim, class Element, class Prims, class F>
 void with_fwd_config(int max_smem_per_block, F&& f) {
   if constexpr (kHeadDim == 64) {
-    f.template operator()<FwdTraits<64, 128, 64, 4, Element, Prims>>();      // 48 KB
+    // 8 warps of 16 rows: with 4 warps of 32 rows the accumulators need more than 255 registers and spill
+    // (seen for sm_90 code generated from compute_80).
+    f.template operator()<FwdTraits<64, 128, 64, 8, Element, Prims>>();      // 48 KB
   } else if constexpr (kHeadDim == 128) {
     f.template operator()<FwdTraits<128, 128, 64, 8, Element, Prims>>();     // 96 KB: fits sm86 too
   } else {
