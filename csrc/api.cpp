@@ -151,6 +151,19 @@ static void launch_fwd(KernelInfo const* info, FwdParams& p, bool emulated, int6
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Strides of padded (batch, seqlen, heads, d) q/k/v/out and a contiguous (batch, nheads, seqlen_q) lse.
+static void fill_padded_strides(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                at::Tensor const& out, at::Tensor const& lse, char const* op) {
+  p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0); p.k_row_stride = k.stride(1); p.k_head_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0); p.v_row_stride = v.stride(1); p.v_head_stride = v.stride(2);
+  p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.batch && lse.size(1) == p.nheads && lse.size(2) == p.seqlen_q &&
+                  lse.is_contiguous(), "sinkattn ", op, ": lse must be contiguous (batch, nheads, seqlen_q)");
+  p.lse_batch_stride = lse.stride(0);
+  p.lse_head_stride = lse.stride(1);
+}
+
 static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> sinks,
                 at::Tensor out, at::Tensor lse, std::optional<at::Tensor> cu_seqlens_q,
                 std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
@@ -204,14 +217,7 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
     p.batch = q.size(0);
     p.seqlen_q = q.size(1);
     p.seqlen_k = k.size(1);
-    p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
-    p.k_batch_stride = k.stride(0); p.k_row_stride = k.stride(1); p.k_head_stride = k.stride(2);
-    p.v_batch_stride = v.stride(0); p.v_row_stride = v.stride(1); p.v_head_stride = v.stride(2);
-    p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
-    TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.batch && lse.size(1) == p.nheads && lse.size(2) == p.seqlen_q &&
-                    lse.is_contiguous(), "sinkattn fwd: lse must be contiguous (batch, nheads, seqlen_q)");
-    p.lse_batch_stride = lse.stride(0);
-    p.lse_head_stride = lse.stride(1);
+    fill_padded_strides(p, q, k, v, out, lse, "fwd");
   }
   p.softmax_scale = float(softmax_scale);
   p.softcap = float(softcap);
@@ -255,14 +261,7 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
   p.batch = q.size(0); p.seqlen_q = q.size(1); p.nheads = q.size(2); p.nheads_k = k_cache.size(2); p.headdim = d;
   TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn fwd_kvcache: nheads must be a multiple of nheads_k");
   p.headdim_rounded = served_headdim(d);
-  p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
-  p.k_batch_stride = k_cache.stride(0); p.k_row_stride = k_cache.stride(1); p.k_head_stride = k_cache.stride(2);
-  p.v_batch_stride = v_cache.stride(0); p.v_row_stride = v_cache.stride(1); p.v_head_stride = v_cache.stride(2);
-  p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.batch && lse.size(1) == p.nheads && lse.size(2) == p.seqlen_q &&
-                  lse.is_contiguous(), "sinkattn fwd_kvcache: lse must be contiguous (batch, nheads, seqlen_q)");
-  p.lse_batch_stride = lse.stride(0);
-  p.lse_head_stride = lse.stride(1);
+  fill_padded_strides(p, q, k_cache, v_cache, out, lse, "fwd_kvcache");  // page pools: batch stride = page stride
   p.seqused_k = seqused_k.data_ptr<int>();
   int64_t capacity = k_cache.size(1);
   if (block_table) {
