@@ -113,9 +113,12 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
             return f"backend 'sm90' needs a cc 9.0 GPU (this one is cc {capability[0]}.{capability[1]})"
         if backend == "sm80" and capability[0] < 8:
             return f"sinkattn kernels need cc >= 8.0 (this GPU is cc {capability[0]}.{capability[1]})"
-    if problem.kind not in ("fwd", "kvcache"):
-        what = {"bwd": "backward"}.get(problem.kind, problem.kind)
-        return f"no {what} kernel is built yet for backend {backend!r}; the reference backend serves it"
+    op = "bwd" if problem.kind == "bwd" else "fwd"
+    if problem.kind not in ("fwd", "kvcache", "bwd"):
+        return f"no {problem.kind} kernel is built yet for backend {backend!r}; the reference backend serves it"
+    if problem.kind == "bwd" and not any(k["family"] == BACKEND_FAMILY[backend] and k["op"] == "bwd"
+                                         for k in _ext.registry()):
+        return f"no backward kernel is built yet for backend {backend!r}; the reference backend serves it"
     dtype = DTYPE_NAMES.get(str(problem.dtype))
     if dtype not in ("bf16", "fp16"):
         return f"kernels take bf16 or fp16 (got {problem.dtype}); the reference backend serves fp32"
@@ -125,7 +128,12 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
     if hd is None or problem.headdim % 8 != 0:
         return (f"kernels serve head dims that are multiples of 8 up to {COMPILED_HEADDIMS[-1]} "
                 f"(got {problem.headdim})")
-    kernel = _find(BACKEND_FAMILY[backend], "fwd", hd, dtype)
+    kernel = _find(BACKEND_FAMILY[backend], op, hd, dtype)
+    if kernel is None and op == "bwd":
+        compiled = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry()
+                           if k["family"] == BACKEND_FAMILY[backend] and k["op"] == "bwd"})
+        return (f"no {backend} backward kernel for head dim {hd} {dtype} in this build (compiled: {compiled}); "
+                f"rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES including {dtype}")
     if kernel is None:
         if str(hd) in _requested("requested_headdims") and dtype in _requested("requested_dtypes"):
             if emulated:
@@ -178,6 +186,33 @@ def forward(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, win
           float(softmax_scale), int(window_left), int(window_right), int(sink_tokens), float(softcap), int(max_smem))
     if target is not out:
         out.copy_(target)
+
+
+def backward(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, *, softmax_scale: float,
+             window_left: int, window_right: int, sink_tokens: int, softcap: float, deterministic: bool,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
+    """Run the backward kernel of `backend`, writing dq, dk, dv (like q, k, v; dk/dv summed over the query-head
+    group) and dsinks (fp32 (nheads,), or None without sinks) in place. dlse (fp32 like lse) or None.
+
+    deterministic=True: dq and dsinks are bitwise repeatable (every fp32 reduction in a fixed order; dq takes a
+    per-key-block fp32 partial buffer, n_blocks x the size of dq)."""
+    C = _ext.require()
+    dout, q, k, v, out = (t if _aligned(t) else t.contiguous() for t in (dout, q, k, v, out))
+    if out.stride() != dout.stride():
+        out, dout = out.contiguous(), dout.contiguous()
+    targets = [t if _aligned(t) else torch.empty_like(t, memory_format=torch.contiguous_format) for t in (dq, dk, dv)]
+    ds = None
+    if sinks is not None:
+        ds = dsinks if (dsinks is not None and dsinks.dtype == torch.float32 and dsinks.is_contiguous()) else \
+            torch.empty((q.shape[-2],), dtype=torch.float32, device=q.device)
+    C.bwd(backend, dout, q, k, v, sinks, out, lse.contiguous(), None if dlse is None else dlse.float().contiguous(),
+          *targets, ds, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
+          int(window_left), int(window_right), int(sink_tokens), float(softcap), bool(deterministic))
+    for t, dst in zip(targets, (dq, dk, dv)):
+        if t is not dst:
+            dst.copy_(t)
+    if ds is not None and dsinks is not None and ds is not dsinks:
+        dsinks.copy_(ds)
 
 
 def kvcache_forward(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_seqlens, block_table,

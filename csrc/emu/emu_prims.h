@@ -8,6 +8,7 @@
 #include <cute/atom/copy_traits_sm75.hpp>
 #include <cute/atom/mma_traits_sm80.hpp>
 #include <cutlass/numeric_types.h>
+#include <atomic>
 #include <type_traits>
 
 #include "emu/emu_runtime.h"
@@ -97,6 +98,8 @@ struct EmuPrims {
   static void cp_async_fence() { emu::cp_async_fence(); }
   template <int N>
   static void cp_async_wait() { emu::cp_async_wait(N); }
+  // Global fp32 accumulation (dq_accum): a real atomic, as concurrent host threads may add to one word.
+  static void atomic_add(float* p, float x) { std::atomic_ref<float>(*p).fetch_add(x, std::memory_order_relaxed); }
   template <class Tensor_>
   static void zero_fill(Tensor_&& t) {
     using V = std::remove_cv_t<std::remove_reference_t<decltype(t(0))>>;

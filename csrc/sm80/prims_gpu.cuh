@@ -27,6 +27,7 @@ struct GpuPrims {
   static __device__ __forceinline__ void cp_async_wait() { cute::cp_async_wait<N>(); }
   template <class Tensor_>
   static __device__ __forceinline__ void zero_fill(Tensor_&& t) { cute::clear(t); }
+  static __device__ __forceinline__ void atomic_add(float* p, float x) { atomicAdd(p, x); }
 };
 
 }  // namespace sinkattn::sm80
