@@ -155,7 +155,7 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
 
 def served_by(backend: str, problem: Problem, capability: tuple[int, int] | None) -> str:
     """Which compiled kernel serves `problem` on `backend` and how it runs (for the report)."""
-    kernel = _find(BACKEND_FAMILY[backend], "fwd", served_headdim(problem.headdim) or 0,
+    kernel = _find(BACKEND_FAMILY[backend], "bwd" if problem.kind == "bwd" else "fwd", served_headdim(problem.headdim) or 0,
                    DTYPE_NAMES.get(str(problem.dtype), ""))
     if kernel is None:
         return backend
