@@ -320,10 +320,15 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   p.window_right = int(window_right);
   p.sink_tokens = int(sink_tokens);
 
-  // Workspace: deterministic mode gives every key block its own dq slot (memory: n_blocks x dq in fp32).
+  // Workspace. Deterministic mode adds one int counter per (sequence, head, M tile).
   auto f32 = q.options().dtype(at::kFloat);
-  p.dq_slots = deterministic ? std::max(1, (p.seqlen_k + kBwdBlockN - 1) / kBwdBlockN) : 1;
-  auto dq_accum = at::zeros({p.dq_slots, int64_t(p.total_q), p.nheads, hd}, f32);
+  auto dq_accum = at::zeros({int64_t(p.total_q), p.nheads, hd}, f32);
+  at::Tensor dq_semaphore;
+  if (deterministic) {
+    p.dq_m_blocks = std::max(1, (p.seqlen_q + kBwdBlockM - 1) / kBwdBlockM);
+    dq_semaphore = at::zeros({p.batch, p.nheads, p.dq_m_blocks}, q.options().dtype(at::kInt));
+    p.dq_semaphore = dq_semaphore.data_ptr<int>();
+  }
   auto dk_accum = at::zeros({int64_t(p.total_k), p.nheads, hd}, f32);
   auto dv_accum = at::zeros({int64_t(p.total_k), p.nheads, hd}, f32);
   auto delta = at::zeros_like(lse);

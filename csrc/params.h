@@ -62,10 +62,12 @@ struct FwdParams {
 //     the fp32 dk_accum / dv_accum per query head), dQ added in fp32 into dq_accum;
 //   postprocess: dq = sum over dq slots, dk/dv = sum over the query-head group, dsinks[h] = sum of its rows,
 //     every sum in a fixed order.
-// Accumulators: dq_accum (dq_slots, q_rows, nheads, headdim_rounded) zero-filled, q_rows = batch * seqlen_q
-// (or total_q when varlen); dq_slots = 1 (atomics in any order) or, when deterministic, the number of
-// n-blocks: CTA n_block adds into slot n_block only, where each element receives exactly one add, and the
-// postprocess sums the slots in order. dk_accum/dv_accum (k_rows, nheads, headdim_rounded) zero-filled.
+// Accumulators: dq_accum (q_rows, nheads, headdim_rounded) zero-filled, q_rows = batch * seqlen_q (or
+// total_q when varlen); fp32 atomics, in any order unless deterministic. Deterministic: dq_semaphore
+// (batch, nheads, m_blocks) zero-filled int counters; the key blocks that visit an M tile add their dQ tile in
+// increasing n-block order, each waiting for the counter to reach its rank among them (the rank comes from
+// the forward's block range of that M tile, the same set). dk_accum/dv_accum (k_rows, nheads,
+// headdim_rounded) zero-filled.
 struct BwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -107,8 +109,8 @@ struct BwdParams {
   float* dq_accum = nullptr;
   float* dk_accum = nullptr;
   float* dv_accum = nullptr;
-  int dq_slots = 1;
-  int64_t lse_rows = 0;         // elements of one head of lse-like buffers: batch * lse_batch_stride span
+  int* dq_semaphore = nullptr;  // deterministic mode only (else null)
+  int dq_m_blocks = 0;          // M tiles per (sequence, head) in dq_semaphore: ceil(seqlen_q / kBwdBlockM)
 };
 
 // Merge of two partial attention states computed over disjoint key sets (neither including the sink).

@@ -194,8 +194,8 @@ def backward(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsi
     """Run the backward kernel of `backend`, writing dq, dk, dv (like q, k, v; dk/dv summed over the query-head
     group) and dsinks (fp32 (nheads,), or None without sinks) in place. dlse (fp32 like lse) or None.
 
-    deterministic=True: dq and dsinks are bitwise repeatable (every fp32 reduction in a fixed order; dq takes a
-    per-key-block fp32 partial buffer, n_blocks x the size of dq)."""
+    deterministic=True: dq, dk, dv and dsinks are bitwise repeatable (dsinks, dk and dv are always reduced in a
+    fixed order; dq tiles are added in increasing key-block order per M tile, ordered by a counter per M tile)."""
     C = _ext.require()
     dout, q, k, v, out = (t if _aligned(t) else t.contiguous() for t in (dout, q, k, v, out))
     if out.stride() != dout.stride():

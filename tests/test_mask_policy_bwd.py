@@ -4,7 +4,8 @@ _C.mask_col_blocks and checked against DESIGN.md section 1 written out again (te
   (b) per key block, the union of the visited M tiles covers every visible pair of the block's columns,
       no M tile visited twice;
   (c) a visit reported needs_mask == 0 has every (valid row, column) pair visible;
-  (e) every visited (M tile, key block) holds a visible pair (block skipping is exact).
+  (e) every visited (M tile, key block) holds a visible pair (block skipping is exact);
+  (f) the visited pairs are exactly the forward's (mask_tile_blocks), which the deterministic dq order uses.
 """
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def check_cols(sq, sk, wl, wr, ns, bm, bn, where=""):
     assert covered.max(initial=0) <= 1, f"{tag}: a pair is covered twice"
     missing = np.argwhere(vis & (covered == 0))
     assert missing.size == 0, f"{tag}: visible pair (i, j) = {tuple(missing[0])} lies in no visited block"
+    # (f) the same (M tile, key block) pairs as the forward's range: the deterministic backward ranks a key
+    # block among the visitors of an M tile with the forward's BlockRange.
+    fwd = {(m, n) for m, n, _ in C.mask_tile_blocks(sq, sk, wl, wr, ns, bm, bn).tolist()}
+    assert fwd == {(m, n) for n, m in seen}, f"{tag}: differs from mask_tile_blocks"
 
 
 @pytest.mark.parametrize("bm,bn", BLOCKS)

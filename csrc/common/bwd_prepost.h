@@ -9,7 +9,8 @@
 
 namespace sinkattn {
 
-// The key-block size of every sm80 backward configuration: the dq slot count of the deterministic mode.
+// The tile sizes of every sm80 backward configuration (api.cpp sizes the deterministic mode's semaphores).
+constexpr int kBwdBlockM = 64;
 constexpr int kBwdBlockN = 64;
 
 // Index of row i of sequence b, head h, in lse-like buffers (lse, dlse, delta, dsink_rows).
@@ -49,8 +50,7 @@ SA_HOST_DEVICE void bwd_convert_dq(BwdParams const& p, int64_t idx) {
   int64_t const rh = idx / p.headdim;
   int const h = int(rh % p.nheads);
   int64_t const row = rh / p.nheads;
-  float acc = 0.f;
-  for (int s = 0; s < p.dq_slots; ++s) acc += p.dq_accum[((int64_t(s) * p.total_q + row) * p.nheads + h) * p.headdim_rounded + c];
+  float const acc = p.dq_accum[(row * p.nheads + h) * p.headdim_rounded + c];
   int64_t const dst = p.cu_seqlens_q ? row * p.dq_row_stride
                                      : (row / p.seqlen_q) * p.dq_batch_stride + (row % p.seqlen_q) * p.dq_row_stride;
   static_cast<Element*>(p.dq)[dst + int64_t(h) * p.dq_head_stride + c] = Element(acc);

@@ -13,12 +13,12 @@ namespace sinkattn::sm80 {
 template <int kHeadDim, class Element, class Prims, class F>
 void with_bwd_config(int /*max_smem_per_block*/, F&& f) {
   if constexpr (kHeadDim == 64) {
-    f.template operator()<BwdTraits<64, 64, kBwdBlockN, 4, 1, Element, Prims>>();    // 48 KB
+    f.template operator()<BwdTraits<64, kBwdBlockM, kBwdBlockN, 4, 1, Element, Prims>>();    // 48 KB
   } else if constexpr (kHeadDim == 128) {
-    f.template operator()<BwdTraits<128, 64, kBwdBlockN, 4, 2, Element, Prims>>();   // 80 KB
+    f.template operator()<BwdTraits<128, kBwdBlockM, kBwdBlockN, 4, 2, Element, Prims>>();   // 80 KB
   } else {
     static_assert(kHeadDim == 256);
-    f.template operator()<BwdTraits<256, 64, kBwdBlockN, 4, 2, Element, Prims>>();   // 144 KB: sm80 / sm90 only
+    f.template operator()<BwdTraits<256, kBwdBlockM, kBwdBlockN, 4, 2, Element, Prims>>();   // 144 KB: sm80 / sm90 only
   }
 }
 

@@ -6,7 +6,7 @@
 // P = exp(S - lse) (lse includes the sink, so P is the forward's probabilities), dS = P * (dP - delta)
 // (delta = rowsum(dO * O) - dlse from the preprocess; with softcap times 1 - tanh^2), P and dS staged in
 // shared memory; dV += P^T dO and dK += dS^T Q in registers; dQ_i = dS K added in fp32 into dq_accum
-// (Prims::atomic_add; slot n_block when deterministic, where each element gets exactly one add). dK and dV
+// (Prims::atomic_add; in increasing key-block order per M tile when deterministic). dK and dV
 // go out in fp32 per query head; the postprocess sums the GQA group and converts.
 #pragma once
 #include <cmath>
@@ -139,7 +139,6 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   bool const softcap = p.softcap > 0.f;
   float const tanh_in_scale = softcap ? p.softmax_scale / p.softcap : 0.f;
   float const log2e = float(M_LOG2E);
-  float* dq_slot = p.dq_accum + (p.dq_slots > 1 ? int64_t(n_block) * p.total_q * p.nheads * p.headdim_rounded : 0);
 
   for (int m_block = m_begin; m_block < m_end; ++m_block) {
     int const i0 = m_block * kBlockM;
@@ -202,14 +201,28 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
     Tensor acc_dq = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_dq);
     gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, copy_bt, tid);
+    // Deterministic: wait for this key block's turn on the M tile. The key blocks visiting M tile m_block are
+    // exactly the forward's block range of that tile (sink blocks [0, sink_end), window blocks [win_begin,
+    // win_end)); they add in increasing order, so the rank of n_block among them is its turn.
+    int* sem = nullptr;
+    int turn = 0;
+    if (p.dq_semaphore) {
+      BlockRange const visitors = tile_mask.range(m_block);
+      turn = n_block < visitors.sink_end ? n_block : visitors.sink_end + (n_block - visitors.win_begin);
+      sem = p.dq_semaphore + (int64_t(bidb) * p.nheads + bidh) * p.dq_m_blocks + m_block;
+      if (tid == 0) Prims::wait_until_equal(sem, turn);
+      Prims::sync_threads();
+    }
     CUTE_UNROLL
     for (int e = 0; e < size(acc_dq); ++e) {
       int const i = i0 + get<0>(tdQcdQ(e)), c = get<1>(tdQcdQ(e));
       if (i < seqlen_q && c < p.headdim) {
-        Prims::atomic_add(dq_slot + ((q_row0 + i) * p.nheads + bidh) * p.headdim_rounded + c, acc_dq(e) * p.softmax_scale);
+        Prims::atomic_add(p.dq_accum + ((q_row0 + i) * p.nheads + bidh) * p.headdim_rounded + c, acc_dq(e) * p.softmax_scale);
       }
     }
+    if (sem) Prims::thread_fence();  // this thread's adds visible before the next key block's turn
     Prims::sync_threads();  // every read of Q, dO, P, dS done before the next M tile overwrites them
+    if (sem && tid == 0) Prims::signal(sem, turn + 1);
   }
   if (m_end == m_begin) Prims::template cp_async_wait<0>();  // the K/V copy, when no M tile was visited
 
