@@ -16,6 +16,7 @@ from .errors import SinkattnRuntimeError
 KERNEL_BACKENDS = ("sm90", "sm80", "sm80-emulated")
 COMPILED_HEADDIMS = (64, 128, 256)
 DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+BIG_SMEM_CAPABILITIES = ((8, 0), (8, 7), (9, 0))  # >= 163 KB of shared memory per block
 BACKEND_FAMILY = {"sm90": "sm90", "sm80": "sm80", "sm80-emulated": "sm80-emulated"}
 
 
@@ -147,6 +148,10 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
         return (f"no {backend} forward kernel for head dim {hd} {dtype} in this build (compiled: "
                 f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
                 f"including {dtype}")
+    if (op == "bwd" and hd == 256 and not emulated and capability[0] < 10
+            and capability not in BIG_SMEM_CAPABILITIES):
+        return (f"the sm80 backward for head dim 256 needs 144 KB of shared memory per block (cc 8.0, 8.7, 9.0, "
+                f"10.x); cc {capability[0]}.{capability[1]} has 99 KB; the reference backend serves it")
     if not emulated and how_it_runs(kernel["archs"], capability) is None:
         return (f"the {backend} kernels in this build are compiled for {kernel['archs']}, none of which runs on "
                 f"cc {capability[0]}.{capability[1]}; {_rebuild_hint(capability)}")

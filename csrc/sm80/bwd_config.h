@@ -18,7 +18,7 @@ void with_bwd_config(int /*max_smem_per_block*/, F&& f) {
     f.template operator()<BwdTraits<128, kBwdBlockM, kBwdBlockN, 4, 2, Element, Prims>>();   // 80 KB
   } else {
     static_assert(kHeadDim == 256);
-    f.template operator()<BwdTraits<256, kBwdBlockM, kBwdBlockN, 4, 2, Element, Prims>>();   // 144 KB: sm80 / sm90 only
+    f.template operator()<BwdTraits<256, kBwdBlockM, kBwdBlockN, 2, 4, Element, Prims>>();   // 144 KB: sm80 / sm90 only
   }
 }
 

@@ -111,7 +111,6 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   Tensor tdKrdSt = thr_mma.partition_fragment_A(sdSt);
   Tensor tdKrQt = thr_mma.partition_fragment_B(sQt);
   Tensor tdQrdS = thr_mma.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_mma.partition_fragment_B(sKt);
   Tensor tSsQ = thr_a.partition_S(sQ);
   Tensor tSsK = thr_b.partition_S(sK);
   Tensor tdPsdO = thr_a.partition_S(sdO);
@@ -121,7 +120,6 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   Tensor tdKsdSt = thr_at.partition_S(sdSt);
   Tensor tdKsQt = thr_bt.partition_S(sQt);
   Tensor tdQsdS = thr_a.partition_S(sdS);
-  Tensor tdQsKt = thr_bt.partition_S(sKt);
 
   auto smem_copy_c = make_tiled_copy_C(typename Kt::SmemCopyAtomO{}, tiled_mma);
   auto smem_thr_c = smem_copy_c.get_thread_slice(tid);
@@ -134,7 +132,7 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   clear(acc_dv);
 
   Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
-  Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kDqCols>>{}));
 
   bool const softcap = p.softcap > 0.f;
   float const tanh_in_scale = softcap ? p.softmax_scale / p.softcap : 0.f;
@@ -198,9 +196,6 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
 
     gemm_smem_smem(tiled_mma, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_at, copy_bt, tid);
     gemm_smem_smem(tiled_mma, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_at, copy_bt, tid);
-    Tensor acc_dq = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    clear(acc_dq);
-    gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, copy_bt, tid);
     // Deterministic: wait for this key block's turn on the M tile. The key blocks visiting M tile m_block are
     // exactly the forward's block range of that tile (sink blocks [0, sink_end), window blocks [win_begin,
     // win_end)); they add in increasing order, so the rank of n_block among them is its turn.
@@ -213,11 +208,21 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
       if (tid == 0) Prims::wait_until_equal(sem, turn);
       Prims::sync_threads();
     }
+    // dQ_i = dS K in column chunks of at most 128 (the fp32 tile stays small beside dK and dV), added to dq_accum.
     CUTE_UNROLL
-    for (int e = 0; e < size(acc_dq); ++e) {
-      int const i = i0 + get<0>(tdQcdQ(e)), c = get<1>(tdQcdQ(e));
-      if (i < seqlen_q && c < p.headdim) {
-        Prims::atomic_add(p.dq_accum + ((q_row0 + i) * p.nheads + bidh) * p.headdim_rounded + c, acc_dq(e) * p.softmax_scale);
+    for (int ch = 0; ch < kHeadDim / Kt::kDqCols; ++ch) {
+      Tensor sKt_ch = local_tile(sKt, Shape<Int<Kt::kDqCols>, Int<kBlockN>>{}, make_coord(ch, 0));
+      Tensor tdQrKt = thr_mma.partition_fragment_B(sKt_ch);
+      Tensor tdQsKt = thr_bt.partition_S(sKt_ch);
+      Tensor acc_dq = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<Kt::kDqCols>>{});
+      clear(acc_dq);
+      gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, copy_bt, tid);
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_dq); ++e) {
+        int const i = i0 + get<0>(tdQcdQ(e)), c = ch * Kt::kDqCols + get<1>(tdQcdQ(e));
+        if (i < seqlen_q && c < p.headdim) {
+          Prims::atomic_add(p.dq_accum + ((q_row0 + i) * p.nheads + bidh) * p.headdim_rounded + c, acc_dq(e) * p.softmax_scale);
+        }
       }
     }
     if (sem) Prims::thread_fence();  // this thread's adds visible before the next key block's turn

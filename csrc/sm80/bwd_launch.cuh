@@ -1,6 +1,8 @@
 // bwd_launch.cuh: the __global__ wrappers and launcher of the sm80 backward (nvcc only, no torch).
 #pragma once
 #include <cuda_runtime.h>
+#include <stdexcept>
+#include <string>
 
 #include "build_info.h"
 #include "common/bwd_prepost.h"
@@ -56,6 +58,11 @@ void run_bwd_sm80(BwdParams const& p, cudaStream_t stream) {
   sm80::with_bwd_config<kHeadDim, Element, sm80::GpuPrims>(p.max_smem_per_block, [&]<class Kt>() {
     sm80::BwdGrid const grid = sm80::bwd_grid<Kt::kBlockN>(p);
     if (grid.size(p.batch) == 0) return;
+    if (Kt::kSmemBytes > p.max_smem_per_block) {  // head dim 256 on a 99 KB device (dispatch declines it first)
+      throw std::runtime_error("sinkattn bwd: the sm80 backward for head dim " + std::to_string(kHeadDim) + " needs " +
+                               std::to_string(Kt::kSmemBytes / 1024) + " KB of shared memory per block; this device has " +
+                               std::to_string(p.max_smem_per_block / 1024) + " KB");
+    }
     auto kernel = sm80::bwd_kernel<Kt>;
     if (Kt::kSmemBytes > 48 * 1024) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);

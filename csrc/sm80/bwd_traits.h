@@ -52,6 +52,9 @@ struct BwdTraits {
   using SmemLayoutKt = decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
   using SmemLayoutPt = decltype(composition(SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
 
+  // dQ = dS K is computed in column chunks of kDqCols, so its fp32 tile stays small beside dK and dV.
+  static constexpr int kDqCols = kHeadDim > 128 ? 64 : kHeadDim;
+
   static constexpr int kSmemQ = int(cosize_v<SmemLayoutQ>) * int(sizeof(Element));
   static constexpr int kSmemKV = int(cosize_v<SmemLayoutKV>) * int(sizeof(Element));
   static constexpr int kSmemP = int(cosize_v<SmemLayoutP>) * int(sizeof(Element));
