@@ -119,6 +119,8 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
         return f"no {problem.kind} kernel is built yet for backend {backend!r}; the reference backend serves it"
     if problem.kind == "bwd" and not any(k["family"] == BACKEND_FAMILY[backend] and k["op"] == "bwd"
                                          for k in _ext.registry()):
+        if backend == "sm90":
+            return "sinkattn has no sm90 backward kernels yet; the sm80 backward serves cc 9.0"
         return f"no backward kernel is built yet for backend {backend!r}; the reference backend serves it"
     dtype = DTYPE_NAMES.get(str(problem.dtype))
     if dtype not in ("bf16", "fp16"):

@@ -24,6 +24,12 @@ def _cases():
     dts = [DTYPES[d] for d in sorted({d for _, d in EMU})]
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     cases = [c for c in bwd_cases(hds, dts) if (c.headdim, names[c.dtype]) in EMU]
+    # The other compiled head dims run other warp grids (4x2 at 128, 2x4 at 256) and dQ column chunks: one
+    # case with every mask feature each.
+    for hd, dt in EMU:
+        if hd != hds[0] and dt == "bf16":
+            cases.append(BwdCase(f"d{hd}-window-cuts-blocks-sinktok-gqa", hd, seqlen_q=150, seqlen_k=200, nheads=2,
+                                 nheads_k=1, causal=True, window=(37, 0), sink_tokens=5))
     if (64, "bf16") in EMU:  # a head dim below the compiled one: zero-filled columns, none written back
         cases.append(BwdCase("d48-on-hdim64-causal", 48, seqlen_q=70, seqlen_k=90, causal=True, nheads=2, nheads_k=1))
     return cases

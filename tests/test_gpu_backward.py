@@ -28,7 +28,8 @@ def _cases():
     dts = [DTYPES[d] for d in sorted({d for _, d in COMPILED})]
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     cases = [c for c in bwd_cases(hds, dts) if (c.headdim, names[c.dtype]) in COMPILED]
-    cases += [BwdCase(f"d{h}-large-{d}", h, DTYPES[d], batch=2, seqlen_q=700, seqlen_k=913, nheads=8, nheads_k=2,
+    # Many CTAs at once (the float64 oracle on the CPU bounds the size: pytest -m gpu has two minutes).
+    cases += [BwdCase(f"d{h}-large-{d}", h, DTYPES[d], batch=2, seqlen_q=500, seqlen_k=613, nheads=4, nheads_k=2,
                       causal=True, window=(300, 0), sink_tokens=4) for h, d in COMPILED]
     return cases
 
