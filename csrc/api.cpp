@@ -233,7 +233,7 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
                 at::Tensor dq, at::Tensor dk, at::Tensor dv, std::optional<at::Tensor> dsinks,
                 std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q,
                 int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right,
-                int64_t sink_tokens, double softcap, bool deterministic) {
+                int64_t sink_tokens, double softcap, bool deterministic, int64_t max_smem) {
   bool const emulated = backend == "sm80-emulated";
   TORCH_CHECK(emulated || backend == "sm80", "sinkattn bwd: unknown backend '", backend, "'");
   bool const varlen = cu_seqlens_q.has_value();
@@ -341,6 +341,8 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
 
   if (emulated) {
     EmuLaunch launch;
+    if (max_smem > 0) launch.max_smem_per_block = int(max_smem);
+    p.max_smem_per_block = launch.max_smem_per_block;
     py::gil_scoped_release no_gil;
     reinterpret_cast<BwdEmuFn>(info->fn)(p, launch);
     return;
@@ -348,7 +350,7 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   c10::cuda::CUDAGuard guard(q.device());
   int smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
-  p.max_smem_per_block = smem;
+  p.max_smem_per_block = max_smem > 0 ? int(std::min<int64_t>(max_smem, smem)) : smem;
   reinterpret_cast<BwdFn>(info->fn)(p, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

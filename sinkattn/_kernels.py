@@ -197,12 +197,14 @@ def forward(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, win
 
 def backward(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, *, softmax_scale: float,
              window_left: int, window_right: int, sink_tokens: int, softcap: float, deterministic: bool,
-             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> None:
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+             max_smem: int = 0) -> None:
     """Run the backward kernel of `backend`, writing dq, dk, dv (like q, k, v; dk/dv summed over the query-head
     group) and dsinks (fp32 (nheads,), or None without sinks) in place. dlse (fp32 like lse) or None.
 
     deterministic=True: dq, dk, dv and dsinks are bitwise repeatable (dsinks, dk and dv are always reduced in a
-    fixed order; dq tiles are added in increasing key-block order per M tile, ordered by a counter per M tile)."""
+    fixed order; dq tiles are added in increasing key-block order per M tile, ordered by a counter per M tile).
+    `max_smem` overrides the shared-memory limit that picks the tile configuration (tests: the sm86 one)."""
     C = _ext.require()
     dout, q, k, v, out = (t if _aligned(t) else t.contiguous() for t in (dout, q, k, v, out))
     if out.stride() != dout.stride():
@@ -214,7 +216,7 @@ def backward(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsi
             torch.empty((q.shape[-2],), dtype=torch.float32, device=q.device)
     C.bwd(backend, dout, q, k, v, sinks, out, lse.contiguous(), None if dlse is None else dlse.float().contiguous(),
           *targets, ds, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
-          int(window_left), int(window_right), int(sink_tokens), float(softcap), bool(deterministic))
+          int(window_left), int(window_right), int(sink_tokens), float(softcap), bool(deterministic), int(max_smem))
     for t, dst in zip(targets, (dq, dk, dv)):
         if t is not dst:
             dst.copy_(t)

@@ -38,6 +38,7 @@ class BwdCase:
     softcap: float = 0.0
     dlse: bool = True
     varlen: list | None = None
+    max_smem: int = 0            # 0 = the device's / sm80's limit; 99 KB picks the sm86 configuration
     tags: list = field(default_factory=list)
 
     def __str__(self):
@@ -138,7 +139,7 @@ def run_bwd_case(case: BwdCase, backend: str, device: str, backward, seed=None, 
         dsinks = None if sinks is None else torch.full((case.nheads,), NAN, device=device)
         backward(backend, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, softmax_scale=scale,
                  window_left=left, window_right=right, sink_tokens=case.sink_tokens, softcap=case.softcap,
-                 deterministic=deterministic, **vl)
+                 deterministic=deterministic, max_smem=case.max_smem, **vl)
         runs.append((dq, dk, dv, dsinks))
     dq, dk, dv, dsinks = runs[0]
     tolerance_check(f"{case} dq", dq.cpu(), ref[2], base[2], atol=2e-3, seed=seed)

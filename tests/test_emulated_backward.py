@@ -30,6 +30,9 @@ def _cases():
         if hd != hds[0] and dt == "bf16":
             cases.append(BwdCase(f"d{hd}-window-cuts-blocks-sinktok-gqa", hd, seqlen_q=150, seqlen_k=200, nheads=2,
                                  nheads_k=1, causal=True, window=(37, 0), sink_tokens=5))
+    if (128, "bf16") in EMU:  # the one-stage configuration of head dim 128 (sm86 / sm89: 99 KB)
+        cases.append(BwdCase("d128-sm86-config", 128, seqlen_q=150, seqlen_k=140, nheads=2, nheads_k=1, causal=True,
+                             window=(60, 0), sink_tokens=2, max_smem=99 * 1024))
     if (64, "bf16") in EMU:  # a head dim below the compiled one: zero-filled columns, none written back
         cases.append(BwdCase("d48-on-hdim64-causal", 48, seqlen_q=70, seqlen_k=90, causal=True, nheads=2, nheads_k=1))
     return cases

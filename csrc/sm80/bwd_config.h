@@ -11,14 +11,17 @@
 namespace sinkattn::sm80 {
 
 template <int kHeadDim, class Element, class Prims, class F>
-void with_bwd_config(int /*max_smem_per_block*/, F&& f) {
+void with_bwd_config(int max_smem_per_block, F&& f) {
   if constexpr (kHeadDim == 64) {
-    f.template operator()<BwdTraits<64, kBwdBlockM, kBwdBlockN, 4, 1, Element, Prims>>();    // 48 KB
+    f.template operator()<BwdTraits<64, kBwdBlockM, kBwdBlockN, 4, 1, 2, Element, Prims>>();    // 64 KB
   } else if constexpr (kHeadDim == 128) {
-    f.template operator()<BwdTraits<128, kBwdBlockM, kBwdBlockN, 4, 2, Element, Prims>>();   // 80 KB
+    using Big = BwdTraits<128, kBwdBlockM, kBwdBlockN, 4, 2, 2, Element, Prims>;               // 112 KB: sm80 / sm90
+    using Small = BwdTraits<128, kBwdBlockM, kBwdBlockN, 4, 2, 1, Element, Prims>;             // 80 KB: sm86 / sm89
+    if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
+    else f.template operator()<Small>();
   } else {
     static_assert(kHeadDim == 256);
-    f.template operator()<BwdTraits<256, kBwdBlockM, kBwdBlockN, 2, 4, Element, Prims>>();   // 144 KB: sm80 / sm90 only
+    f.template operator()<BwdTraits<256, kBwdBlockM, kBwdBlockN, 2, 4, 1, Element, Prims>>();  // 144 KB: sm80 / sm90 only
   }
 }
 

@@ -56,14 +56,18 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   int64_t const q_row0 = varlen ? q_start : int64_t(bidb) * p.seqlen_q;  // rows of the fp32 accumulators
   int64_t const k_row0 = varlen ? k_start : int64_t(bidb) * p.seqlen_k;
 
-  // ---- shared memory: Q, dO, K, V, P, dS ----------------------------------------------------------------------
+  // ---- shared memory: Q, dO, K, V, P, dS, then Q and dO of the second stage ----------------------------------
   Element* smem_q = reinterpret_cast<Element*>(smem);
   Element* smem_do = smem_q + cosize_v<typename Kt::SmemLayoutQ>;
   Element* smem_k = smem_do + cosize_v<typename Kt::SmemLayoutQ>;
   Element* smem_v = smem_k + cosize_v<typename Kt::SmemLayoutKV>;
   Element* smem_p = smem_v + cosize_v<typename Kt::SmemLayoutKV>;
   Element* smem_ds = smem_p + cosize_v<typename Kt::SmemLayoutP>;
-  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
+  Element* smem_q1 = smem_ds + cosize_v<typename Kt::SmemLayoutP>;  // used when kStages == 2
+  Element* smem_do1 = smem_q1 + cosize_v<typename Kt::SmemLayoutQ>;
+  auto q_stage = [&](int s) { return s == 0 ? smem_q : smem_q1; };
+  auto do_stage = [&](int s) { return s == 0 ? smem_do : smem_do1; };
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});  // stage 0: fragment shapes
   Tensor sdO = make_tensor(make_smem_ptr(smem_do), typename Kt::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Kt::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Kt::SmemLayoutKV{});
@@ -88,6 +92,14 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
                 [&](int r) { return k_seq + int64_t(j0 + r) * p.k_row_stride; });
   load_rows<Kt>(gmem_thr.partition_D(sV), tKVcKV, vec, seqlen_k - j0, p.headdim,
                 [&](int r) { return v_seq + int64_t(j0 + r) * p.v_row_stride; });
+  auto load_qdo = [&](int m_block, int s) {
+    int const i0 = m_block * kBlockM;
+    load_rows<Kt>(gmem_thr.partition_D(make_tensor(make_smem_ptr(q_stage(s)), typename Kt::SmemLayoutQ{})), tQcQ, vec,
+                  seqlen_q - i0, p.headdim, [&](int r) { return q_seq + int64_t(i0 + r) * p.q_row_stride; });
+    load_rows<Kt>(gmem_thr.partition_D(make_tensor(make_smem_ptr(do_stage(s)), typename Kt::SmemLayoutQ{})), tQcQ, vec,
+                  seqlen_q - i0, p.headdim, [&](int r) { return do_seq + int64_t(i0 + r) * p.o_row_stride; });
+  };
+  if (m_end > m_begin) load_qdo(m_begin, 0);
   Prims::cp_async_fence();
 
   // ---- MMA partitions and shared -> register copies ---------------------------------------------------------
@@ -111,14 +123,10 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   Tensor tdKrdSt = thr_mma.partition_fragment_A(sdSt);
   Tensor tdKrQt = thr_mma.partition_fragment_B(sQt);
   Tensor tdQrdS = thr_mma.partition_fragment_A(sdS);
-  Tensor tSsQ = thr_a.partition_S(sQ);
   Tensor tSsK = thr_b.partition_S(sK);
-  Tensor tdPsdO = thr_a.partition_S(sdO);
   Tensor tdPsV = thr_b.partition_S(sV);
   Tensor tdVsPt = thr_at.partition_S(sPt);
-  Tensor tdVsdOt = thr_bt.partition_S(sdOt);
   Tensor tdKsdSt = thr_at.partition_S(sdSt);
-  Tensor tdKsQt = thr_bt.partition_S(sQt);
   Tensor tdQsdS = thr_a.partition_S(sdS);
 
   auto smem_copy_c = make_tiled_copy_C(typename Kt::SmemCopyAtomO{}, tiled_mma);
@@ -140,13 +148,26 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
 
   for (int m_block = m_begin; m_block < m_end; ++m_block) {
     int const i0 = m_block * kBlockM;
-    load_rows<Kt>(gmem_thr.partition_D(sQ), tQcQ, vec, seqlen_q - i0, p.headdim,
-                  [&](int r) { return q_seq + int64_t(i0 + r) * p.q_row_stride; });
-    load_rows<Kt>(gmem_thr.partition_D(sdO), tQcQ, vec, seqlen_q - i0, p.headdim,
-                  [&](int r) { return do_seq + int64_t(i0 + r) * p.o_row_stride; });
-    Prims::cp_async_fence();
-    Prims::template cp_async_wait<0>();
-    Prims::sync_threads();  // Q, dO (and K, V on the first visit) written by every thread's copies
+    int const s = Kt::kStages == 2 ? (m_block - m_begin) % 2 : 0;
+    if (m_block > m_begin && Kt::kStages == 1) {
+      load_qdo(m_block, 0);  // the buffer was freed by the barrier that ended the previous M tile
+      Prims::cp_async_fence();
+    }
+    if (Kt::kStages == 2 && m_block + 1 < m_end) {
+      load_qdo(m_block + 1, s ^ 1);  // into the other stage, freed by the barrier that ended the previous M tile
+      Prims::cp_async_fence();
+      Prims::template cp_async_wait<1>();
+    } else {
+      Prims::template cp_async_wait<0>();
+    }
+    Prims::sync_threads();  // this stage's Q, dO (and K, V on the first visit) written by every thread's copies
+
+    Tensor sQs = make_tensor(make_smem_ptr(q_stage(s)), typename Kt::SmemLayoutQ{});
+    Tensor sdOs = make_tensor(make_smem_ptr(do_stage(s)), typename Kt::SmemLayoutQ{});
+    Tensor tSsQ = thr_a.partition_S(sQs);
+    Tensor tdPsdO = thr_a.partition_S(sdOs);
+    Tensor tdVsdOt = thr_bt.partition_S(make_tensor(make_smem_ptr(do_stage(s)), typename Kt::SmemLayoutQt{}));
+    Tensor tdKsQt = thr_bt.partition_S(make_tensor(make_smem_ptr(q_stage(s)), typename Kt::SmemLayoutQt{}));
 
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor acc_dp = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -226,7 +247,7 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
       }
     }
     if (sem) Prims::thread_fence();  // this thread's adds visible before the next key block's turn
-    Prims::sync_threads();  // every read of Q, dO, P, dS done before the next M tile overwrites them
+    Prims::sync_threads();  // every read of this stage's Q, dO and of P, dS done before they are overwritten
     if (sem && tid == 0) Prims::signal(sem, turn + 1);
   }
   if (m_end == m_begin) Prims::template cp_async_wait<0>();  // the K/V copy, when no M tile was visited

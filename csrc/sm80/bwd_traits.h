@@ -22,7 +22,7 @@ namespace sinkattn::sm80 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_, int kWarpsN_, class Element_, class Prims_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_, int kWarpsN_, int kStages_, class Element_, class Prims_>
 struct BwdTraits {
   using Element = Element_;
   using Prims = Prims_;
@@ -32,6 +32,9 @@ struct BwdTraits {
   static constexpr int kWarpsM = kWarpsM_;
   static constexpr int kWarpsN = kWarpsN_;
   static constexpr int kNWarps = kWarpsM * kWarpsN;
+  // Q and dO buffers: 2 = the next M tile loads (cp.async) while this one computes; 1 where shared memory is short.
+  static constexpr int kStages = kStages_;
+  static_assert(kStages == 1 || kStages == 2);
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kHeadDim % 64 == 0, "compiled head dims are multiples of 64");
   static_assert(kBlockN % 64 == 0, "P and dS tiles are rows of 64-element swizzle atoms");
@@ -58,7 +61,7 @@ struct BwdTraits {
   static constexpr int kSmemQ = int(cosize_v<SmemLayoutQ>) * int(sizeof(Element));
   static constexpr int kSmemKV = int(cosize_v<SmemLayoutKV>) * int(sizeof(Element));
   static constexpr int kSmemP = int(cosize_v<SmemLayoutP>) * int(sizeof(Element));
-  static constexpr int kSmemBytes = 2 * kSmemQ + 2 * kSmemKV + 2 * kSmemP;  // Q, dO, K, V, P, dS
+  static constexpr int kSmemBytes = kStages * 2 * kSmemQ + 2 * kSmemKV + 2 * kSmemP;  // Q, dO (per stage), K, V, P, dS
 
   static constexpr int kElemsPerVec = 16 / int(sizeof(Element));
   static constexpr int kThreadsPerRow = kBlockKSmem / kElemsPerVec;
