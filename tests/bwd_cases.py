@@ -64,6 +64,10 @@ def bwd_cases(headdims, dtypes) -> list[BwdCase]:
             BwdCase(f"d{d}-softcap-sinks", d, seqlen_q=77, seqlen_k=77, causal=True, softcap=5.0),
             BwdCase(f"d{d}-varlen-empty", d, varlen=[(17, 40), (0, 5), (70, 0), (129, 130), (1, 1)], nheads=4,
                     nheads_k=2, causal=True, window=(50, 0), sink_tokens=2),
+            BwdCase(f"d{d}-tiny", d, seqlen_q=1, seqlen_k=1),
+            BwdCase(f"d{d}-seqlen-q0", d, seqlen_q=0, seqlen_k=5),
+            BwdCase(f"d{d}-seqlen-k0", d, seqlen_q=5, seqlen_k=0),
+            BwdCase(f"d{d}-sinktok>seqlen", d, seqlen_q=50, seqlen_k=70, causal=True, window=(3, 0), sink_tokens=90),
         ]
     return cases
 
