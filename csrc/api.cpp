@@ -9,6 +9,7 @@
 
 #include "build_info.h"
 #include "common/mask.h"
+#include "common/bwd_prepost.h"
 #include "common/merge.h"
 #include "common/softmax.h"
 #include "common/split.h"
@@ -20,6 +21,8 @@ namespace sinkattn {
 using MergeFn = void (*)(MergeParams const&, cudaStream_t);
 using FwdFn = void (*)(FwdParams const&, cudaStream_t);
 using FwdEmuFn = void (*)(FwdParams const&, EmuLaunch const&);
+using BwdFn = void (*)(BwdParams const&, cudaStream_t);
+using BwdEmuFn = void (*)(BwdParams const&, EmuLaunch const&);
 
 static std::string dtype_name(at::ScalarType t) {
   switch (t) {
@@ -228,6 +231,149 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   launch_fwd(info, p, emulated, max_smem, q.device());
 }
 
+// ---- attention backward --------------------------------------------------------------------------------
+// dout/out like q, lse (and dlse, when given) like the forward's lse; writes dq, dk, dv (like q, k, v) and
+// dsinks (fp32 (nheads,), when sinks are given) in place. Workspace through the caching allocator.
+static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v,
+                std::optional<at::Tensor> sinks, at::Tensor out, at::Tensor lse, std::optional<at::Tensor> dlse,
+                at::Tensor dq, at::Tensor dk, at::Tensor dv, std::optional<at::Tensor> dsinks,
+                std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q,
+                int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right,
+                int64_t sink_tokens, double softcap, bool deterministic, int64_t max_smem) {
+  bool const emulated = backend == "sm80-emulated";
+  TORCH_CHECK(emulated || backend == "sm80", "sinkattn bwd: unknown backend '", backend, "'");
+  bool const varlen = cu_seqlens_q.has_value();
+  TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "sinkattn bwd: cu_seqlens_q and cu_seqlens_k go together");
+  int const rank = varlen ? 3 : 4;
+  for (auto const* t : {&dout, &q, &k, &v, &out, &dq, &dk, &dv})
+    TORCH_CHECK(t->dim() == rank && t->scalar_type() == q.scalar_type(), "sinkattn bwd: dout/q/k/v/out/dq/dk/dv must be rank ",
+                rank, " and share a dtype");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && dq.sizes() == q.sizes() &&
+                  dk.sizes() == k.sizes() && dv.sizes() == v.sizes() && v.sizes() == k.sizes(),
+              "sinkattn bwd: dout/out/dq like q, v/dk/dv like k");
+  TORCH_CHECK(out.strides() == dout.strides(), "sinkattn bwd: out and dout must have the same strides");
+  check_kernel_tensors({&dout, &q, &k, &v, &out, &dq, &dk, &dv}, emulated, backend);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "sinkattn bwd: lse must be contiguous float32");
+  if (dlse) TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->is_contiguous() && dlse->scalar_type() == at::kFloat,
+                        "sinkattn bwd: dlse must be contiguous float32 like lse");
+  TORCH_CHECK(sinks.has_value() == dsinks.has_value(), "sinkattn bwd: dsinks is given exactly when sinks are");
+  int const d = q.size(-1);
+  int const hd = served_headdim(d);
+  TORCH_CHECK(d % 8 == 0 && hd > 0, "sinkattn bwd: head dim must be a multiple of 8 up to 256");
+  auto const* info = find_kernel(emulated ? "sm80-emulated" : "sm80", "bwd", hd, dtype_name(q.scalar_type()));
+  TORCH_CHECK(info, "sinkattn bwd: no ", backend, " backward kernel for head dim ", hd, " ", dtype_name(q.scalar_type()),
+              " in this build");
+
+  BwdParams p;
+  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.out = out.data_ptr(); p.dout = dout.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.dlse = dlse ? dlse->data_ptr<float>() : nullptr;
+  p.dq = dq.data_ptr(); p.dk = dk.data_ptr(); p.dv = dv.data_ptr();
+  at::Tensor sinks_f;
+  if (sinks) {
+    sinks_f = sinks->to(at::kFloat).contiguous();
+    p.sinks = sinks_f.data_ptr<float>();
+    TORCH_CHECK(dsinks->scalar_type() == at::kFloat && dsinks->is_contiguous() && dsinks->numel() == q.size(-2),
+                "sinkattn bwd: dsinks must be contiguous float32 (nheads,)");
+    p.dsinks = dsinks->data_ptr<float>();
+  }
+  p.headdim = d;
+  p.headdim_rounded = hd;
+  p.nheads = q.size(-2);
+  p.nheads_k = k.size(-2);
+  TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn bwd: nheads must be a multiple of nheads_k");
+  int const r = varlen ? 0 : 1;  // index of the row dimension
+  if (varlen) {
+    auto const& cq = *cu_seqlens_q;
+    auto const& ck = *cu_seqlens_k;
+    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt && cq.is_contiguous() && ck.is_contiguous(),
+                "sinkattn bwd: cu_seqlens must be contiguous int32");
+    TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "sinkattn bwd: cu_seqlens_q/k lengths differ");
+    p.batch = cq.numel() - 1;
+    p.cu_seqlens_q = cq.data_ptr<int>();
+    p.cu_seqlens_k = ck.data_ptr<int>();
+    p.seqlen_q = max_seqlen_q;
+    p.seqlen_k = max_seqlen_k;
+    p.total_q = q.size(0);
+    p.total_k = k.size(0);
+    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == p.nheads && lse.size(1) == q.size(0), "sinkattn bwd: varlen lse must be (nheads, total_q)");
+    p.lse_batch_stride = 0;
+    p.lse_head_stride = lse.stride(0);
+  } else {
+    p.batch = q.size(0);
+    p.seqlen_q = q.size(1);
+    p.seqlen_k = k.size(1);
+    p.total_q = p.batch * p.seqlen_q;
+    p.total_k = p.batch * p.seqlen_k;
+    TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.batch && lse.size(1) == p.nheads && lse.size(2) == p.seqlen_q,
+                "sinkattn bwd: lse must be (batch, nheads, seqlen_q)");
+    p.lse_batch_stride = lse.stride(0);
+    p.lse_head_stride = lse.stride(1);
+    p.q_batch_stride = q.stride(0); p.k_batch_stride = k.stride(0); p.v_batch_stride = v.stride(0);
+    p.o_batch_stride = out.stride(0); p.dq_batch_stride = dq.stride(0); p.dk_batch_stride = dk.stride(0);
+    p.dv_batch_stride = dv.stride(0);
+  }
+  p.q_row_stride = q.stride(r); p.q_head_stride = q.stride(r + 1);
+  p.k_row_stride = k.stride(r); p.k_head_stride = k.stride(r + 1);
+  p.v_row_stride = v.stride(r); p.v_head_stride = v.stride(r + 1);
+  p.o_row_stride = out.stride(r); p.o_head_stride = out.stride(r + 1);
+  p.dq_row_stride = dq.stride(r); p.dq_head_stride = dq.stride(r + 1);
+  p.dk_row_stride = dk.stride(r); p.dk_head_stride = dk.stride(r + 1);
+  p.dv_row_stride = dv.stride(r); p.dv_head_stride = dv.stride(r + 1);
+  p.softmax_scale = float(softmax_scale);
+  p.softcap = float(softcap);
+  p.window_left = int(window_left);
+  p.window_right = int(window_right);
+  p.sink_tokens = int(sink_tokens);
+
+  // Workspace. Deterministic mode adds one int counter per (sequence, head, M tile).
+  auto f32 = q.options().dtype(at::kFloat);
+  auto dq_accum = at::zeros({int64_t(p.total_q), p.nheads, hd}, f32);
+  at::Tensor dq_semaphore;
+  if (deterministic) {
+    p.dq_m_blocks = std::max(1, (p.seqlen_q + kBwdBlockM - 1) / kBwdBlockM);
+    dq_semaphore = at::zeros({p.batch, p.nheads, p.dq_m_blocks}, q.options().dtype(at::kInt));
+    p.dq_semaphore = dq_semaphore.data_ptr<int>();
+  }
+  auto dk_accum = at::zeros({int64_t(p.total_k), p.nheads, hd}, f32);
+  auto dv_accum = at::zeros({int64_t(p.total_k), p.nheads, hd}, f32);
+  auto delta = at::zeros_like(lse);
+  auto dsink_rows = at::zeros_like(lse);
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.dk_accum = dk_accum.data_ptr<float>();
+  p.dv_accum = dv_accum.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dsink_rows = dsink_rows.data_ptr<float>();
+
+  if (emulated) {
+    EmuLaunch launch;
+    if (max_smem > 0) launch.max_smem_per_block = int(max_smem);
+    p.max_smem_per_block = launch.max_smem_per_block;
+    py::gil_scoped_release no_gil;
+    reinterpret_cast<BwdEmuFn>(info->fn)(p, launch);
+    return;
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  int smem = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
+  p.max_smem_per_block = max_smem > 0 ? int(std::min<int64_t>(max_smem, smem)) : smem;
+  reinterpret_cast<BwdFn>(info->fn)(p, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// (n_block, m_block, needs_mask) for every M tile each key block visits in the backward (TileMask::m_range).
+static at::Tensor mask_col_blocks(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n) {
+  TileMask tm{MaskPolicy{sq, sk, wl, wr, ns}, block_m, block_n, 1};
+  std::vector<int32_t> rows;
+  int n_blocks = ceil_div(sk, block_n);
+  for (int n = 0; n < n_blocks; ++n) {
+    int mb, me;
+    tm.m_range(n, mb, me);
+    for (int m = mb; m < me; ++m) rows.insert(rows.end(), {n, m, tm.needs_mask(m, n) ? 1 : 0});
+  }
+  return torch::from_blob(rows.data(), {int64_t(rows.size() / 3), 3}, at::kInt).clone();
+}
+
 // Decode / chunked prefill over a KV cache that already holds the new keys: q (batch, seqlen_q, nheads, d);
 // k_cache/v_cache (batch, capacity, nheads_k, d), or page pools (num_pages, page_size, nheads_k, d) with
 // block_table (batch, max_pages) int32; seqused_k (batch,) int32 keys per sequence. GQA heads are packed
@@ -364,6 +510,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("runtime_info", &runtime_info, "CUDA runtime and driver versions now");
   m.def("merge_states", &merge_states, "merge two partial (out, lse) states, adding the sink once (CUDA)");
   m.def("fwd", &fwd, "attention forward on a kernel backend (sm80, sm80-emulated)");
+  m.def("bwd", &bwd, "attention backward on a kernel backend (sm80, sm80-emulated): dq, dk, dv, dsinks");
+  m.def("mask_col_blocks", &mask_col_blocks, "host entry: M tiles each key block visits in the backward",
+        py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"));
   m.def("fwd_kvcache", &fwd_kvcache, "attention over a KV cache (paged or not) with split-KV and GQA packing");
   m.def("num_splits_heuristic", &num_splits_heuristic, "host entry: the split-KV count num_splits=0 picks");
   m.def("mask_tile_blocks", &mask_tile_blocks, "host entry: blocks each M tile visits and whether they need a mask",

@@ -55,6 +55,64 @@ struct FwdParams {
   float* lse_accum = nullptr;
 };
 
+// Backward (DESIGN.md section 1; sm80 kernels in sm80/bwd_*.h). Three steps:
+//   preprocess (common/bwd_prepost.h): per row, delta_i = rowsum(dO_i * O_i) - dlse_i, and the row's dsinks
+//     term -exp(sink - lse_i) * delta_i into dsink_rows (same layout as lse);
+//   main kernel, one CTA per (n-block, query head, sequence): dK, dV of the block in registers (written to
+//     the fp32 dk_accum / dv_accum per query head), dQ added in fp32 into dq_accum;
+//   postprocess: dq = sum over dq slots, dk/dv = sum over the query-head group, dsinks[h] = sum of its rows,
+//     every sum in a fixed order.
+// Accumulators: dq_accum (q_rows, nheads, headdim_rounded) zero-filled, q_rows = batch * seqlen_q (or
+// total_q when varlen); fp32 atomics, in any order unless deterministic. Deterministic: dq_semaphore
+// (batch, nheads, m_blocks) zero-filled int counters; the key blocks that visit an M tile add their dQ tile in
+// increasing n-block order, each waiting for the counter to reach its rank among them (the rank comes from
+// the forward's block range of that M tile, the same set). dk_accum/dv_accum (k_rows, nheads,
+// headdim_rounded) zero-filled.
+struct BwdParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* out = nullptr;
+  const void* dout = nullptr;
+  const float* lse = nullptr;    // like FwdParams::lse
+  const float* dlse = nullptr;   // like lse, or null (no gradient through a returned lse)
+  const float* sinks = nullptr;  // (nheads,) fp32 or null
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  float* dsinks = nullptr;       // (nheads,) fp32, or null without sinks
+
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;    // out and dout (same strides)
+  int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;  // lse, dlse, delta, dsink_rows (rows contiguous)
+
+  int batch = 0, nheads = 0, nheads_k = 0;
+  int seqlen_q = 0, seqlen_k = 0;  // max over the batch when varlen
+  int total_q = 0, total_k = 0;    // rows of q / k (batch * seqlen, or the packed totals when varlen)
+  int headdim = 0, headdim_rounded = 0;
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+
+  float softmax_scale = 1.f;
+  float softcap = 0.f;
+  int window_left = -1, window_right = -1, sink_tokens = 0;
+  int max_smem_per_block = 0;
+
+  // Workspace (api.cpp allocates it through the caching allocator).
+  float* delta = nullptr;       // like lse
+  float* dsink_rows = nullptr;  // like lse, zero-filled
+  float* dq_accum = nullptr;
+  float* dk_accum = nullptr;
+  float* dv_accum = nullptr;
+  int* dq_semaphore = nullptr;  // deterministic mode only (else null)
+  int dq_m_blocks = 0;          // M tiles per (sequence, head) in dq_semaphore: ceil(seqlen_q / kBwdBlockM)
+};
+
 // Merge of two partial attention states computed over disjoint key sets (neither including the sink).
 struct MergeParams {
   const void* out_a = nullptr;

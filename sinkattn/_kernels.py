@@ -16,6 +16,7 @@ from .errors import SinkattnRuntimeError
 KERNEL_BACKENDS = ("sm90", "sm80", "sm80-emulated")
 COMPILED_HEADDIMS = (64, 128, 256)
 DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+BIG_SMEM_CAPABILITIES = ((8, 0), (8, 7), (9, 0))  # >= 163 KB of shared memory per block
 BACKEND_FAMILY = {"sm90": "sm90", "sm80": "sm80", "sm80-emulated": "sm80-emulated"}
 
 
@@ -113,9 +114,14 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
             return f"backend 'sm90' needs a cc 9.0 GPU (this one is cc {capability[0]}.{capability[1]})"
         if backend == "sm80" and capability[0] < 8:
             return f"sinkattn kernels need cc >= 8.0 (this GPU is cc {capability[0]}.{capability[1]})"
-    if problem.kind not in ("fwd", "kvcache"):
-        what = {"bwd": "backward"}.get(problem.kind, problem.kind)
-        return f"no {what} kernel is built yet for backend {backend!r}; the reference backend serves it"
+    op = "bwd" if problem.kind == "bwd" else "fwd"
+    if problem.kind not in ("fwd", "kvcache", "bwd"):
+        return f"no {problem.kind} kernel is built yet for backend {backend!r}; the reference backend serves it"
+    if problem.kind == "bwd" and not any(k["family"] == BACKEND_FAMILY[backend] and k["op"] == "bwd"
+                                         for k in _ext.registry()):
+        if backend == "sm90":
+            return "sinkattn has no sm90 backward kernels yet; the sm80 backward serves cc 9.0"
+        return f"no backward kernel is built yet for backend {backend!r}; the reference backend serves it"
     dtype = DTYPE_NAMES.get(str(problem.dtype))
     if dtype not in ("bf16", "fp16"):
         return f"kernels take bf16 or fp16 (got {problem.dtype}); the reference backend serves fp32"
@@ -125,7 +131,12 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
     if hd is None or problem.headdim % 8 != 0:
         return (f"kernels serve head dims that are multiples of 8 up to {COMPILED_HEADDIMS[-1]} "
                 f"(got {problem.headdim})")
-    kernel = _find(BACKEND_FAMILY[backend], "fwd", hd, dtype)
+    kernel = _find(BACKEND_FAMILY[backend], op, hd, dtype)
+    if kernel is None and op == "bwd":
+        compiled = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry()
+                           if k["family"] == BACKEND_FAMILY[backend] and k["op"] == "bwd"})
+        return (f"no {backend} backward kernel for head dim {hd} {dtype} in this build (compiled: {compiled}); "
+                f"rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES including {dtype}")
     if kernel is None:
         if str(hd) in _requested("requested_headdims") and dtype in _requested("requested_dtypes"):
             if emulated:
@@ -139,6 +150,10 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
         return (f"no {backend} forward kernel for head dim {hd} {dtype} in this build (compiled: "
                 f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
                 f"including {dtype}")
+    if (op == "bwd" and hd == 256 and not emulated and capability[0] < 10
+            and capability not in BIG_SMEM_CAPABILITIES):
+        return (f"the sm80 backward for head dim 256 needs 144 KB of shared memory per block (cc 8.0, 8.7, 9.0, "
+                f"10.x); cc {capability[0]}.{capability[1]} has 99 KB; the reference backend serves it")
     if not emulated and how_it_runs(kernel["archs"], capability) is None:
         return (f"the {backend} kernels in this build are compiled for {kernel['archs']}, none of which runs on "
                 f"cc {capability[0]}.{capability[1]}; {_rebuild_hint(capability)}")
@@ -147,7 +162,7 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
 
 def served_by(backend: str, problem: Problem, capability: tuple[int, int] | None) -> str:
     """Which compiled kernel serves `problem` on `backend` and how it runs (for the report)."""
-    kernel = _find(BACKEND_FAMILY[backend], "fwd", served_headdim(problem.headdim) or 0,
+    kernel = _find(BACKEND_FAMILY[backend], "bwd" if problem.kind == "bwd" else "fwd", served_headdim(problem.headdim) or 0,
                    DTYPE_NAMES.get(str(problem.dtype), ""))
     if kernel is None:
         return backend
@@ -178,6 +193,35 @@ def forward(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, win
           float(softmax_scale), int(window_left), int(window_right), int(sink_tokens), float(softcap), int(max_smem))
     if target is not out:
         out.copy_(target)
+
+
+def backward(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, *, softmax_scale: float,
+             window_left: int, window_right: int, sink_tokens: int, softcap: float, deterministic: bool,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+             max_smem: int = 0) -> None:
+    """Run the backward kernel of `backend`, writing dq, dk, dv (like q, k, v; dk/dv summed over the query-head
+    group) and dsinks (fp32 (nheads,), or None without sinks) in place. dlse (fp32 like lse) or None.
+
+    deterministic=True: dq, dk, dv and dsinks are bitwise repeatable (dsinks, dk and dv are always reduced in a
+    fixed order; dq tiles are added in increasing key-block order per M tile, ordered by a counter per M tile).
+    `max_smem` overrides the shared-memory limit that picks the tile configuration (tests: the sm86 one)."""
+    C = _ext.require()
+    dout, q, k, v, out = (t if _aligned(t) else t.contiguous() for t in (dout, q, k, v, out))
+    if out.stride() != dout.stride():
+        out, dout = out.contiguous(), dout.contiguous()
+    targets = [t if _aligned(t) else torch.empty_like(t, memory_format=torch.contiguous_format) for t in (dq, dk, dv)]
+    ds = None
+    if sinks is not None:
+        ds = dsinks if (dsinks is not None and dsinks.dtype == torch.float32 and dsinks.is_contiguous()) else \
+            torch.empty((q.shape[-2],), dtype=torch.float32, device=q.device)
+    C.bwd(backend, dout, q, k, v, sinks, out, lse.contiguous(), None if dlse is None else dlse.float().contiguous(),
+          *targets, ds, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
+          int(window_left), int(window_right), int(sink_tokens), float(softcap), bool(deterministic), int(max_smem))
+    for t, dst in zip(targets, (dq, dk, dv)):
+        if t is not dst:
+            dst.copy_(t)
+    if ds is not None and dsinks is not None and ds is not dsinks:
+        dsinks.copy_(ds)
 
 
 def kvcache_forward(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_seqlens, block_table,

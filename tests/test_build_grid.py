@@ -189,6 +189,7 @@ def test_units_full_grid_with_fwd(with_fwd):
     want = {f"merge_{d}" for d in ("bf16", "fp16", "fp32")}
     want |= {f"fwd_sm80_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
     want |= {f"fwd_emu_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
+    want |= {f"bwd_{f}_hdim{h}_{d}" for f in ("sm80", "emu") for h in (64, 128, 256) for d in ("bf16", "fp16")}
     assert set(names) == want and len(names) == len(want)
     fam = {u.name: u.family for u in gen.units(g)}
     assert fam["fwd_sm80_hdim64_bf16"] == "sm80" and fam["fwd_emu_hdim64_bf16"] == "emu" and fam["merge_fp32"] == "common"
@@ -197,10 +198,13 @@ def test_units_full_grid_with_fwd(with_fwd):
 def test_units_narrowed_with_fwd(with_fwd):
     g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "86", "SINKATTN_HEADDIMS": "128", "SINKATTN_DTYPES": "fp16",
                         "SINKATTN_EMULATION": "0"})
-    assert _names(g) == ["fwd_sm80_hdim128_fp16", "merge_fp16", "merge_fp32"]
+    assert _names(g) == ["bwd_sm80_hdim128_fp16", "fwd_sm80_hdim128_fp16", "merge_fp16", "merge_fp32"]
     g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "90a", "SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "bf16"})
     # 90a alone still builds the sm80 family (as sm_90) and the emulated kernel
-    assert _names(g) == ["fwd_emu_hdim64_bf16", "fwd_sm80_hdim64_bf16", "merge_bf16", "merge_fp32"]
+    assert _names(g) == ["bwd_emu_hdim64_bf16", "bwd_sm80_hdim64_bf16", "fwd_emu_hdim64_bf16", "fwd_sm80_hdim64_bf16",
+                         "merge_bf16", "merge_fp32"]
+    bwd = next(u for u in gen.units(g) if u.name == "bwd_sm80_hdim64_bf16")
+    assert "run_bwd_sm80<64, cutlass::bfloat16_t>" in bwd.text and '"sm80", "bwd", 64, "bf16"' in bwd.text
     fwd = next(u for u in gen.units(g) if u.name == "fwd_sm80_hdim64_bf16")
     assert "run_fwd_sm80<64, cutlass::bfloat16_t>" in fwd.text and '"sm80", "fwd", 64, "bf16"' in fwd.text
 

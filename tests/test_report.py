@@ -78,12 +78,13 @@ def native(registry, cc) -> bool:
 
 
 def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
-    if feature == "backward":
-        return "reference"  # no backward kernels exist yet (decode runs on the forward kernels)
+    # Decode runs on the forward kernels; the backward on the bwd kernels (sm90 devices use the sm80 backward
+    # until an sm90 one exists).
+    op = "bwd" if feature == "backward" else "fwd"
     order = ["sm90", "sm80"] if cc == (9, 0) else (["sm80"] if cc[0] >= 8 else [])
     for b in order:
         for k in registry:
-            if (k["family"], k["op"], k["headdim"], k["dtype"]) == (b, "fwd", 64, "bf16") and any(
+            if (k["family"], k["op"], k["headdim"], k["dtype"]) == (b, op, 64, "bf16") and any(
                     runs_on(a, cc) for a in k["archs"].split(",")):
                 return b
     return "reference"

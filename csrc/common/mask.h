@@ -82,6 +82,24 @@ struct TileMask {
     return r;
   }
 
+  // The transposed range, for the backward (an N tile visits M tiles): the M tiles [m_begin, m_end) holding
+  // the query rows that see some key of n-block n_block. Rows that see key j satisfy
+  //   right: i >= j - off - right          left: i <= j - off + left, unless j < sink_tokens
+  // so over the block's keys [j0, j1] the rows form one contiguous range: from the first row whose right
+  // edge reaches j0 to the last row whose left edge reaches j1 (to the end when the block holds a sink
+  // token). Every row in it sees a key of the block, so every M tile in the range holds a visible pair.
+  SA_HOST_DEVICE void m_range(int n_block, int& m_begin, int& m_end) const {
+    m_begin = m_end = 0;
+    int const j0 = n_block * kBlockN, j1 = min_i(j0 + kBlockN, p.seqlen_k) - 1;
+    if (j1 < j0 || p.seqlen_q <= 0) return;
+    int lo = 0, hi = p.seqlen_q;  // query rows [lo, hi)
+    if (p.window_right >= 0) lo = max_i(0, j0 - p.offset() - p.window_right);
+    if (p.window_left >= 0 && j0 >= p.sink_tokens) hi = min_i(hi, j1 - p.offset() + p.window_left + 1);
+    if (lo >= hi) return;
+    m_begin = lo * group / kBlockM;
+    m_end = ceil_div(hi * group, kBlockM);
+  }
+
   // True when some pair of the block (valid rows x block columns) is not visible, so the kernel must apply
   // the element mask. Exact: a block reported false has every pair visible.
   SA_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {

@@ -8,6 +8,7 @@
 #include <cute/atom/copy_traits_sm75.hpp>
 #include <cute/atom/mma_traits_sm80.hpp>
 #include <cutlass/numeric_types.h>
+#include <atomic>
 #include <type_traits>
 
 #include "emu/emu_runtime.h"
@@ -97,6 +98,19 @@ struct EmuPrims {
   static void cp_async_fence() { emu::cp_async_fence(); }
   template <int N>
   static void cp_async_wait() { emu::cp_async_wait(N); }
+  // Global fp32 accumulation (dq_accum): a real atomic, as concurrent host threads may add to one word.
+  static void atomic_add(float* p, float x) { std::atomic_ref<float>(*p).fetch_add(x, std::memory_order_relaxed); }
+  // Counters of the deterministic backward. Blocks run one after another here, in grid order, so a turn is
+  // due when its block starts: waiting would never end, so a counter that is not there is reported.
+  static void wait_until_equal(int* p, int value) {
+    int const now = std::atomic_ref<int>(*p).load(std::memory_order_acquire);
+    if (now != value) {
+      emu::report("deterministic backward: waited for turn " + std::to_string(value) + " of a dq counter at " +
+                  std::to_string(now) + " (an earlier key block skipped its turn, or blocks run out of order)");
+    }
+  }
+  static void thread_fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+  static void signal(int* p, int value) { std::atomic_ref<int>(*p).store(value, std::memory_order_release); }
   template <class Tensor_>
   static void zero_fill(Tensor_&& t) {
     using V = std::remove_cv_t<std::remove_reference_t<decltype(t(0))>>;

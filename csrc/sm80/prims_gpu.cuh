@@ -27,6 +27,14 @@ struct GpuPrims {
   static __device__ __forceinline__ void cp_async_wait() { cute::cp_async_wait<N>(); }
   template <class Tensor_>
   static __device__ __forceinline__ void zero_fill(Tensor_&& t) { cute::clear(t); }
+  static __device__ __forceinline__ void atomic_add(float* p, float x) { atomicAdd(p, x); }
+  // Counters of the deterministic backward (one thread of a CTA waits / signals).
+  static __device__ __forceinline__ void wait_until_equal(int* p, int value) {
+    while (atomicAdd(p, 0) != value) __nanosleep(32);
+    __threadfence();
+  }
+  static __device__ __forceinline__ void thread_fence() { __threadfence(); }
+  static __device__ __forceinline__ void signal(int* p, int value) { atomicExch(p, value); }
 };
 
 }  // namespace sinkattn::sm80

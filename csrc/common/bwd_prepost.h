@@ -1,0 +1,94 @@
+// bwd_prepost.h: the pre- and postprocess steps of the backward (BwdParams in params.h), per row or per
+// element, shared by the GPU kernels and the host emulation. Every reduction runs in a fixed order, so the
+// results are bitwise repeatable.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include "common/defs.h"
+#include "params.h"
+
+namespace sinkattn {
+
+// The tile sizes of every sm80 backward configuration (api.cpp sizes the deterministic mode's semaphores).
+constexpr int kBwdBlockM = 64;
+constexpr int kBwdBlockN = 64;
+
+// Index of row i of sequence b, head h, in lse-like buffers (lse, dlse, delta, dsink_rows).
+SA_HOST_DEVICE int64_t bwd_lse_index(BwdParams const& p, int b, int h, int i) {
+  int64_t const start = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
+  return start + int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + i;
+}
+
+// Preprocess of row (b, h, i): delta_i = rowsum(dO_i * O_i) - dlse_i, and the row's term of dsinks[h],
+// p_i * (dlse_i - D_i) = -exp(sink - lse_i) * delta_i. Rows past the sequence are skipped.
+template <class Element>
+SA_HOST_DEVICE void bwd_preprocess_row(BwdParams const& p, int b, int h, int i) {
+  bool const varlen = p.cu_seqlens_q != nullptr;
+  int64_t const q_start = varlen ? p.cu_seqlens_q[b] : 0;
+  int const seqlen_q = varlen ? int(p.cu_seqlens_q[b + 1] - q_start) : p.seqlen_q;
+  if (i >= seqlen_q) return;
+  int64_t const off = (varlen ? (q_start + i) * p.o_row_stride : int64_t(b) * p.o_batch_stride + int64_t(i) * p.o_row_stride) +
+                      int64_t(h) * p.o_head_stride;
+  Element const* o = static_cast<Element const*>(p.out) + off;
+  Element const* d_o = static_cast<Element const*>(p.dout) + off;
+  float dot = 0.f;
+  for (int c = 0; c < p.headdim; ++c) dot += float(o[c]) * float(d_o[c]);
+  int64_t const li = bwd_lse_index(p, b, h, i);
+  float const delta = dot - (p.dlse ? p.dlse[li] : 0.f);
+  p.delta[li] = delta;
+  if (p.sinks) {
+    float const sink = p.sinks[h], lse = p.lse[li];
+    float const prob = (sink == -INFINITY || lse == -INFINITY) ? 0.f : expf(sink - lse);
+    p.dsink_rows[li] = -prob * delta;
+  }
+}
+
+// dq element (row of q, head, column): the dq slots summed in order, converted.
+template <class Element>
+SA_HOST_DEVICE void bwd_convert_dq(BwdParams const& p, int64_t idx) {
+  int const c = int(idx % p.headdim);
+  int64_t const rh = idx / p.headdim;
+  int const h = int(rh % p.nheads);
+  int64_t const row = rh / p.nheads;
+  float const acc = p.dq_accum[(row * p.nheads + h) * p.headdim_rounded + c];
+  int64_t const dst = p.cu_seqlens_q ? row * p.dq_row_stride
+                                     : (row / p.seqlen_q) * p.dq_batch_stride + (row % p.seqlen_q) * p.dq_row_stride;
+  static_cast<Element*>(p.dq)[dst + int64_t(h) * p.dq_head_stride + c] = Element(acc);
+}
+
+// dk and dv element (row of k, KV head, column): the query heads of the group summed in order, converted.
+template <class Element>
+SA_HOST_DEVICE void bwd_convert_dkv(BwdParams const& p, int64_t idx) {
+  int const c = int(idx % p.headdim);
+  int64_t const rh = idx / p.headdim;
+  int const hk = int(rh % p.nheads_k);
+  int64_t const row = rh / p.nheads_k;
+  int const group = p.nheads / p.nheads_k;
+  float dk = 0.f, dv = 0.f;
+  for (int g = 0; g < group; ++g) {
+    int64_t const a = (row * p.nheads + hk * group + g) * p.headdim_rounded + c;
+    dk += p.dk_accum[a];
+    dv += p.dv_accum[a];
+  }
+  int64_t const sk = p.cu_seqlens_k ? 0 : p.seqlen_k;
+  int64_t const dk_dst = (p.cu_seqlens_k ? row * p.dk_row_stride : (row / sk) * p.dk_batch_stride + (row % sk) * p.dk_row_stride) +
+                         int64_t(hk) * p.dk_head_stride + c;
+  int64_t const dv_dst = (p.cu_seqlens_k ? row * p.dv_row_stride : (row / sk) * p.dv_batch_stride + (row % sk) * p.dv_row_stride) +
+                         int64_t(hk) * p.dv_head_stride + c;
+  static_cast<Element*>(p.dk)[dk_dst] = Element(dk);
+  static_cast<Element*>(p.dv)[dv_dst] = Element(dv);
+}
+
+// dsinks[h]: the rows' terms in order (sequence by sequence, row by row).
+SA_HOST_DEVICE void bwd_sum_dsinks(BwdParams const& p, int h) {
+  float acc = 0.f;
+  int const batches = p.cu_seqlens_q ? 1 : p.batch;
+  int64_t const rows = p.cu_seqlens_q ? p.total_q : p.seqlen_q;
+  for (int b = 0; b < batches; ++b) {
+    float const* r = p.dsink_rows + int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride;
+    for (int64_t i = 0; i < rows; ++i) acc += r[i];
+  }
+  p.dsinks[h] = acc;
+}
+
+}  // namespace sinkattn

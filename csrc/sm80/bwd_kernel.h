@@ -1,0 +1,268 @@
+// bwd_kernel.h: the body of the sm80 backward kernel (FlashAttention-2 structure) for one (N tile, head,
+// sequence). Same code on the GPU (bwd_launch.cuh, GpuPrims) and under host emulation (emu/bwd_sm80_emu.h).
+//
+// Per CTA: K_j and V_j (kBlockN x d) once; the M tiles the mask policy gives (TileMask::m_range, the
+// transposed range) one after another: Q_i and dO_i into shared memory, S = Q K^T and dP = dO V^T recomputed,
+// P = exp(S - lse) (lse includes the sink, so P is the forward's probabilities), dS = P * (dP - delta)
+// (delta = rowsum(dO * O) - dlse from the preprocess; with softcap times 1 - tanh^2), P and dS staged in
+// shared memory; dV += P^T dO and dK += dS^T Q in registers; dQ_i = dS K added in fp32 into dq_accum
+// (Prims::atomic_add; in increasing key-block order per M tile when deterministic). dK and dV
+// go out in fp32 per query head; the postprocess sums the GQA group and converts.
+#pragma once
+#include <cmath>
+#include <cute/tensor.hpp>
+
+#include "common/bwd_prepost.h"
+#include "common/defs.h"
+#include "common/mask.h"
+#include "params.h"
+#include "sm80/bwd_traits.h"
+#include "sm80/fwd_kernel.h"  // load_rows, gemm_smem_smem, SA_DEVICE
+#include "sm80/layout_utils.h"
+
+namespace sinkattn::sm80 {
+
+using namespace cute;
+
+template <class Kt>
+SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, int bidb, int bidh) {
+  using Element = typename Kt::Element;
+  using Prims = typename Kt::Prims;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+
+  bool const varlen = p.cu_seqlens_q != nullptr;
+  int64_t const q_start = varlen ? p.cu_seqlens_q[bidb] : 0;
+  int64_t const k_start = varlen ? p.cu_seqlens_k[bidb] : 0;
+  int const seqlen_q = varlen ? int(p.cu_seqlens_q[bidb + 1] - q_start) : p.seqlen_q;
+  int const seqlen_k = varlen ? int(p.cu_seqlens_k[bidb + 1] - k_start) : p.seqlen_k;
+  int const j0 = n_block * kBlockN;
+  if (j0 >= seqlen_k) return;  // uniform per CTA: the grid covers the longest sequence
+  int const bidh_k = bidh / (p.nheads / p.nheads_k);
+
+  TileMask const tile_mask{MaskPolicy{seqlen_q, seqlen_k, p.window_left, p.window_right, p.sink_tokens}, kBlockM, kBlockN, 1};
+  int m_begin, m_end;
+  tile_mask.m_range(n_block, m_begin, m_end);
+
+  // ---- global rows ------------------------------------------------------------------------------------------
+  Element const* q_seq = static_cast<Element const*>(p.q) + (varlen ? q_start * p.q_row_stride : bidb * p.q_batch_stride) +
+                         int64_t(bidh) * p.q_head_stride;
+  int64_t const o_off = (varlen ? q_start * p.o_row_stride : bidb * p.o_batch_stride) + int64_t(bidh) * p.o_head_stride;
+  Element const* do_seq = static_cast<Element const*>(p.dout) + o_off;
+  Element const* k_seq = static_cast<Element const*>(p.k) + (varlen ? k_start * p.k_row_stride : bidb * p.k_batch_stride) +
+                         int64_t(bidh_k) * p.k_head_stride;
+  Element const* v_seq = static_cast<Element const*>(p.v) + (varlen ? k_start * p.v_row_stride : bidb * p.v_batch_stride) +
+                         int64_t(bidh_k) * p.v_head_stride;
+  int64_t const lse_seq = bwd_lse_index(p, bidb, bidh, 0);
+  int64_t const q_row0 = varlen ? q_start : int64_t(bidb) * p.seqlen_q;  // rows of the fp32 accumulators
+  int64_t const k_row0 = varlen ? k_start : int64_t(bidb) * p.seqlen_k;
+
+  // ---- shared memory: Q, dO, K, V, P, dS, then Q and dO of the second stage ----------------------------------
+  Element* smem_q = reinterpret_cast<Element*>(smem);
+  Element* smem_do = smem_q + cosize_v<typename Kt::SmemLayoutQ>;
+  Element* smem_k = smem_do + cosize_v<typename Kt::SmemLayoutQ>;
+  Element* smem_v = smem_k + cosize_v<typename Kt::SmemLayoutKV>;
+  Element* smem_p = smem_v + cosize_v<typename Kt::SmemLayoutKV>;
+  Element* smem_ds = smem_p + cosize_v<typename Kt::SmemLayoutP>;
+  Element* smem_q1 = smem_ds + cosize_v<typename Kt::SmemLayoutP>;  // used when kStages == 2
+  Element* smem_do1 = smem_q1 + cosize_v<typename Kt::SmemLayoutQ>;
+  auto q_stage = [&](int s) { return s == 0 ? smem_q : smem_q1; };
+  auto do_stage = [&](int s) { return s == 0 ? smem_do : smem_do1; };
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});  // stage 0: fragment shapes
+  Tensor sdO = make_tensor(make_smem_ptr(smem_do), typename Kt::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Kt::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Kt::SmemLayoutKV{});
+  Tensor sP = make_tensor(make_smem_ptr(smem_p), typename Kt::SmemLayoutP{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem_ds), typename Kt::SmemLayoutP{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem_do), typename Kt::SmemLayoutQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Kt::SmemLayoutKt{});
+  Tensor sPt = make_tensor(make_smem_ptr(smem_p), typename Kt::SmemLayoutPt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem_ds), typename Kt::SmemLayoutPt{});
+
+  // ---- global -> shared copies -----------------------------------------------------------------------------
+  typename Kt::GmemTiledCopyLoad gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor tQcQ = gmem_thr.partition_S(cQ);
+  Tensor tKVcKV = gmem_thr.partition_S(cKV);
+  auto const vec = gmem_thr.partition_S(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, GenRowMajor{}))(_, 0, 0).layout();
+  load_rows<Kt>(gmem_thr.partition_D(sK), tKVcKV, vec, seqlen_k - j0, p.headdim,
+                [&](int r) { return k_seq + int64_t(j0 + r) * p.k_row_stride; });
+  load_rows<Kt>(gmem_thr.partition_D(sV), tKVcKV, vec, seqlen_k - j0, p.headdim,
+                [&](int r) { return v_seq + int64_t(j0 + r) * p.v_row_stride; });
+  auto load_qdo = [&](int m_block, int s) {
+    int const i0 = m_block * kBlockM;
+    load_rows<Kt>(gmem_thr.partition_D(make_tensor(make_smem_ptr(q_stage(s)), typename Kt::SmemLayoutQ{})), tQcQ, vec,
+                  seqlen_q - i0, p.headdim, [&](int r) { return q_seq + int64_t(i0 + r) * p.q_row_stride; });
+    load_rows<Kt>(gmem_thr.partition_D(make_tensor(make_smem_ptr(do_stage(s)), typename Kt::SmemLayoutQ{})), tQcQ, vec,
+                  seqlen_q - i0, p.headdim, [&](int r) { return do_seq + int64_t(i0 + r) * p.o_row_stride; });
+  };
+  if (m_end > m_begin) load_qdo(m_begin, 0);
+  Prims::cp_async_fence();
+
+  // ---- MMA partitions and shared -> register copies ---------------------------------------------------------
+  typename Kt::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  auto copy_a = make_tiled_copy_A(typename Kt::SmemCopyAtom{}, tiled_mma);
+  auto copy_b = make_tiled_copy_B(typename Kt::SmemCopyAtom{}, tiled_mma);
+  auto copy_at = make_tiled_copy_A(typename Kt::SmemCopyAtomT{}, tiled_mma);
+  auto copy_bt = make_tiled_copy_B(typename Kt::SmemCopyAtomT{}, tiled_mma);
+  auto thr_a = copy_a.get_thread_slice(tid);
+  auto thr_b = copy_b.get_thread_slice(tid);
+  auto thr_at = copy_at.get_thread_slice(tid);
+  auto thr_bt = copy_bt.get_thread_slice(tid);
+
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_mma.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_mma.partition_fragment_B(sV);
+  Tensor tdVrPt = thr_mma.partition_fragment_A(sPt);
+  Tensor tdVrdOt = thr_mma.partition_fragment_B(sdOt);
+  Tensor tdKrdSt = thr_mma.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_mma.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_mma.partition_fragment_A(sdS);
+  Tensor tSsK = thr_b.partition_S(sK);
+  Tensor tdPsV = thr_b.partition_S(sV);
+  Tensor tdVsPt = thr_at.partition_S(sPt);
+  Tensor tdKsdSt = thr_at.partition_S(sdSt);
+  Tensor tdQsdS = thr_a.partition_S(sdS);
+
+  auto smem_copy_c = make_tiled_copy_C(typename Kt::SmemCopyAtomO{}, tiled_mma);
+  auto smem_thr_c = smem_copy_c.get_thread_slice(tid);
+  Tensor tPsP = smem_thr_c.partition_D(sP);
+  Tensor tPsdS = smem_thr_c.partition_D(sdS);
+
+  Tensor acc_dk = partition_fragment_C(tiled_mma, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(tiled_mma, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kDqCols>>{}));
+
+  bool const softcap = p.softcap > 0.f;
+  float const tanh_in_scale = softcap ? p.softmax_scale / p.softcap : 0.f;
+  float const log2e = float(M_LOG2E);
+
+  for (int m_block = m_begin; m_block < m_end; ++m_block) {
+    int const i0 = m_block * kBlockM;
+    int const s = Kt::kStages == 2 ? (m_block - m_begin) % 2 : 0;
+    if (m_block > m_begin && Kt::kStages == 1) {
+      load_qdo(m_block, 0);  // the buffer was freed by the barrier that ended the previous M tile
+      Prims::cp_async_fence();
+    }
+    if (Kt::kStages == 2 && m_block + 1 < m_end) {
+      load_qdo(m_block + 1, s ^ 1);  // into the other stage, freed by the barrier that ended the previous M tile
+      Prims::cp_async_fence();
+      Prims::template cp_async_wait<1>();
+    } else {
+      Prims::template cp_async_wait<0>();
+    }
+    Prims::sync_threads();  // this stage's Q, dO (and K, V on the first visit) written by every thread's copies
+
+    Tensor sQs = make_tensor(make_smem_ptr(q_stage(s)), typename Kt::SmemLayoutQ{});
+    Tensor sdOs = make_tensor(make_smem_ptr(do_stage(s)), typename Kt::SmemLayoutQ{});
+    Tensor tSsQ = thr_a.partition_S(sQs);
+    Tensor tdPsdO = thr_a.partition_S(sdOs);
+    Tensor tdVsdOt = thr_bt.partition_S(make_tensor(make_smem_ptr(do_stage(s)), typename Kt::SmemLayoutQt{}));
+    Tensor tdKsQt = thr_bt.partition_S(make_tensor(make_smem_ptr(q_stage(s)), typename Kt::SmemLayoutQt{}));
+
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_dp = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    clear(acc_dp);
+    gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a, copy_b, tid);
+    gemm_smem_smem(tiled_mma, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a, copy_b, tid);
+
+    // P and dS, element by element. Rows past the sequence, and rows that see no key and have no sink
+    // (lse = -inf), take lse = +inf: P = 0 there, never NaN.
+    Tensor scores = rowcol_view(acc_s);
+    Tensor dps = rowcol_view(acc_dp);
+    bool const masked = tile_mask.needs_mask(m_block, n_block);
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(scores); ++r) {
+      int const i = i0 + get<0>(tScS(r, 0));
+      float lse = i < seqlen_q ? p.lse[lse_seq + i] : INFINITY;
+      if (lse == -INFINITY) lse = INFINITY;
+      float const delta = i < seqlen_q ? p.delta[lse_seq + i] : 0.f;
+      float const lse_log2 = lse * log2e;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) {
+        float s = scores(r, c), dtanh = 1.f;
+        if (softcap) {
+          float const t = tanhf(s * tanh_in_scale);
+          s = p.softcap * t;
+          dtanh = 1.f - t * t;
+        } else {
+          s *= p.softmax_scale;
+        }
+        bool const vis = !masked || tile_mask.visible_row(i, j0 + get<1>(tScS(r, c)));
+        float const prob = vis ? exp2f(s * log2e - lse_log2) : 0.f;
+        scores(r, c) = prob;
+        dps(r, c) = prob * (dps(r, c) - delta) * dtanh;
+      }
+    }
+    Tensor rP = make_tensor<Element>(acc_s.layout());
+    Tensor rdS = make_tensor<Element>(acc_dp.layout());
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc_s); ++e) {
+      rP(e) = Element(acc_s(e));
+      rdS(e) = Element(acc_dp(e));
+    }
+    copy(smem_copy_c, smem_thr_c.retile_S(rP), tPsP);
+    copy(smem_copy_c, smem_thr_c.retile_S(rdS), tPsdS);
+    Prims::sync_threads();  // P and dS complete
+
+    gemm_smem_smem(tiled_mma, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_at, copy_bt, tid);
+    gemm_smem_smem(tiled_mma, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_at, copy_bt, tid);
+    // Deterministic: wait for this key block's turn on the M tile. The key blocks visiting M tile m_block are
+    // exactly the forward's block range of that tile (sink blocks [0, sink_end), window blocks [win_begin,
+    // win_end)); they add in increasing order, so the rank of n_block among them is its turn.
+    int* sem = nullptr;
+    int turn = 0;
+    if (p.dq_semaphore) {
+      BlockRange const visitors = tile_mask.range(m_block);
+      turn = n_block < visitors.sink_end ? n_block : visitors.sink_end + (n_block - visitors.win_begin);
+      sem = p.dq_semaphore + (int64_t(bidb) * p.nheads + bidh) * p.dq_m_blocks + m_block;
+      if (tid == 0) Prims::wait_until_equal(sem, turn);
+      Prims::sync_threads();
+    }
+    // dQ_i = dS K in column chunks of at most 128 (the fp32 tile stays small beside dK and dV), added to dq_accum.
+    CUTE_UNROLL
+    for (int ch = 0; ch < kHeadDim / Kt::kDqCols; ++ch) {
+      Tensor sKt_ch = local_tile(sKt, Shape<Int<Kt::kDqCols>, Int<kBlockN>>{}, make_coord(ch, 0));
+      Tensor tdQrKt = thr_mma.partition_fragment_B(sKt_ch);
+      Tensor tdQsKt = thr_bt.partition_S(sKt_ch);
+      Tensor acc_dq = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<Kt::kDqCols>>{});
+      clear(acc_dq);
+      gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, copy_bt, tid);
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_dq); ++e) {
+        int const i = i0 + get<0>(tdQcdQ(e)), c = ch * Kt::kDqCols + get<1>(tdQcdQ(e));
+        if (i < seqlen_q && c < p.headdim) {
+          Prims::atomic_add(p.dq_accum + ((q_row0 + i) * p.nheads + bidh) * p.headdim_rounded + c, acc_dq(e) * p.softmax_scale);
+        }
+      }
+    }
+    if (sem) Prims::thread_fence();  // this thread's adds visible before the next key block's turn
+    Prims::sync_threads();  // every read of this stage's Q, dO and of P, dS done before they are overwritten
+    if (sem && tid == 0) Prims::signal(sem, turn + 1);
+  }
+  if (m_end == m_begin) Prims::template cp_async_wait<0>();  // the K/V copy, when no M tile was visited
+
+  // ---- dK, dV of this query head, fp32 (the postprocess sums the GQA group) -----------------------------------
+  Tensor tdKcdK = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc_dk); ++e) {
+    int const j = j0 + get<0>(tdKcdK(e)), c = get<1>(tdKcdK(e));
+    if (j < seqlen_k && c < p.headdim) {
+      int64_t const a = ((k_row0 + j) * p.nheads + bidh) * p.headdim_rounded + c;
+      p.dk_accum[a] = acc_dk(e) * p.softmax_scale;
+      p.dv_accum[a] = acc_dv(e);
+    }
+  }
+}
+
+}  // namespace sinkattn::sm80
