@@ -154,6 +154,20 @@ static void launch_fwd(KernelInfo const* info, FwdParams& p, bool emulated, int6
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Varlen: cu_seqlens (batch + 1,) int32 on the tensors' device; max_seqlen sizes the grid.
+template <class Params>
+static void set_varlen(Params& p, at::Tensor const& cq, at::Tensor const& ck, int64_t max_seqlen_q,
+                       int64_t max_seqlen_k, char const* op) {
+  TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt && cq.is_contiguous() && ck.is_contiguous(),
+              "sinkattn ", op, ": cu_seqlens must be contiguous int32");
+  TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "sinkattn ", op, ": cu_seqlens_q/k lengths differ");
+  p.batch = cq.numel() - 1;
+  p.cu_seqlens_q = cq.data_ptr<int>();
+  p.cu_seqlens_k = ck.data_ptr<int>();
+  p.seqlen_q = max_seqlen_q;
+  p.seqlen_k = max_seqlen_k;
+}
+
 // Strides of padded (batch, seqlen, heads, d) q/k/v/out and a contiguous (batch, nheads, seqlen_q) lse.
 static void fill_padded_strides(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                 at::Tensor const& out, at::Tensor const& lse, char const* op) {
@@ -198,16 +212,7 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   p.nheads_k = k.size(-2);
   TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn fwd: nheads must be a multiple of nheads_k");
   if (varlen) {
-    auto const& cq = *cu_seqlens_q;
-    auto const& ck = *cu_seqlens_k;
-    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt && cq.is_contiguous() && ck.is_contiguous(),
-                "sinkattn fwd: cu_seqlens must be contiguous int32");
-    TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "sinkattn fwd: cu_seqlens_q/k lengths differ");
-    p.batch = cq.numel() - 1;
-    p.cu_seqlens_q = cq.data_ptr<int>();
-    p.cu_seqlens_k = ck.data_ptr<int>();
-    p.seqlen_q = max_seqlen_q;
-    p.seqlen_k = max_seqlen_k;
+    set_varlen(p, *cu_seqlens_q, *cu_seqlens_k, max_seqlen_q, max_seqlen_k, "fwd");
     p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
     p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
     p.v_row_stride = v.stride(0); p.v_head_stride = v.stride(1);
@@ -284,16 +289,7 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn bwd: nheads must be a multiple of nheads_k");
   int const r = varlen ? 0 : 1;  // index of the row dimension
   if (varlen) {
-    auto const& cq = *cu_seqlens_q;
-    auto const& ck = *cu_seqlens_k;
-    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt && cq.is_contiguous() && ck.is_contiguous(),
-                "sinkattn bwd: cu_seqlens must be contiguous int32");
-    TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "sinkattn bwd: cu_seqlens_q/k lengths differ");
-    p.batch = cq.numel() - 1;
-    p.cu_seqlens_q = cq.data_ptr<int>();
-    p.cu_seqlens_k = ck.data_ptr<int>();
-    p.seqlen_q = max_seqlen_q;
-    p.seqlen_k = max_seqlen_k;
+    set_varlen(p, *cu_seqlens_q, *cu_seqlens_k, max_seqlen_q, max_seqlen_k, "bwd");
     p.total_q = q.size(0);
     p.total_k = k.size(0);
     TORCH_CHECK(lse.dim() == 2 && lse.size(0) == p.nheads && lse.size(1) == q.size(0), "sinkattn bwd: varlen lse must be (nheads, total_q)");

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include "common/defs.h"
+#include "common/seq_extent.h"
 #include "params.h"
 
 namespace sinkattn {
@@ -23,10 +24,10 @@ SA_HOST_DEVICE int64_t bwd_lse_index(BwdParams const& p, int b, int h, int i) {
 // p_i * (dlse_i - D_i) = -exp(sink - lse_i) * delta_i. Rows past the sequence are skipped.
 template <class Element>
 SA_HOST_DEVICE void bwd_preprocess_row(BwdParams const& p, int b, int h, int i) {
-  bool const varlen = p.cu_seqlens_q != nullptr;
-  int64_t const q_start = varlen ? p.cu_seqlens_q[b] : 0;
-  int const seqlen_q = varlen ? int(p.cu_seqlens_q[b + 1] - q_start) : p.seqlen_q;
-  if (i >= seqlen_q) return;
+  SeqExtent const ext = seq_extent(p, b);
+  bool const varlen = ext.varlen;
+  int64_t const q_start = ext.q_start;
+  if (i >= ext.seqlen_q) return;
   int64_t const off = (varlen ? (q_start + i) * p.o_row_stride : int64_t(b) * p.o_batch_stride + int64_t(i) * p.o_row_stride) +
                       int64_t(h) * p.o_head_stride;
   Element const* o = static_cast<Element const*>(p.out) + off;

@@ -13,6 +13,7 @@
 #include <cute/tensor.hpp>
 
 #include "common/bwd_prepost.h"
+#include "common/seq_extent.h"
 #include "common/defs.h"
 #include "common/mask.h"
 #include "params.h"
@@ -30,11 +31,10 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   using Prims = typename Kt::Prims;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
 
-  bool const varlen = p.cu_seqlens_q != nullptr;
-  int64_t const q_start = varlen ? p.cu_seqlens_q[bidb] : 0;
-  int64_t const k_start = varlen ? p.cu_seqlens_k[bidb] : 0;
-  int const seqlen_q = varlen ? int(p.cu_seqlens_q[bidb + 1] - q_start) : p.seqlen_q;
-  int const seqlen_k = varlen ? int(p.cu_seqlens_k[bidb + 1] - k_start) : p.seqlen_k;
+  SeqExtent const ext = seq_extent(p, bidb);
+  bool const varlen = ext.varlen;
+  int64_t const q_start = ext.q_start, k_start = ext.k_start;
+  int const seqlen_q = ext.seqlen_q, seqlen_k = ext.seqlen_k;
   int const j0 = n_block * kBlockN;
   if (j0 >= seqlen_k) return;  // uniform per CTA: the grid covers the longest sequence
   int const bidh_k = bidh / (p.nheads / p.nheads_k);

@@ -13,6 +13,7 @@
 
 #include "common/defs.h"
 #include "common/mask.h"
+#include "common/seq_extent.h"
 #include "common/split.h"
 #include "common/softmax.h"
 #include "params.h"
@@ -108,11 +109,10 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
 
   // ---- this sequence's extent (varlen: packed rows from cu_seqlens; KV cache: seqused_k) ------------------
-  bool const varlen = p.cu_seqlens_q != nullptr;
-  int64_t const q_start = varlen ? p.cu_seqlens_q[bidb] : 0;
-  int64_t const k_start = varlen ? p.cu_seqlens_k[bidb] : 0;
-  int const seqlen_q = varlen ? int(p.cu_seqlens_q[bidb + 1] - q_start) : p.seqlen_q;
-  int const seqlen_k = varlen ? int(p.cu_seqlens_k[bidb + 1] - k_start) : p.seqused_k ? p.seqused_k[bidb] : p.seqlen_k;
+  SeqExtent const ext = seq_extent(p, bidb);
+  bool const varlen = ext.varlen;
+  int64_t const q_start = ext.q_start, k_start = ext.k_start;
+  int const seqlen_q = ext.seqlen_q, seqlen_k = ext.seqlen_k;
   int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
   int const rows = seqlen_q * group;  // rows of this (sequence, head or head group) problem
   if (m_block * kBlockM >= rows) return;  // uniform per CTA: the grid covers the longest sequence
