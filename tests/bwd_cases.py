@@ -11,38 +11,20 @@ loss (dlse != 0) is covered as well as the plain case (dlse None).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kernel_cases import make_sinks
+from kernel_cases import Case, make_sinks
 from oracle import attention_oracle, attention_oracle_varlen, tolerance_check
 
 NAN = float("nan")
 
 
 @dataclass
-class BwdCase:
-    name: str
-    headdim: int = 64
-    dtype: torch.dtype = torch.bfloat16
-    batch: int = 1
-    seqlen_q: int = 64
-    seqlen_k: int = 64
-    nheads: int = 2
-    nheads_k: int = 2
-    causal: bool = False
-    window: tuple = (-1, -1)
-    sink_tokens: int = 0
-    sinks: str = "random"
-    softcap: float = 0.0
+class BwdCase(Case):
+    """A forward kernel case plus whether the loss uses the returned lse (dlse != 0)."""
     dlse: bool = True
-    varlen: list | None = None
-    max_smem: int = 0            # 0 = the device's / sm80's limit; 99 KB picks the sm86 configuration
-    tags: list = field(default_factory=list)
-
-    def __str__(self):
-        return self.name
 
 
 def bwd_cases(headdims, dtypes) -> list[BwdCase]:
