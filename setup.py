@@ -166,12 +166,24 @@ def cuda_extension():
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     objects = write_ninja(build_dir, units, cuda_home, cutlass_inc, grid, f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
     jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+    # Kernel objects hold no torch and no Python, so a machine whose time is scarce (the borrowed GPU) can
+    # link objects compiled elsewhere for the same grid and compile only api.cpp against its own torch.
+    prebuilt = os.environ.get("SINKATTN_PREBUILT_KERNELS")
+    if prebuilt:
+        objects = [os.path.join(prebuilt, os.path.basename(o)) for o in objects]
+        missing = [o for o in objects if not os.path.isfile(o)]
+        if missing:
+            fail(f"SINKATTN_PREBUILT_KERNELS={prebuilt} lacks {len(missing)} of the grid's kernel objects, e.g. "
+                 f"{os.path.basename(missing[0])}; build them with the same SINKATTN_* grid, or unset it")
 
     class Build(BuildExtension):
         def build_extensions(self):
             print(f"sinkattn build: {len(objects)} kernel objects, archs {grid.archs}, head dims {grid.headdims}, "
                   f"dtypes {grid.dtypes}, emulation {'on' if grid.emulation else 'off'}, {jobs} jobs")
-            subprocess.run(["ninja", "-C", build_dir, "-j", jobs], check=True)
+            if prebuilt:
+                print(f"sinkattn build: linking the prebuilt kernel objects in {prebuilt}")
+            else:
+                subprocess.run(["ninja", "-C", build_dir, "-j", jobs], check=True)
             super().build_extensions()
 
     defines = [f"-DSINKATTN_CUTLASS_VERSION=\"{cutlass_version(cutlass_inc)}\"",

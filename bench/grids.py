@@ -180,6 +180,16 @@ def check() -> list[Case]:
                                   window_right=0 if causal else -1, skip=() if flex_here else noflex))
     cases.append(Case(g, "attn", "bwd", 2, 8192, 8192, 64, 8, 64, "bf16", causal=True, window_left=127,
                       window_right=0, sinks=True, skip=noflex))
+    # The issues' targets: what learnable sinks cost in the forward and backward (beside the same shapes
+    # above without them), Llama-70B decode heads over 1M cached tokens, and a windowed decode whose time
+    # must not grow with seqlen_k.
+    for mode in ("fwd", "bwd"):
+        cases.append(Case(g, "attn", mode, 2, 8192, 8192, 16, 16, 128, "bf16", sinks=True, skip=noflex))
+    cases.append(Case(g, "decode", "fwd", 64, 1, 16384, 64, 8, 128, "bf16", causal=True, window_right=0,
+                      sinks=True, skip=noflex))
+    for sk in (8192, 131072):
+        cases.append(Case(g, "decode", "fwd", 16, 1, sk, 64, 8, 64, "bf16", causal=True, window_left=127,
+                          window_right=0, sinks=True, skip=noflex))
     return cases
 
 
