@@ -190,6 +190,11 @@ def check() -> list[Case]:
     for sk in (8192, 131072):
         cases.append(Case(g, "decode", "fwd", 16, 1, sk, 64, 8, 64, "bf16", causal=True, window_left=127,
                           window_right=0, sinks=True, skip=noflex))
+    # The sm90 issue's other head dims (16k tokens, nheads = 2048 / headdim), and what sinks cost there.
+    for hd in (64, 256):
+        for causal, sinks in ((False, False), (True, False), (False, True)):
+            cases.append(Case(g, "attn", "fwd", 2, 8192, 8192, 2048 // hd, 2048 // hd, hd, "bf16", causal=causal,
+                              window_right=0 if causal else -1, sinks=sinks, skip=noflex))
     return cases
 
 

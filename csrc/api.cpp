@@ -186,7 +186,7 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
                 std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                 int64_t window_left, int64_t window_right, int64_t sink_tokens, double softcap, int64_t max_smem) {
   bool const emulated = backend == "sm80-emulated";
-  TORCH_CHECK(emulated || backend == "sm80", "sinkattn fwd: unknown backend '", backend, "'");
+  TORCH_CHECK(emulated || backend == "sm80" || backend == "sm90", "sinkattn fwd: unknown backend '", backend, "'");
   bool const varlen = cu_seqlens_q.has_value();
   TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "sinkattn fwd: cu_seqlens_q and cu_seqlens_k go together");
   int const rank = varlen ? 3 : 4;
@@ -213,6 +213,8 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn fwd: nheads must be a multiple of nheads_k");
   if (varlen) {
     set_varlen(p, *cu_seqlens_q, *cu_seqlens_k, max_seqlen_q, max_seqlen_k, "fwd");
+    p.total_q = q.size(0);
+    p.total_k = k.size(0);
     p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
     p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
     p.v_row_stride = v.stride(0); p.v_head_stride = v.stride(1);

@@ -53,6 +53,8 @@ struct FwdParams {
   int headdim_rounded = 0;
   float* out_accum = nullptr;
   float* lse_accum = nullptr;
+
+  int total_q = 0, total_k = 0;  // rows of the packed q and k/v when varlen (the sm90 kernel's TMA extents)
 };
 
 // Backward (DESIGN.md section 1; sm80 kernels in sm80/bwd_*.h). Three steps:

@@ -7,6 +7,8 @@ same function, so what it prints is what dispatch does.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _device, _ext
@@ -112,9 +114,14 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
             capability = _device.capability(problem.device_index or 0)
         if backend == "sm90" and capability != (9, 0):
             return f"backend 'sm90' needs a cc 9.0 GPU (this one is cc {capability[0]}.{capability[1]})"
+        if backend == "sm90" and os.environ.get("SINKATTN_DISABLE_SM90") == "1":
+            return "disabled by SINKATTN_DISABLE_SM90=1 (the sm80 kernels serve cc 9.0)"
         if backend == "sm80" and capability[0] < 8:
             return f"sinkattn kernels need cc >= 8.0 (this GPU is cc {capability[0]}.{capability[1]})"
     op = "bwd" if problem.kind == "bwd" else "fwd"
+    if backend == "sm90" and problem.kind == "kvcache":
+        return ("the sm90 kernel serves attention over q/k/v tensors; decode and KV caches (seqused_k, paged, "
+                "split-KV) run on the sm80 kernel")
     if problem.kind not in ("fwd", "kvcache", "bwd"):
         return f"no {problem.kind} kernel is built yet for backend {backend!r}; the reference backend serves it"
     if problem.kind == "bwd" and not any(k["family"] == BACKEND_FAMILY[backend] and k["op"] == "bwd"

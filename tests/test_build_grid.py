@@ -190,9 +190,19 @@ def test_units_full_grid_with_fwd(with_fwd):
     want |= {f"fwd_sm80_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
     want |= {f"fwd_emu_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
     want |= {f"bwd_{f}_hdim{h}_{d}" for f in ("sm80", "emu") for h in (64, 128, 256) for d in ("bf16", "fp16")}
+    want |= {f"fwd_sm90_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
     assert set(names) == want and len(names) == len(want)
     fam = {u.name: u.family for u in gen.units(g)}
     assert fam["fwd_sm80_hdim64_bf16"] == "sm80" and fam["fwd_emu_hdim64_bf16"] == "emu" and fam["merge_fp32"] == "common"
+    assert fam["fwd_sm90_hdim128_bf16"] == "sm90"
+
+
+def test_sm90_units_only_with_90a():
+    for archs in (["80"], ["86", "89"], ["100", "120"]):
+        names = _names(gen.Grid(archs=archs, headdims=[128], dtypes=["bf16"], emulation=False))
+        assert not any("sm90" in n for n in names)
+    names = _names(gen.Grid(archs=["90a"], headdims=[128], dtypes=["bf16"], emulation=False))
+    assert "fwd_sm90_hdim128_bf16" in names and "fwd_sm80_hdim128_bf16" in names
 
 
 def test_units_narrowed_with_fwd(with_fwd):
@@ -200,9 +210,9 @@ def test_units_narrowed_with_fwd(with_fwd):
                         "SINKATTN_EMULATION": "0"})
     assert _names(g) == ["bwd_sm80_hdim128_fp16", "fwd_sm80_hdim128_fp16", "merge_fp16", "merge_fp32"]
     g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "90a", "SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "bf16"})
-    # 90a alone still builds the sm80 family (as sm_90) and the emulated kernel
+    # 90a builds the sm90 forward, and still the sm80 family (as sm_90) and the emulated kernel
     assert _names(g) == ["bwd_emu_hdim64_bf16", "bwd_sm80_hdim64_bf16", "fwd_emu_hdim64_bf16", "fwd_sm80_hdim64_bf16",
-                         "merge_bf16", "merge_fp32"]
+                         "fwd_sm90_hdim64_bf16", "merge_bf16", "merge_fp32"]
     bwd = next(u for u in gen.units(g) if u.name == "bwd_sm80_hdim64_bf16")
     assert "run_bwd_sm80<64, cutlass::bfloat16_t>" in bwd.text and '"sm80", "bwd", 64, "bf16"' in bwd.text
     fwd = next(u for u in gen.units(g) if u.name == "fwd_sm80_hdim64_bf16")

@@ -78,10 +78,10 @@ def native(registry, cc) -> bool:
 
 
 def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
-    # Decode runs on the forward kernels; the backward on the bwd kernels (sm90 devices use the sm80 backward
-    # until an sm90 one exists).
+    # Decode runs on the sm80 forward kernel on every device (the sm90 kernel takes q/k/v tensors, not KV
+    # caches); the backward on the bwd kernels (sm90 devices use the sm80 backward until an sm90 one exists).
     op = "bwd" if feature == "backward" else "fwd"
-    order = ["sm90", "sm80"] if cc == (9, 0) else (["sm80"] if cc[0] >= 8 else [])
+    order = ["sm90", "sm80"] if cc == (9, 0) and feature != "decode" else (["sm80"] if cc[0] >= 8 else [])
     for b in order:
         for k in registry:
             if (k["family"], k["op"], k["headdim"], k["dtype"]) == (b, op, 64, "bf16") and any(

@@ -1,0 +1,419 @@
+// fwd_kernel.cuh: the sm90 forward kernel (warp-specialized TMA + wgmma, persistent).
+//
+// Warpgroup 0 produces: one thread loads, per tile, Q once and the K/V blocks of the mask policy's range
+// (window blocks from the last down, then sink-token blocks) through a kStages-deep mbarrier pipeline
+// (full barriers: TMA bytes landed; empty barriers: both consumer warpgroups are done with the stage).
+// Warpgroups 1 and 2 consume 64 rows each:
+//   - S = Q K^T and O += P V on wgmma; within a warpgroup the softmax of block j runs while the P V wgmma of
+//     block j-1 is still in flight (FlashAttention-3's intra-warpgroup overlap);
+//   - across the two warpgroups, named barriers hand the tensor cores back and forth (ping-pong): one issues
+//     its GEMMs while the other does its softmax;
+//   - the learnable sink joins once per row in the finalize (common/softmax.h), exactly as in the sm80 kernel;
+//   - O goes back through Q's shared memory and out in 16-byte stores, predicated on the sequence's rows
+//     (varlen rows past the end belong to the next sequence), with the LSE per row.
+// The grid is persistent: CTA c takes tiles c, c + gridDim.x, ... in the order of TileSchedule (last M
+// tiles first: under a causal mask they are the heaviest).
+#pragma once
+#include <cmath>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "common/defs.h"
+#include "common/mask.h"
+#include "common/seq_extent.h"
+#include "common/softmax.h"
+#include "params.h"
+#include "sm90/fwd_traits.h"
+
+namespace sinkattn::sm90 {
+
+using namespace cute;
+using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+using EmptyBarrier = cutlass::arch::ClusterBarrier;
+
+// Tiles in schedule order: M tiles fastest and from the last down, then heads, then batch.
+struct TileSchedule {
+  int m_blocks, heads, batch;
+  SA_HOST_DEVICE int64_t count() const { return int64_t(m_blocks) * heads * batch; }
+  SA_HOST_DEVICE void decode(int64_t t, int& m_block, int& head, int& b) const {
+    m_block = m_blocks - 1 - int(t % m_blocks);
+    t /= m_blocks;
+    head = int(t % heads);
+    b = int(t / heads);
+  }
+};
+
+// What producer and consumers both derive from a tile index, so their barrier sequences match.
+template <class Kt>
+struct TileWork {
+  int m_block, head, batch;
+  SeqExtent ext;
+  TileMask mask;
+  BlockRange range;
+  bool valid;  // the tile holds rows of its sequence (varlen batches are sized for the longest)
+
+  __device__ TileWork(FwdParams const& p, TileSchedule const& s, int64_t t) {
+    s.decode(t, m_block, head, batch);
+    ext = seq_extent(p, batch);
+    mask = TileMask{MaskPolicy{ext.seqlen_q, ext.seqlen_k, p.window_left, p.window_right, p.sink_tokens},
+                    Kt::kBlockM, Kt::kBlockN, 1};
+    valid = m_block * Kt::kBlockM < ext.seqlen_q;
+    range = valid ? mask.range(m_block) : BlockRange{0, 0, 0};
+  }
+};
+
+// Named barriers (ids above CUTLASS's reserved ones): 0/1 give consumer warpgroup 0/1 the tensor cores,
+// 2/3 order each warpgroup's O writes to shared memory before its own global stores.
+enum : uint32_t { kBarTurn0 = 0, kBarTurn1 = 1, kBarEpilogue0 = 2 };
+
+// Bulk-loads (row, head dim) tiles of a (rows, d, heads, batch) TMA tensor.
+template <class Kt>
+__device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, TileSchedule const& sched,
+                        typename Kt::SharedStorage& ss) {
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutKV{});
+  bool const varlen = p.cu_seqlens_q != nullptr;
+  int const bdim = varlen ? 1 : p.batch;
+  Tensor mQ = tma.q.get_tma_tensor(make_shape(max_i(varlen ? p.total_q : p.seqlen_q, 1), p.headdim, p.nheads, bdim));
+  Tensor mK = tma.k.get_tma_tensor(make_shape(max_i(varlen ? p.total_k : p.seqlen_k, 1), p.headdim, p.nheads_k, bdim));
+  Tensor mV = tma.v.get_tma_tensor(make_shape(max_i(varlen ? p.total_k : p.seqlen_k, 1), p.headdim, p.nheads_k, bdim));
+  int const group = p.nheads / p.nheads_k;
+
+  int q_round = 0, kv_it = 0;
+  for (int64_t t = blockIdx.x; t < sched.count(); t += gridDim.x) {
+    TileWork<Kt> const w(p, sched, t);
+    if (!w.valid) continue;
+    int const b = varlen ? 0 : w.batch, hk = w.head / group;
+    Tensor gQ = local_tile(domain_offset(make_coord(int(w.ext.q_start), _0{}), mQ(_, _, w.head, b)),
+                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, _0{}));
+    Tensor gK = local_tile(domain_offset(make_coord(int(w.ext.k_start), _0{}), mK(_, _, hk, b)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gV = local_tile(domain_offset(make_coord(int(w.ext.k_start), _0{}), mV(_, _, hk, b)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    auto [tQgQ, tQsQ] = tma_partition(tma.q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(tma.k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(tma.v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+    int const nblocks = w.range.count();
+    auto load_k = [&](int i, int it) {  // block i of the range, pipeline slot it
+      int const st = it % kStages, phase = (it / kStages) & 1;
+      EmptyBarrier::wait(&ss.k_empty[st], phase ^ 1);
+      FullBarrier::arrive_and_expect_tx(&ss.k_full[st], Kt::kKVBytes);
+      copy(tma.k.with(ss.k_full[st]), tKgK(_, w.range.block(i)), tKsK(_, st));
+    };
+    // The first K block goes out before the wait for Q's buffer, which also carries the previous tile's O
+    // out: its load then overlaps the consumers' epilogue.
+    if (nblocks > 0) load_k(0, kv_it);
+    EmptyBarrier::wait(&ss.q_empty, (q_round & 1) ^ 1);
+    FullBarrier::arrive_and_expect_tx(&ss.q_full, Kt::kQBytes);
+    copy(tma.q.with(ss.q_full), tQgQ, tQsQ);
+    ++q_round;
+
+    for (int i = 0; i < nblocks; ++i, ++kv_it) {
+      int const n = w.range.block(i), st = kv_it % kStages, phase = (kv_it / kStages) & 1;
+      if (i > 0) load_k(i, kv_it);
+      EmptyBarrier::wait(&ss.v_empty[st], phase ^ 1);
+      FullBarrier::arrive_and_expect_tx(&ss.v_full[st], Kt::kKVBytes);
+      copy(tma.v.with(ss.v_full[st]), tVgV(_, n), tVsV(_, st));
+    }
+  }
+}
+
+// acc (+)= A * B over the K mode on wgmma, committed as one batch; the caller waits with warpgroup_wait.
+template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma(TiledMma& mma, TA const& a, TB const& b, TC& acc) {
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    gemm(mma, a(_, _, k), b(_, _, k), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+// ((2 cols, 2 row halves, N/8), M, N) -> ((2 row halves, M), (2 cols, N/8, N)): rows and columns of a
+// wgmma accumulator (each thread holds 2 rows; the 4 lanes of a quad share them).
+template <class L>
+__host__ __device__ constexpr auto acc_rowcol(L const& l) {
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+template <class T>
+__host__ __device__ auto rowcol_view(T&& t) {
+  return make_tensor(t.data(), acc_rowcol(t.layout()));
+}
+
+// The S accumulator ((2, 2, N/8), M, N) as the register A operand of m64nXk16: ((2, 2, 2), M, (N/16, N)).
+// The value order of a k16 A fragment (2 cols, 2 row halves, 2 k halves) is two adjacent n8 accumulator
+// groups, so this is a view, not a shuffle.
+template <class L>
+__host__ __device__ constexpr auto acc_as_a_operand(L const& l) {
+  auto v = logical_divide(get<0>(l), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
+  return make_layout(make_layout(get<0>(v), get<1>(v), get<2, 0>(v)), get<1>(l), make_layout(get<2, 1>(v), get<2>(l)));
+}
+
+// 16-byte shared-memory load through a 32-bit shared address (a generic pointer would hold 64 bits per
+// precomputed address, which the epilogue then spills).
+__device__ __forceinline__ uint4 lds128(void const* ptr) {
+  uint32_t const addr = cast_smem_ptr_to_uint(ptr);
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Ping-pong: a consumer warpgroup waits for its turn at the tensor cores, issues its GEMMs, then hands
+// the turn to the other. Per tile each warpgroup takes nblocks + 1 turns; warpgroup 1 gives warpgroup 0
+// the first turn up front and skips handing over after its last, so every barrier is balanced per tile.
+struct PingPong {
+  int wg;
+  __device__ void begin() const { cutlass::arch::NamedBarrier::sync(256, wg == 0 ? kBarTurn0 : kBarTurn1); }
+  __device__ void end(bool last_of_tile) const {
+    if (wg == 0) cutlass::arch::NamedBarrier::arrive(256, kBarTurn1);
+    else if (!last_of_tile) cutlass::arch::NamedBarrier::arrive(256, kBarTurn0);
+  }
+  __device__ void tile_start() const {
+    if (wg == 1) cutlass::arch::NamedBarrier::arrive(256, kBarTurn0);
+  }
+};
+
+template <class Kt>
+__device__ void consume(FwdParams const& p, TileSchedule const& sched, typename Kt::SharedStorage& ss, int ctid) {
+  using Element = typename Kt::Element;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
+  int const wg = ctid / 128;
+  PingPong const turn{wg};
+
+  typename Kt::TiledMmaS mma_s;
+  typename Kt::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(ctid);
+  auto thr_o = mma_o.get_thread_slice(ctid);
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutVt{});
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tScS = rowcol_view(thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  Tensor tOcO = rowcol_view(thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  // P: the registers of a copy of S in the input precision, read by the P V wgmma as its A operand.
+  Tensor rP = make_tensor<Element>(tSrS.layout());
+  Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+  Tensor scores = rowcol_view(tSrS);
+  Tensor out_rows = rowcol_view(tOrO);
+  constexpr int kRows = decltype(size<0>(scores))::value;
+  static_assert(kRows == 2);
+
+  // With softcap the scores are first bounded, s = softcap * tanh(scale * qk / softcap), then used unscaled.
+  bool const softcap = p.softcap > 0.f;
+  float const scale_nat = softcap ? 1.f : p.softmax_scale;
+  float const scale_log2 = scale_nat * float(M_LOG2E);
+  float const tanh_in_scale = softcap ? p.softmax_scale / p.softcap : 0.f;
+  bool const varlen = p.cu_seqlens_q != nullptr;
+
+  int q_round = 0, kv_it = 0;
+  for (int64_t t = blockIdx.x; t < sched.count(); t += gridDim.x) {
+    TileWork<Kt> const w(p, sched, t);
+    if (!w.valid) continue;
+    int const m0 = w.m_block * kBlockM;
+    float row_max[kRows], row_sum[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+    clear(tOrO);
+
+    // Scores of key block n -> probabilities in place (exp2 units); returns nothing, leaves each row's
+    // rescale factor for what O and the sums held before in `correction`.
+    float correction[kRows];
+    auto softmax_block = [&](int n) {
+      if (softcap) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = p.softcap * tanhf(tSrS(i) * tanh_in_scale);
+      }
+      if (w.mask.needs_mask(w.m_block, n)) {
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(scores); ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(scores); ++c) {
+            auto coord = tScS(r, c);
+            if (!w.mask.visible_row(m0 + get<0>(coord), n * kBlockN + get<1>(coord))) scores(r, c) = -INFINITY;
+          }
+        }
+      }
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float m = row_max[r];
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c) m = fmaxf(m, scores(r, c));
+        m = quad_max(m);
+        // A row that has seen only masked keys keeps max -inf; rebasing on 0 then gives p = 0, not NaN.
+        float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+        correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
+        row_max[r] = m;
+        row_sum[r] *= correction[r];
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c) {
+          float const e = exp2f(scores(r, c) * scale_log2 - m_scaled);
+          scores(r, c) = e;
+          row_sum[r] += e;
+        }
+      }
+    };
+    auto convert_p = [&]() {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) rP(i) = Element(tSrS(i));
+    };
+
+    FullBarrier::wait(&ss.q_full, q_round & 1);
+    int const nblocks = w.range.count();
+    if (nblocks > 0) {
+      turn.tile_start();
+      int st = kv_it % kStages, phase = (kv_it / kStages) & 1;
+      FullBarrier::wait(&ss.k_full[st], phase);
+      turn.begin();
+      wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, st), tSrS);
+      turn.end(false);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      EmptyBarrier::arrive(&ss.k_empty[st]);
+      softmax_block(w.range.block(0));
+      convert_p();
+
+      for (int i = 1; i < nblocks; ++i) {
+        int const st_prev = st, phase_prev = phase;
+        ++kv_it;
+        st = kv_it % kStages;
+        phase = (kv_it / kStages) & 1;
+        FullBarrier::wait(&ss.k_full[st], phase);
+        turn.begin();
+        wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, st), tSrS);
+        FullBarrier::wait(&ss.v_full[st_prev], phase_prev);
+        warpgroup_fence_operand(tOrP);
+        wgmma<false>(mma_o, tOrP, tOrV(_, _, _, st_prev), tOrO);
+        turn.end(false);
+        warpgroup_wait<1>();  // S of block i is in; P V of block i-1 may still run
+        warpgroup_fence_operand(tSrS);
+        EmptyBarrier::arrive(&ss.k_empty[st]);
+        softmax_block(w.range.block(i));
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        warpgroup_fence_operand(tOrP);
+        EmptyBarrier::arrive(&ss.v_empty[st_prev]);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= correction[r];
+        }
+        convert_p();
+      }
+
+      FullBarrier::wait(&ss.v_full[st], phase);
+      turn.begin();
+      warpgroup_fence_operand(tOrP);
+      wgmma<false>(mma_o, tOrP, tOrV(_, _, _, st), tOrO);
+      turn.end(true);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+      EmptyBarrier::arrive(&ss.v_empty[st]);
+      ++kv_it;
+    }
+
+    // ---- finalize: the sink joins the denominator once per row ---------------------------------------
+    float lse[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float const sum = quad_sum(row_sum[r]);
+      float const max_nat = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * scale_nat;
+      float const sink = p.sinks ? p.sinks[w.head] : -INFINITY;
+      RowFinal const f = finalize_row(max_nat, sum, sink);
+      lse[r] = f.lse;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
+    }
+
+    // ---- epilogue: O into this warpgroup's 64 rows of Q's buffer (its own wgmmas were their last
+    // readers and have completed), then 16-byte stores of the rows inside the sequence ------------------
+    Tensor sO = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});
+    Tensor tOsO = thr_o.partition_C(sO);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tOrO); ++i) tOsO(i) = Element(tOrO(i));
+
+    int64_t const lse_seq = (varlen ? w.ext.q_start : 0) + int64_t(w.batch) * p.lse_batch_stride;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int const row = get<0>(tOcO(r, 0));
+      if (get<1>(tOcO(r, 0)) == 0 && m0 + row < w.ext.seqlen_q) {
+        p.lse[lse_seq + int64_t(w.head) * p.lse_head_stride + m0 + row] = lse[r];
+      }
+    }
+
+    cutlass::arch::NamedBarrier::sync(128, kBarEpilogue0 + wg);
+    Element* o_seq = static_cast<Element*>(p.out) + int64_t(w.head) * p.o_head_stride +
+                     (varlen ? w.ext.q_start * p.o_row_stride : int64_t(w.batch) * p.o_batch_stride);
+    constexpr int kVecsPerRow = kHeadDim / 8;
+    constexpr int kVecs = 64 * kVecsPerRow;
+    int const tid = ctid % 128;
+#pragma unroll 1  // unrolled, the compiler keeps every iteration's shared address live across tiles
+    for (int v = tid; v < kVecs; v += 128) {
+      int const row = wg * 64 + v / kVecsPerRow, col = (v % kVecsPerRow) * 8;
+      if (m0 + row < w.ext.seqlen_q && col < p.headdim) {
+        uint4 const val = lds128(&sO(row, col));
+        *reinterpret_cast<uint4*>(o_seq + int64_t(m0 + row) * p.o_row_stride + col) = val;
+      }
+    }
+    // Every read of O's shared memory is done before the producer's next Q load (an async-proxy write)
+    // may land there.
+    cutlass::arch::fence_view_async_shared();
+    EmptyBarrier::arrive(&ss.q_empty);
+    ++q_round;
+  }
+}
+
+template <class Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, 1)
+    fwd_kernel(__grid_constant__ const FwdParams p, __grid_constant__ const TmaParams<Kt> tma, TileSchedule const sched) {
+  extern __shared__ __align__(1024) char smem[];
+  auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(smem);
+  if (threadIdx.x == 0) {
+    FullBarrier::init(&ss.q_full, 1);
+    EmptyBarrier::init(&ss.q_empty, 128 * Kt::kConsumerWarpgroups);
+    CUTE_UNROLL
+    for (int s = 0; s < Kt::kStages; ++s) {
+      FullBarrier::init(&ss.k_full[s], 1);
+      FullBarrier::init(&ss.v_full[s], 1);
+      EmptyBarrier::init(&ss.k_empty[s], 128 * Kt::kConsumerWarpgroups);
+      EmptyBarrier::init(&ss.v_empty[s], 128 * Kt::kConsumerWarpgroups);
+    }
+    prefetch_tma_descriptor(tma.q.get_tma_descriptor());
+    prefetch_tma_descriptor(tma.k.get_tma_descriptor());
+    prefetch_tma_descriptor(tma.v.get_tma_descriptor());
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
+    if (threadIdx.x == 0) produce<Kt>(p, tma, sched, ss);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
+    consume<Kt>(p, sched, ss, int(threadIdx.x) - 128);
+  }
+}
+
+}  // namespace sinkattn::sm90

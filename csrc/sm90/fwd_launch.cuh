@@ -1,0 +1,80 @@
+// fwd_launch.cuh: the host side of the sm90 forward kernel: tile configuration, TMA descriptors, the
+// persistent grid (nvcc only, no torch).
+//
+// Serves what api.cpp routes here: padded or varlen q/k/v, every mask, sinks, softcap, GQA. KV caches
+// (seqused_k, paged), split-KV and GQA packing stay on the sm80 kernel (decode is memory-bound; the
+// capability report says so).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "build_info.h"
+#include "params.h"
+#include "sm90/fwd_kernel.cuh"
+
+// What the sm90 forward serves (recorded in the registry, shown by the report).
+#define SINKATTN_FWD_SM90_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen"
+
+namespace sinkattn {
+
+namespace sm90 {
+
+// Tile per head dim: M 128 (two consumer warpgroups of 64 rows). Shared memory: Q plus kStages K and V
+// blocks, 112 / 160 / 192 KB for head dim 64 / 128 / 256; a block of 64 keys at head dim 256 keeps O
+// (128 fp32 registers per thread) and S within the consumers' 232 registers.
+template <int kHeadDim, class Element>
+struct FwdConfig;
+template <class Element>
+struct FwdConfig<64, Element> { using type = FwdTraits<64, 128, 3, Element>; };
+template <class Element>
+struct FwdConfig<128, Element> { using type = FwdTraits<128, 128, 2, Element>; };
+template <class Element>
+struct FwdConfig<256, Element> { using type = FwdTraits<256, 48, 2, Element, 24, 240>; };
+
+inline int sm_count() {
+  int dev = 0, n = 0;
+  cudaGetDevice(&dev);
+  static int cached[64] = {};
+  if (dev < 64 && cached[dev]) return cached[dev];
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (dev < 64) cached[dev] = n;
+  return n;
+}
+
+}  // namespace sm90
+
+template <int kHeadDim, class Element>
+void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
+  using namespace cute;
+  using Kt = typename sm90::FwdConfig<kHeadDim, Element>::type;
+  bool const varlen = p.cu_seqlens_q != nullptr;
+  int const bdim = varlen ? 1 : p.batch;
+  // A TMA descriptor wants every extent >= 1 and every stride a multiple of 16 bytes; an extent-1 mode's
+  // stride is never used, so any such value serves.
+  auto stride_of = [](int64_t stride, int extent) { return extent > 1 ? stride : int64_t(8); };
+  auto tensor = [&](void const* ptr, int rows, int heads, int64_t rs, int64_t hs, int64_t bs) {
+    rows = rows > 1 ? rows : 1;
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       typename Kt::GmemLayout{make_shape(rows, p.headdim, heads, bdim),
+                                               make_stride(stride_of(rs, rows), _1{}, stride_of(hs, heads),
+                                                           stride_of(bs, bdim))});
+  };
+  int const rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
+  auto const gQ = tensor(p.q, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto const gK = tensor(p.k, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto const gV = tensor(p.v, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  sm90::TmaParams<Kt> const tma{
+      make_tma_copy(SM90_TMA_LOAD{}, gQ, typename Kt::SmemLayoutQ{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(typename Kt::SmemLayoutKV{})),
+      make_tma_copy(SM90_TMA_LOAD{}, gV, take<0, 2>(typename Kt::SmemLayoutKV{}))};
+
+  sm90::TileSchedule const sched{(p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM, p.nheads, p.batch};
+  int64_t const tiles = sched.count();
+  if (tiles == 0) return;
+  int const sms = sm90::sm_count();
+  int const grid = int(tiles < sms ? tiles : sms);
+  auto kernel = sm90::fwd_kernel<Kt>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
+  kernel<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, tma, sched);
+}
+
+}  // namespace sinkattn

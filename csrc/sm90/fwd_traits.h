@@ -1,0 +1,82 @@
+// fwd_traits.h: tile shapes, shared-memory layouts, wgmma and TMA types of the sm90 forward kernel.
+//
+// One CTA = three warpgroups: warpgroup 0 produces (one thread issues every TMA load), warpgroups 1 and 2
+// consume, each owning 64 rows of the 128-row M tile (a wgmma is 64 rows tall, and a row's softmax then
+// stays inside one warpgroup). No torch and no host-only code here: kernels and the launcher include it.
+#pragma once
+#include <utility>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace sinkattn::sm90 {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockN_, int kStages_, class Element_, int kProducerRegs_ = 40, int kConsumerRegs_ = 232>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
+  // setmaxnreg budgets, 128 * producer + 256 * consumer <= 64512 registers per SM (one CTA per SM). The
+  // producer only computes block ranges and TMA coordinates; the consumers hold S, P and O.
+  static constexpr int kProducerRegs = kProducerRegs_;
+  static constexpr int kConsumerRegs = kConsumerRegs_;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 64512 && kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0);
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
+
+  // S = Q K^T: both operands from shared memory, K-major. O += P V: P from registers (the S accumulator
+  // converted in place), V from shared memory read MN-major (the transposed view below).
+  using AtomLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  using TiledMmaS = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), AtomLayout{}));
+  using TiledMmaO = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  // 128-byte swizzle: what both TMA and wgmma read without bank conflicts. Head dims are multiples of 64
+  // elements, one swizzle row.
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V as the B operand of P V is indexed (d, key): the same bytes with the first two modes swapped.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  // Global tensors as TMA sees them: (rows, head dim, heads, batch), the head dim contiguous. Varlen packs
+  // every sequence in the rows with batch 1.
+  using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t, int64_t>>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutQ{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), take<0, 2>(SmemLayoutKV{})));
+
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) Element q[cosize_v<SmemLayoutQ>];  // Q, then this tile's O on its way out
+    alignas(1024) Element k[cosize_v<SmemLayoutKV>];
+    alignas(1024) Element v[cosize_v<SmemLayoutKV>];
+    alignas(8) uint64_t q_full, q_empty;
+    uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "over the sm90 shared-memory limit per block");
+};
+
+// The TMA descriptors, passed to the kernel as one __grid_constant__ parameter.
+template <class Kt>
+struct TmaParams {
+  typename Kt::TmaQ q;
+  typename Kt::TmaKV k, v;
+};
+
+}  // namespace sinkattn::sm90
