@@ -27,7 +27,11 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
   bool const few_rows = fwd_few_rows(p);
   if constexpr (kHeadDim == 64) {
     if (few_rows) {
-      f.template operator()<FwdTraits<64, 64, 64, 4, Element, Prims, 4>>();  // 72 KB, 48 KB of K/V in flight
+      // kBlockN 128: with 64 the 3- and 4-stage tiles spill 4-16 bytes on sm_80 (at 168 registers).
+      using Big = FwdTraits<64, 64, 128, 4, Element, Prims, 3>;               // 104 KB, 64 KB in flight: sm80, sm90
+      using Small = FwdTraits<64, 64, 128, 4, Element, Prims, 2>;             // 72 KB, 32 KB in flight
+      if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
+      else f.template operator()<Small>();
     } else {
       // 8 warps of 16 rows: with 4 warps of 32 rows the accumulators need more than 255 registers and spill
       // (seen for sm_90 code generated from compute_80).
