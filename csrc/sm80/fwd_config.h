@@ -33,9 +33,10 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
       if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
       else f.template operator()<Small>();
     } else {
-      // 8 warps of 16 rows: with 4 warps of 32 rows the accumulators need more than 255 registers and spill
-      // (seen for sm_90 code generated from compute_80).
-      f.template operator()<FwdTraits<64, 128, 64, 8, Element, Prims>>();    // 48 KB
+      // 4 warps of 32 rows: each K/V fragment read from shared memory feeds two 16-row MMA tiles (half the
+      // ldmatrix traffic per FLOP of 8 warps of 16 rows). 255 registers, no spill since the element mask
+      // compares against per-row bounds (TileMask::visible_cols); before, it spilled 24-32 bytes on sm_90.
+      f.template operator()<FwdTraits<64, 128, 64, 4, Element, Prims>>();    // 48 KB
     }
   } else if constexpr (kHeadDim == 128) {
     if (few_rows) {

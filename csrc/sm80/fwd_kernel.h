@@ -240,12 +240,18 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
       for (int i = 0; i < size(acc_s); ++i) acc_s(i) = p.softcap * tanhf(acc_s(i) * tanh_in_scale);
     }
     if (tile_mask.needs_mask(m_block, n)) {
+      // Per row the visible keys are [lo, hi) plus the sink tokens below hi: two compares per element.
+      int const sink_hi = p.sink_tokens - n * kBlockN;
       CUTE_UNROLL
       for (int r = 0; r < size<0>(scores); ++r) {
+        int lo, hi;
+        tile_mask.visible_cols(m0 + get<0>(tScS(r, 0)), lo, hi);
+        lo -= n * kBlockN;  // in the block's columns
+        hi -= n * kBlockN;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(scores); ++c) {
-          auto coord = tScS(r, c);
-          if (!tile_mask.visible_row(m0 + get<0>(coord), n * kBlockN + get<1>(coord))) scores(r, c) = -INFINITY;
+          int const j = get<1>(tScS(r, c));
+          if (!(j < hi && (j >= lo || j < sink_hi))) scores(r, c) = -INFINITY;
         }
       }
     }
