@@ -15,6 +15,21 @@ def test_emulated_decode_matches_oracle(name, kw, rng_seed):
     run_decode("sm80-emulated", "cpu", rng_seed, **kw)
 
 
+# Head dim 128 has its own decode tiles (64 rows, more K/V stages; kBlockN 64 or 32 by shared memory).
+D128_CASES = [
+    ("d128-gqa8-paged16-split3", dict(d=128, h=16, hk=2, capacity=300, lens=(250, 7, 0), page_size=16, causal=True,
+                                      num_splits=3)),
+    ("d128-gqa-window-sinktok", dict(d=128, capacity=400, lens=(390, 130, 64), causal=True, window_size=(100, 0),
+                                     sink_tokens=4)),
+]
+
+
+@pytest.mark.skipif(not any(h == 128 and d == "bf16" for h, d in EMU), reason="no emulated hdim128 bf16 kernel")
+@pytest.mark.parametrize("name,kw", D128_CASES, ids=[c[0] for c in D128_CASES])
+def test_emulated_decode_hdim128(name, kw, rng_seed):
+    run_decode("sm80-emulated", "cpu", rng_seed, **kw)
+
+
 def test_split_heuristic():
     C = _ext._C
     # Few CTAs and many key blocks: split to fill the SMs; never more splits than blocks.

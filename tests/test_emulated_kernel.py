@@ -26,6 +26,15 @@ def _cases():
         # The sm86/sm89 configuration (99 KB of shared memory) differs from sm80's only at head dim 256.
         cases.append(Case("d256-sm86-config", 256, seqlen_q=70, seqlen_k=100, causal=True, window=(40, 0),
                           sink_tokens=3, max_smem=99 * 1024))
+    if (64, "bf16") in EMU:
+        cases.append(Case("d64-sm86-few-rows-config", 64, seqlen_q=30, seqlen_k=300, nheads=4, nheads_k=2, causal=True,
+                          window=(200, 0), sink_tokens=2, max_smem=99 * 1024))
+    if (128, "bf16") in EMU:
+        # Few rows (seqlen_q <= 64): the decode tiles; at head dim 128 the sm86/sm89 one (99 KB) differs.
+        cases.append(Case("d128-sm86-few-rows-config", 128, seqlen_q=40, seqlen_k=300, causal=True, window=(150, 0),
+                          sink_tokens=3, max_smem=99 * 1024))
+        cases.append(Case("d128-sm86-few-rows-gqa", 128, seqlen_q=7, seqlen_k=230, nheads=4, nheads_k=2,
+                          sinks="random", max_smem=99 * 1024))
     return cases
 
 

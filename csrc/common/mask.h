@@ -6,6 +6,7 @@
 //   left_ok  = left < 0  || j >= i + off - left || j < sink_tokens
 // and j < seqlen_k. Host and device share this code; tests call it through the extension.
 #pragma once
+#include <cstdint>
 #include "common/defs.h"
 
 namespace sinkattn {
@@ -63,6 +64,18 @@ struct TileMask {
   }
 
   SA_HOST_DEVICE bool visible_row(int r, int j) const { return p.visible(query_of_row(r), j); }
+
+  // The keys row r sees, as bounds: j is visible iff j < hi and (j >= lo or j < sink_tokens), the same
+  // answer as visible_row(r, j) for every j >= 0, with the per-row work done once (kernels mask a row's
+  // columns with two compares each).
+  SA_HOST_DEVICE void visible_cols(int r, int& lo, int& hi) const {
+    int64_t const diag = int64_t(query_of_row(r)) + p.offset();
+    int64_t h = p.seqlen_k;
+    if (p.window_right >= 0 && diag + p.window_right + 1 < h) h = diag + p.window_right + 1;
+    int64_t l = p.window_left >= 0 ? diag - p.window_left : 0;
+    hi = int(h < 0 ? 0 : h);
+    lo = int(l < 0 ? 0 : l > hi ? hi : l);
+  }
 
   SA_HOST_DEVICE BlockRange range(int m_block) const {
     BlockRange r{0, 0, 0};

@@ -14,7 +14,7 @@ namespace sinkattn {
 
 template <int kHeadDim, class Element>
 void run_fwd_sm80_emulated(FwdParams const& p, EmuLaunch const& launch) {
-  sm80::with_fwd_config<kHeadDim, Element, emu::EmuPrims>(launch.max_smem_per_block, [&]<class Kt>() {
+  sm80::with_fwd_config<kHeadDim, Element, emu::EmuPrims>(p, launch.max_smem_per_block, [&]<class Kt>() {
     sm80::FwdGrid const grid = sm80::fwd_grid<Kt::kBlockM>(p);
     emu::launch(grid.size(p.batch), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
       int m_block, split, head, batch;

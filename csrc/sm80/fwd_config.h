@@ -1,7 +1,10 @@
-// fwd_config.h: the tile configurations of the sm80 forward kernel, chosen at run time from the device's
-// shared-memory limit per block (sm80: 163 KB; sm86/sm89: 99 KB). Shared by the GPU launcher and the
-// host emulation, so the emulated kernel runs exactly the configurations the GPU runs.
+// fwd_config.h: the tile configurations of the sm80 forward kernel, chosen at run time from the problem
+// (few rows per tile: decode) and the device's shared-memory limit per block (sm80: 163 KB; sm86/sm89: 99 KB).
+// Shared by the GPU launcher and the host emulation, so the emulated kernel runs exactly the configurations
+// the GPU runs.
 #pragma once
+#include <cstdint>
+#include "params.h"
 #include "sm80/fwd_traits.h"
 
 // What every sm80 forward kernel serves (recorded in the registry, shown by the report).
@@ -9,15 +12,41 @@
 
 namespace sinkattn::sm80 {
 
-// Calls f.template operator()<Traits>() with the configuration for this head dim and shared-memory limit.
+// Few rows per (sequence, head or head group): decode, GQA-packed (seqlen_q * group <= 64), or split-KV. Such
+// a tile is mostly padding rows, whose warps skip the MMAs (fwd_kernel.h), so the kernel is bound by the bytes
+// of K and V it keeps in flight: a 64-row tile of 4 warps, small, with more K/V stages.
+inline bool fwd_few_rows(FwdParams const& p) {
+  int const group = p.pack_gqa && p.nheads_k > 0 ? p.nheads / p.nheads_k : 1;
+  return p.num_splits > 1 || int64_t(p.seqlen_q) * group <= 64;
+}
+
+// Calls f.template operator()<Traits>() with the configuration for this head dim, problem and shared-memory
+// limit. Sizes: Q kBlockM x d, plus kStages x (K + V) of kBlockN x d, in 2-byte elements.
 template <int kHeadDim, class Element, class Prims, class F>
-void with_fwd_config(int max_smem_per_block, F&& f) {
+void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
+  bool const few_rows = fwd_few_rows(p);
   if constexpr (kHeadDim == 64) {
-    // 8 warps of 16 rows: with 4 warps of 32 rows the accumulators need more than 255 registers and spill
-    // (seen for sm_90 code generated from compute_80).
-    f.template operator()<FwdTraits<64, 128, 64, 8, Element, Prims>>();      // 48 KB
+    if (few_rows) {
+      // kBlockN 128: with 64 the 3- and 4-stage tiles spill 4-16 bytes on sm_80 (at 168 registers).
+      using Big = FwdTraits<64, 64, 128, 4, Element, Prims, 3>;               // 104 KB, 64 KB in flight: sm80, sm90
+      using Small = FwdTraits<64, 64, 128, 4, Element, Prims, 2>;             // 72 KB, 32 KB in flight
+      if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
+      else f.template operator()<Small>();
+    } else {
+      // 4 warps of 32 rows: each K/V fragment read from shared memory feeds two 16-row MMA tiles (half the
+      // ldmatrix traffic per FLOP of 8 warps of 16 rows). 255 registers, no spill since the element mask
+      // compares against per-row bounds (TileMask::visible_cols); before, it spilled 24-32 bytes on sm_90.
+      f.template operator()<FwdTraits<64, 128, 64, 4, Element, Prims>>();    // 48 KB
+    }
   } else if constexpr (kHeadDim == 128) {
-    f.template operator()<FwdTraits<128, 128, 64, 8, Element, Prims>>();     // 96 KB: fits sm86 too
+    if (few_rows) {
+      using Big = FwdTraits<128, 64, 64, 4, Element, Prims, 3>;               // 112 KB, 64 KB in flight: sm80, sm90
+      using Small = FwdTraits<128, 64, 32, 4, Element, Prims, 4>;             // 80 KB, 48 KB in flight
+      if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
+      else f.template operator()<Small>();
+    } else {
+      f.template operator()<FwdTraits<128, 128, 64, 8, Element, Prims>>();   // 96 KB: fits sm86 too
+    }
   } else {
     static_assert(kHeadDim == 256);
     using Big = FwdTraits<256, 64, 64, 4, Element, Prims>;                   // 160 KB: sm80 only

@@ -4,7 +4,7 @@
 // under host emulation (emu/fwd_sm80_emu.h with EmuPrims): everything arch-facing goes through Kt::Prims.
 //
 // Per CTA: Q tile (kBlockM x d) once; K/V blocks chosen by the mask policy (window blocks from the last down,
-// then sink-token blocks), double-buffered through shared memory with cp.async; S = Q K^T and O += P V on
+// then sink-token blocks), kStages-buffered through shared memory with cp.async; S = Q K^T and O += P V on
 // mma.sync m16n8k16 with fp32 accumulation; online softmax in exp2 units; the learnable sink joins once per
 // row in the finalize; O goes out through shared memory in 16-byte stores; the LSE per row.
 #pragma once
@@ -177,9 +177,16 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
                   [&](int r) { return kv_row(v_seq, p.v_batch_stride, p.v_row_stride, j0 + r); });
   };
 
+  // One cp.async group per key block, committed even when empty (past the last block), so the group of
+  // block t is always the (t - t_begin)-th and one wait count serves every iteration. Q joins block t_begin's.
   load_rows<Kt>(gmem_thr.partition_D(sQ), tQcQ, vec, rows - m0, p.headdim, q_row);
   if (t_end > t_begin) load_kv(t_begin);
   Prims::cp_async_fence();
+  CUTE_UNROLL
+  for (int i = 1; i < Kt::kStages - 1; ++i) {  // blocks t_begin + 1 .. t_begin + kStages - 2 in flight too
+    if (t_begin + i < t_end) load_kv(t_begin + i);
+    Prims::cp_async_fence();
+  }
 
   // ---- MMA partitions ----------------------------------------------------------------------------------------
   typename Kt::TiledMma tiled_mma;
@@ -198,6 +205,10 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   // (row, col) coordinates of this thread's S elements, for the mask and the LSE.
   Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
   constexpr int kRows = 2 * kBlockM / (16 * Kt::kNWarps);  // m16n8 tiles: 2 rows per thread per 16-row slice
+  // A warp whose first 16-row slice lies past the tile's real rows holds no real row at all (its other slices
+  // lie further down): it skips the MMAs and the softmax and only loads and synchronises. Decode tiles hold
+  // few real rows (GQA-packed: seqlen_q * group), so most of their warps skip. Uniform per warp.
+  bool const warp_active = m0 + get<0>(tScS(0, 0)) / 16 * 16 < rows;
   float row_max[kRows], row_sum[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
@@ -209,14 +220,13 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   float const tanh_in_scale = softcap ? p.softmax_scale / p.softcap : 0.f;
   for (int t = t_begin; t < t_end; ++t) {
     int const n = range.block(t), s = (t - t_begin) % Kt::kStages;
-    if (t + 1 < t_end) {
-      load_kv(t + 1);  // into the other stage, freed by the barrier that ended iteration t - 1
-      Prims::cp_async_fence();
-      Prims::template cp_async_wait<1>();
-    } else {
-      Prims::template cp_async_wait<0>();
-    }
-    Prims::sync_threads();  // stage s (and Q) written by every thread's copies
+    Prims::template cp_async_wait<Kt::kStages - 2>();  // this thread's copies of block t (and Q) landed
+    // Stage s (and Q) written by every thread's copies; every read of iteration t - 1 done, so its stage
+    // takes block t + kStages - 1 while this one computes.
+    Prims::sync_threads();
+    if (t + Kt::kStages - 1 < t_end) load_kv(t + Kt::kStages - 1);
+    Prims::cp_async_fence();
+    if (!warp_active) continue;
 
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
@@ -230,12 +240,18 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
       for (int i = 0; i < size(acc_s); ++i) acc_s(i) = p.softcap * tanhf(acc_s(i) * tanh_in_scale);
     }
     if (tile_mask.needs_mask(m_block, n)) {
+      // Per row the visible keys are [lo, hi) plus the sink tokens below hi: two compares per element.
+      int const sink_hi = p.sink_tokens - n * kBlockN;
       CUTE_UNROLL
       for (int r = 0; r < size<0>(scores); ++r) {
+        int lo, hi;
+        tile_mask.visible_cols(m0 + get<0>(tScS(r, 0)), lo, hi);
+        lo -= n * kBlockN;  // in the block's columns
+        hi -= n * kBlockN;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(scores); ++c) {
-          auto coord = tScS(r, c);
-          if (!tile_mask.visible_row(m0 + get<0>(coord), n * kBlockN + get<1>(coord))) scores(r, c) = -INFINITY;
+          int const j = get<1>(tScS(r, c));
+          if (!(j < hi && (j >= lo || j < sink_hi))) scores(r, c) = -INFINITY;
         }
       }
     }
@@ -270,9 +286,8 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
     Tensor tOsVt = smem_copy_v.get_thread_slice(tid).partition_S(sVt_stage(s));
     gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, tid);
-
-    Prims::sync_threads();  // every read of stage s done before iteration t + 1 refills it
   }
+  Prims::template cp_async_wait<0>();  // the trailing empty groups (or the Q copy, when no key block was visited)
 
   // ---- finalize: the sink joins the denominator once per row (in the combine when split) ------------------
   bool const split_kv = p.num_splits > 1;
@@ -289,8 +304,6 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     CUTE_UNROLL
     for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
   }
-
-  if (t_end == t_begin) Prims::template cp_async_wait<0>();  // the Q copy, when no key block was visited
 
   if (split_kv) {
     // Partial results in fp32, straight from registers: decode tiles are small and the combine reads them once.

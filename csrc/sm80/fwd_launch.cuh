@@ -37,7 +37,7 @@ __global__ void combine_kernel(__grid_constant__ const FwdParams p) {
 
 template <int kHeadDim, class Element>
 void run_fwd_sm80(FwdParams const& p, cudaStream_t stream) {
-  sm80::with_fwd_config<kHeadDim, Element, sm80::GpuPrims>(p.max_smem_per_block, [&]<class Kt>() {
+  sm80::with_fwd_config<kHeadDim, Element, sm80::GpuPrims>(p, p.max_smem_per_block, [&]<class Kt>() {
     sm80::FwdGrid const grid = sm80::fwd_grid<Kt::kBlockM>(p);
     if (grid.size(p.batch) == 0) return;
     auto kernel = sm80::fwd_kernel<Kt>;

@@ -13,7 +13,7 @@ namespace sinkattn::sm80 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, class Element_, class Prims_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, class Element_, class Prims_, int kStages_ = 2>
 struct FwdTraits {
   using Element = Element_;
   using Prims = Prims_;
@@ -43,7 +43,10 @@ struct FwdTraits {
 
   static constexpr int kSmemQ = int(cosize_v<SmemLayoutQ>) * int(sizeof(Element));
   static constexpr int kSmemKV = int(cosize_v<SmemLayoutKV>) * int(sizeof(Element));
-  static constexpr int kStages = 2;  // K and V double-buffered: block t+1 loads while block t computes
+  // K/V stages in shared memory: while block t computes, blocks t+1 .. t+kStages-1 are in flight (2: double
+  // buffering; more for decode, where a CTA computes little per byte and needs many bytes in flight).
+  static constexpr int kStages = kStages_;
+  static_assert(kStages >= 2);
   static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;
 
   // Global <-> shared: 16-byte vectors, 8 threads per 64-element row.
