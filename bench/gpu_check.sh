@@ -19,7 +19,7 @@
 # (build grid; defaults: by GPU, all head dims, bf16+fp16, no emulation), GPU_CHECK_JOBS (default: nproc;
 # the Makefile's MAX_JOBS=2 is for the shared dev box and is ignored here), GPU_CHECK_GRID (check),
 # GPU_CHECK_TOTAL, GPU_CHECK_BUILD_CAP (300), GPU_CHECK_SM90_CAP (100: the sm90 tests, first), GPU_CHECK_TEST_CAP (200),
-# GPU_CHECK_BENCH_CAP (150),
+# GPU_CHECK_BENCH_CAP (150), GPU_CHECK_TESTS (the test paths of the second test step; default: tests),
 # GPU_CHECK_BENCH_ARGS (extra bench arguments; default "--budget-ms 300 --max-reps 100"),
 # GPU_CHECK_SKIP_BUILD=1 (use the extension as it is; also how the script is exercised on a CPU),
 # PYTHON (python3).
@@ -148,7 +148,7 @@ if [ "$GPU_CC" = "9.0" ] && [ "$HAS_SM90" = "1" ]; then
   fi
 fi
 step tests "$OUT/tests.log" "$(min "$TEST_CAP" $(($(left) - BENCH_MIN)))" \
-  "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" --ignore=tests/test_gpu_sm90.py tests
+  "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" --ignore=tests/test_gpu_sm90.py ${GPU_CHECK_TESTS:-tests}
 rc=$?
 if [ "$rc" -eq 5 ]; then
   say "tests: pytest collected no GPU test (exit 5)"

@@ -194,7 +194,9 @@ def forward(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, win
     has validated shapes and checked `why_not` first. `max_smem` overrides the shared-memory limit that picks
     the tile configuration (tests use it to run the sm86 configuration under emulation)."""
     C = _ext.require()
-    q, k, v = (t if _aligned(t) else t.contiguous() for t in (q, k, v))
+    # The sm90 kernel reads q/k/v through TMA descriptors, which take no zero (broadcast) strides.
+    tma = backend == "sm90"
+    q, k, v = (t if _aligned(t) and not (tma and _broadcast(t)) else t.contiguous() for t in (q, k, v))
     target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     C.fwd(backend, q, k, v, sinks, target, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
           float(softmax_scale), int(window_left), int(window_right), int(sink_tokens), float(softcap), int(max_smem))
@@ -252,6 +254,10 @@ def kvcache_forward(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache
                   int(window_left), int(window_right), int(sink_tokens), float(softcap), int(num_splits), int(max_smem))
     if target is not out:
         out.copy_(target)
+
+
+def _broadcast(t) -> bool:
+    return any(t.stride(i) == 0 and t.size(i) > 1 for i in range(t.dim()))
 
 
 def _aligned(t) -> bool:
