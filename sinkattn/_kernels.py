@@ -22,12 +22,29 @@ BIG_SMEM_CAPABILITIES = ((8, 0), (8, 7), (9, 0))  # >= 163 KB of shared memory p
 BACKEND_FAMILY = {"sm90": "sm90", "sm80": "sm80", "sm80-emulated": "sm80-emulated"}
 
 
-def preferred_backends(capability: tuple[int, int] | None) -> tuple[str, ...]:
-    """The kernel backends "auto" tries, best first, for a CUDA device of this compute capability."""
+# Forward windows shorter than this many keys run faster on the sm80 kernel on cc 9.0: each sm90 tile then
+# visits 2 key blocks, and its per-tile latency (Q load, epilogue) dominates. Measured on an H200
+# (bench/RESULTS.md): gpt-oss window (127, 0), hd64, 64/8 heads, 2 x 8192: sm80 53.9 TFLOP/s, sm90 44.6; at
+# window 1024 (hd128) sm90 is 1.8x faster. The crossover between 128 and 1024 is not measured.
+SM90_MIN_WINDOW = 128
+
+
+def preference_note(capability: tuple[int, int] | None, problem: Problem | None) -> dict[str, str]:
+    """Backends "auto" ranks below the usual order for this problem, with why (the report prints it)."""
+    if (capability == (9, 0) and problem is not None and problem.kind == "fwd"
+            and 0 <= problem.window_left < SM90_MIN_WINDOW):
+        return {"sm90": (f"windows under {SM90_MIN_WINDOW} keys run faster on the sm80 kernel on cc 9.0 "
+                         "(measured on an H200); backend='sm90' still forces it")}
+    return {}
+
+
+def preferred_backends(capability: tuple[int, int] | None, problem: Problem | None = None) -> tuple[str, ...]:
+    """The kernel backends "auto" tries, best first, for a CUDA device of this compute capability (and, when
+    given, this problem: see `preference_note`)."""
     if capability is None:
         return ()
     if capability == (9, 0):
-        return ("sm90", "sm80")
+        return ("sm80", "sm90") if preference_note(capability, problem) else ("sm90", "sm80")
     if capability[0] >= 8:
         return ("sm80",)
     return ()

@@ -47,12 +47,17 @@ def serving_paths(device: _device.DeviceInfo) -> dict:
         problem = _problem(feature, device.index)
         declined = {}
         chosen = "reference"
-        for backend in _kernels.preferred_backends(device.capability):
+        ranked_lower = _kernels.preference_note(device.capability, problem)
+        for backend in _kernels.preferred_backends(device.capability, problem):
             reason = _kernels.why_not(backend, problem, capability=device.capability)
             if reason is None:
                 chosen = backend
                 break
             declined[backend] = reason
+        for backend, why in ranked_lower.items():  # ranked below the one chosen: say why it is not used
+            if chosen != backend and backend not in declined:
+                declined = {backend: _kernels.why_not(backend, problem, capability=device.capability) or why,
+                            **declined}
         if not _kernels.preferred_backends(device.capability):
             declined["kernels"] = (f"sinkattn kernels need cc >= 8.0 (this GPU is cc "
                                    f"{device.capability[0]}.{device.capability[1]})")

@@ -103,7 +103,7 @@ def choose(problem: Problem, requested: str) -> str:
     if problem.device_type != "cuda":
         return "reference"
     cap = _capability(problem.device_index)
-    candidates = _kernels.preferred_backends(cap)
+    candidates = _kernels.preferred_backends(cap, problem)
     reasons = [] if candidates else [f"no sinkattn kernel runs on compute capability {cap[0]}.{cap[1]} (needs >= 8.0)"]
     for backend in candidates:
         reason = why_not(backend, problem)

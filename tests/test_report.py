@@ -80,8 +80,12 @@ def native(registry, cc) -> bool:
 def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
     # Decode runs on the sm80 forward kernel on every device (the sm90 kernel takes q/k/v tensors, not KV
     # caches); the backward on the bwd kernels (sm90 devices use the sm80 backward until an sm90 one exists).
+    # The learnable-sinks problem is gpt-oss's window (127, 0), which "auto" gives to sm80 first on cc 9.0
+    # (_kernels.SM90_MIN_WINDOW).
     op = "bwd" if feature == "backward" else "fwd"
     order = ["sm90", "sm80"] if cc == (9, 0) and feature != "decode" else (["sm80"] if cc[0] >= 8 else [])
+    if cc == (9, 0) and feature == "learnable_sinks":
+        order = ["sm80", "sm90"]
     for b in order:
         for k in registry:
             if (k["family"], k["op"], k["headdim"], k["dtype"]) == (b, op, 64, "bf16") and any(
@@ -290,7 +294,8 @@ def test_serving_paths_fake_devices(build, fake_build):
             stop = tried.index(want) if want in tried else len(tried)
             assert list(path["declined"]) == tried[:stop]
             for b, reason in path["declined"].items():
-                assert reason == _kernels.why_not(b, problem, capability=dev.capability)
+                assert reason == (_kernels.why_not(b, problem, capability=dev.capability)
+                                  or _kernels.preference_note(dev.capability, problem).get(b))
                 assert reason and reason in text
                 if feature == "backward":
                     assert "backward" in reason
@@ -342,6 +347,14 @@ def test_sass_runs_on_table():
 
 def test_preferred_backends():
     assert _kernels.preferred_backends((9, 0)) == ("sm90", "sm80")
+    # Short forward windows go to sm80 first on cc 9.0 (measured faster there); everything else to sm90 first.
+    short = capability._problem("learnable_sinks", 0)
+    assert short.window_left == 127 and _kernels.preferred_backends((9, 0), short) == ("sm80", "sm90")
+    assert "sm80" in _kernels.preference_note((9, 0), short)["sm90"]
+    for feature in ("sink_tokens", "backward", "decode"):
+        p = capability._problem(feature, 0)
+        assert _kernels.preferred_backends((9, 0), p) == ("sm90", "sm80") and not _kernels.preference_note((9, 0), p)
+    assert _kernels.preferred_backends((8, 0), short) == ("sm80",) and not _kernels.preference_note((8, 0), short)
     for cc in ((8, 0), (8, 6), (8, 9)):
         assert _kernels.preferred_backends(cc) == ("sm80",)
     assert _kernels.preferred_backends((7, 5)) == ()
