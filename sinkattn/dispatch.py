@@ -26,6 +26,8 @@ Kernel extension points in sinkattn._kernels (each guarded: a missing one means 
 """
 from __future__ import annotations
 
+import os
+
 import warnings
 
 import torch
@@ -134,6 +136,14 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def check_values(t: torch.Tensor) -> bool:
+    """Whether to read index tensors (cu_seqlens, cache_seqlens, block_table) to validate them. Each read
+    synchronises with a CUDA device, which costs a decode step about as much as its kernel, so: not while a
+    CUDA graph is captured, and not with SINKATTN_VALUE_CHECKS=0 (then invalid values are not caught: the
+    kernels read and write where they point)."""
+    return os.environ.get("SINKATTN_VALUE_CHECKS", "1") != "0" and not _capturing(t)
+
+
 def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             window_left, window_right, sink_tokens, softcap, deterministic, backend):
     """Body of the sinkattn::fwd op -> (out, lse)."""
@@ -142,8 +152,7 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                            sink_tokens=sink_tokens, softcap=softcap, varlen=varlen,
                            deterministic=deterministic)
     chosen = choose(problem, backend)
-    # Reading cu_seqlens synchronises with the device; skip it while a CUDA graph is captured.
-    if varlen and not _capturing(cu_seqlens_q):
+    if varlen and check_values(cu_seqlens_q):
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if chosen == "reference":
         return reference.forward(q, k, v, sinks, _mask(softmax_scale, window_left, window_right, sink_tokens, softcap),

@@ -83,8 +83,8 @@ def forward(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary
     seqlen_new = 0 if k is None else k.shape[1]
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    # Validate before writing anything (reading cache_seqlens syncs; not while a CUDA graph is captured).
-    if not dispatch._capturing(cache_seqlens):
+    # Validate before writing anything (reading cache_seqlens synchronises: see dispatch.check_values).
+    if dispatch.check_values(cache_seqlens):
         check_kvcache_values(cache_seqlens, seqlen_new, q.shape[1], capacity, block_table, page_size,
                              k_cache.shape[0], None if rotary_cos is None else rotary_cos.shape[0])
     start = cache_seqlens.long()

@@ -195,3 +195,20 @@ def test_no_nan_for_degenerate_inputs():
             assert not out.isnan().any() and not lse.isnan().any()
             grads = torch.autograd.grad(out.sum(), leaves + ([s] if s is not None else []))
             assert not any(g.isnan().any() for g in grads), (kw, sinks)
+
+
+def test_value_checks_opt_out(monkeypatch):
+    """SINKATTN_VALUE_CHECKS=0 skips the checks that read index tensors (each read synchronises a CUDA device):
+    the validators are then not called at all; by default they are."""
+    from sinkattn import dispatch, kvcache
+
+    calls = []
+    monkeypatch.setattr(dispatch, "check_cu_seqlens_values", lambda *a: calls.append("cu"))
+    monkeypatch.setattr(kvcache, "check_kvcache_values", lambda *a: calls.append("cache"))
+    varlen()
+    kvc()
+    assert calls == ["cu", "cache"]
+    monkeypatch.setenv("SINKATTN_VALUE_CHECKS", "0")
+    varlen()
+    kvc()
+    assert calls == ["cu", "cache"]
