@@ -138,8 +138,8 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def check_values(t: torch.Tensor) -> bool:
     """Whether to read index tensors (cu_seqlens, cache_seqlens, block_table) to validate them. Each read
-    synchronises with a CUDA device, which costs a decode step about as much as its kernel, so: not while a
-    CUDA graph is captured, and not with SINKATTN_VALUE_CHECKS=0 (then invalid values are not caught: the
+    synchronises with a CUDA device (a host round trip on every eager decode step), so: not while a CUDA graph
+    is captured, and not with SINKATTN_VALUE_CHECKS=0 (then invalid values are not caught: the
     kernels read and write where they point)."""
     return os.environ.get("SINKATTN_VALUE_CHECKS", "1") != "0" and not _capturing(t)
 
