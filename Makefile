@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.14.1
 SOURCES := setup.py $(shell find csrc -name '*.h' -o -name '*.cuh' -o -name '*.cu' -o -name '*.cpp' -o -name '*.py' | grep -v instantiations)
 STAMP := build/.installed
 
-.PHONY: install deps cutlass run test report bench build-all gpu-check clean
+.PHONY: install deps cutlass run test report bench build-all gpu-check gpu-prebuilt clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==$(TORCH_VERSION)
@@ -48,6 +48,15 @@ build-all: deps cutlass
 
 gpu-check:
 	bash bench/gpu_check.sh
+
+# Kernel objects for a borrowed GPU machine, whose minutes are scarce: the default grid (80;90a) built here,
+# copied to .prebuilt/ (git-ignored). There, with carry=[".prebuilt", "third_party/cutlass/include"]:
+#   SINKATTN_PREBUILT_KERNELS=$$PWD/.prebuilt SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh
+# compiles only api.cpp against that machine's torch (about 50 s on an H200 machine instead of minutes).
+gpu-prebuilt: install
+	rm -rf .prebuilt && mkdir -p .prebuilt
+	cp build/kernels/*.cu.o build/kernels/build_info.cpp.o .prebuilt/
+	@echo "gpu-prebuilt: $$(ls .prebuilt | wc -l) kernel objects in .prebuilt/ ($$(du -sh .prebuilt | cut -f1))"
 
 clean:
 	rm -rf build csrc/instantiations sinkattn/_C*.so *.egg-info

@@ -13,7 +13,9 @@
 # bench.log, results.csv, results.md, env.json, plots.png.
 #
 # On the device tool: run(command="bash bench/gpu_check.sh", carry=["third_party/cutlass/include"],
-# timeout_s=540). The CUTLASS headers are git-ignored, so they travel only when carried.
+# timeout_s=540). The CUTLASS headers are git-ignored, so they travel only when carried. To spend the lease on
+# tests rather than compiles, `make gpu-prebuilt` here first and run SINKATTN_PREBUILT_KERNELS=$PWD/.prebuilt
+# SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh with ".prebuilt" carried too.
 #
 # Knobs (environment): SINKATTN_CUDA_ARCHS / SINKATTN_HEADDIMS / SINKATTN_DTYPES / SINKATTN_EMULATION
 # (build grid; defaults: by GPU, all head dims, bf16+fp16, no emulation), GPU_CHECK_JOBS (default: nproc;
