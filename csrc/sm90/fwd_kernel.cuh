@@ -69,7 +69,8 @@ struct TileWork {
 // 2/3 order each warpgroup's O writes to shared memory before its own global stores.
 enum : uint32_t { kBarTurn0 = 0, kBarTurn1 = 1, kBarEpilogue0 = 2 };
 
-// Bulk-loads (row, head dim) tiles of a (rows, d, heads, batch) TMA tensor.
+// The producer (one thread): every TMA load of this CTA's tiles, in schedule order, from (rows, d, heads,
+// batch) views of q, k and v.
 template <class Kt>
 __device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, TileSchedule const& sched,
                         typename Kt::SharedStorage& ss) {
@@ -237,8 +238,8 @@ __device__ void consume(FwdParams const& p, TileSchedule const& sched, typename 
     for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
     clear(tOrO);
 
-    // Scores of key block n -> probabilities in place (exp2 units); returns nothing, leaves each row's
-    // rescale factor for what O and the sums held before in `correction`.
+    // Scores of key block n -> unnormalised probabilities in place (exp2 units), the running max and sum
+    // updated; `correction` gets each row's rescale factor for what O held before.
     float correction[kRows];
     auto softmax_block = [&](int n) {
       if (softcap) {
