@@ -108,6 +108,15 @@ static std::vector<at::Tensor> merge_states(at::Tensor out_a, at::Tensor lse_a, 
 }
 
 // ---- attention forward --------------------------------------------------------------------------------
+// The kernels read the sink logits as fp32: a contiguous fp32 copy (the caller keeps it alive through the
+// launch) and its pointer in `ptr`; without sinks an undefined tensor and a null pointer.
+static at::Tensor sinks_fp32(std::optional<at::Tensor> const& sinks, float const*& ptr) {
+  if (!sinks) return {};
+  at::Tensor f = sinks->to(at::kFloat).contiguous();
+  ptr = f.data_ptr<float>();
+  return f;
+}
+
 static int served_headdim(int d) {
   for (int h : {64, 128, 256})
     if (d <= h) return h;
@@ -202,11 +211,7 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   FwdParams p;
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  at::Tensor sinks_f;
-  if (sinks) {
-    sinks_f = sinks->to(at::kFloat).contiguous();
-    p.sinks = sinks_f.data_ptr<float>();
-  }
+  at::Tensor const sinks_f = sinks_fp32(sinks, p.sinks);
   p.headdim = d;
   p.nheads = q.size(-2);
   p.nheads_k = k.size(-2);
@@ -276,10 +281,8 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   p.lse = lse.data_ptr<float>();
   p.dlse = dlse ? dlse->data_ptr<float>() : nullptr;
   p.dq = dq.data_ptr(); p.dk = dk.data_ptr(); p.dv = dv.data_ptr();
-  at::Tensor sinks_f;
+  at::Tensor const sinks_f = sinks_fp32(sinks, p.sinks);
   if (sinks) {
-    sinks_f = sinks->to(at::kFloat).contiguous();
-    p.sinks = sinks_f.data_ptr<float>();
     TORCH_CHECK(dsinks->scalar_type() == at::kFloat && dsinks->is_contiguous() && dsinks->numel() == q.size(-2),
                 "sinkattn bwd: dsinks must be contiguous float32 (nheads,)");
     p.dsinks = dsinks->data_ptr<float>();
@@ -397,11 +400,7 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
   FwdParams p;
   p.q = q.data_ptr(); p.k = k_cache.data_ptr(); p.v = v_cache.data_ptr(); p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  at::Tensor sinks_f;
-  if (sinks) {
-    sinks_f = sinks->to(at::kFloat).contiguous();
-    p.sinks = sinks_f.data_ptr<float>();
-  }
+  at::Tensor const sinks_f = sinks_fp32(sinks, p.sinks);
   p.batch = q.size(0); p.seqlen_q = q.size(1); p.nheads = q.size(2); p.nheads_k = k_cache.size(2); p.headdim = d;
   TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn fwd_kvcache: nheads must be a multiple of nheads_k");
   p.headdim_rounded = served_headdim(d);
