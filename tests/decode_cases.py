@@ -56,5 +56,10 @@ DECODE_CASES = [
     ("split64-more-than-blocks", dict(sq=1, sn=1, causal=True, num_splits=64, lens=(100, 5, 130))),
     ("chunked-prefill-mqa", dict(sq=9, sn=9, h=4, hk=1, causal=True, window_size=(20, 0), sink_tokens=2, num_splits=2)),
     ("no-gqa-sinks+30-softcap", dict(sq=3, sn=1, h=2, hk=2, sinks="+30", softcap=10.0, num_splits=5)),
+    # gpt-oss's shape: 8 query heads per KV head, one query (8 rows: the tile whose warps split the keys).
+    ("gqa8-window-sinktok", dict(h=8, hk=1, sq=1, sn=1, causal=True, window_size=(50, 0), sink_tokens=3,
+                                 capacity=200, lens=(150, 37, 0))),
+    ("gqa8-paged16-split2", dict(h=8, hk=1, sq=1, sn=1, causal=True, page_size=16, capacity=320, lens=(300, 3, 129),
+                                 num_splits=2)),
     ("sinks-neginf-paged64", dict(sq=1, sn=1, page_size=64, capacity=192, lens=(120, 64, 1), sinks="-inf", num_splits=0)),
 ]

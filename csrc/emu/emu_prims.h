@@ -95,6 +95,14 @@ struct EmuPrims {
 
   static void sync_threads() { emu::sync_threads(); }
   static float shfl_xor(float x, int lane_mask) { return emu::shfl_xor(x, lane_mask); }
+  static void smem_store(float* p, float x) {
+    on_smem_write(p, sizeof(float));
+    *p = x;
+  }
+  static float smem_load(float const* p) {
+    on_smem_read(p, sizeof(float));
+    return *p;
+  }
   static void cp_async_fence() { emu::cp_async_fence(); }
   template <int N>
   static void cp_async_wait() { emu::cp_async_wait(N); }

@@ -101,6 +101,57 @@ SA_DEVICE float quad_sum(float x) {
   return x + Prims::shfl_xor(x, 2);
 }
 
+// Split keys: each warp holds the softmax state (max and sum per row) and O of its own keys, like a split of
+// split-KV. Warps 1.. hand theirs to warp 0 through the K/V stages, which rescales every state to the common
+// max and adds them up; true for warp 0, which then holds the tile's result. A warp that saw no visible key
+// has max -inf and weighs 0. rows[r]: the tile row of the thread's r-th accumulator row.
+template <class Kt, class Acc, int kRows>
+SA_DEVICE bool merge_warp_splits(char* smem_kv, int tid, float scale_log2, int const (&rows)[kRows],
+                                 float (&row_max)[kRows], float (&row_total)[kRows], Acc& acc_o) {
+  using Prims = typename Kt::Prims;
+  constexpr int kWarps = Kt::kNWarps, kFrag = decltype(size(acc_o))::value;
+  float* merge_max = reinterpret_cast<float*>(smem_kv);  // [warp][row]
+  float* merge_sum = merge_max + kWarps * 16;            // [warp][row]
+  float* merge_o = merge_sum + kWarps * 16;              // [warp - 1][fragment value][lane]: conflict-free
+  int const warp = tid / 32, lane = tid % 32;
+  Prims::sync_threads();  // every warp's reads of the K/V stages done (with 3+ stages no barrier ends the loop)
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    if (lane % 4 == 0) {  // the quad's 4 lanes hold the same row state
+      Prims::smem_store(&merge_max[warp * 16 + rows[r]], row_max[r]);
+      Prims::smem_store(&merge_sum[warp * 16 + rows[r]], row_total[r]);
+    }
+  }
+  if (warp > 0) {
+    CUTE_UNROLL
+    for (int i = 0; i < kFrag; ++i) Prims::smem_store(&merge_o[((warp - 1) * kFrag + i) * 32 + lane], acc_o(i));
+  }
+  Prims::sync_threads();
+  if (warp > 0) return false;
+  auto const rc = acc_rowcol(acc_o.layout());
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    float m = -INFINITY;
+    CUTE_UNROLL
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, Prims::smem_load(&merge_max[w * 16 + rows[r]]));
+    float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+    float total = 0.f;
+    CUTE_UNROLL
+    for (int w = 0; w < kWarps; ++w) {
+      float const f = exp2f(Prims::smem_load(&merge_max[w * 16 + rows[r]]) * scale_log2 - m_scaled);
+      total += f * Prims::smem_load(&merge_sum[w * 16 + rows[r]]);
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(rc); ++c) {
+        int const i = rc(r, c);
+        acc_o(i) = w == 0 ? acc_o(i) * f : acc_o(i) + f * Prims::smem_load(&merge_o[((w - 1) * kFrag + i) * 32 + lane]);
+      }
+    }
+    row_max[r] = m;
+    row_total[r] = total;
+  }
+  return true;
+}
+
 // One CTA: M tile m_block of sequence bidb, query head bidh (or KV head bidh when GQA-packed), split `split`.
 template <class Kt>
 SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, int bidb, int bidh, int split) {
@@ -189,26 +240,47 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   }
 
   // ---- MMA partitions ----------------------------------------------------------------------------------------
+  // Split keys: each warp is a TiledMma of its own (index: the lane) over its keys key0.. of every key block.
+  constexpr int kBlockNMma = Kt::kBlockNMma;
+  int const mma_tid = Kt::kSplitKeys ? tid % 32 : tid;
+  int const key0 = Kt::kSplitKeys ? tid / 32 * kBlockNMma : 0;
+  auto sK_mma = [&](int s) {
+    if constexpr (Kt::kSplitKeys) {
+      return make_tensor(make_smem_ptr(smem_k + s * cosize_v<typename Kt::SmemLayoutKV> + key0 * Kt::kBlockKSmem),
+                         typename Kt::SmemLayoutKMma{});
+    } else {
+      return sK_stage(s);
+    }
+  };
+  auto sVt_mma = [&](int s) {
+    if constexpr (Kt::kSplitKeys) {
+      return make_tensor(make_smem_ptr(smem_v + s * cosize_v<typename Kt::SmemLayoutKV> + key0 * Kt::kBlockKSmem),
+                         typename Kt::SmemLayoutVtMma{});
+    } else {
+      return sVt_stage(s);
+    }
+  };
   typename Kt::TiledMma tiled_mma;
-  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  auto thr_mma = tiled_mma.get_thread_slice(mma_tid);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma.partition_fragment_B(sK_stage(0));
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVt_stage(0));
+  Tensor tSrK = thr_mma.partition_fragment_B(sK_mma(0));
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVt_mma(0));
   Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
 
   auto smem_copy_q = make_tiled_copy_A(typename Kt::SmemCopyAtom{}, tiled_mma);
   auto smem_copy_k = make_tiled_copy_B(typename Kt::SmemCopyAtom{}, tiled_mma);
   auto smem_copy_v = make_tiled_copy_B(typename Kt::SmemCopyAtomT{}, tiled_mma);
-  Tensor tSsQ = smem_copy_q.get_thread_slice(tid).partition_S(sQ);
+  Tensor tSsQ = smem_copy_q.get_thread_slice(mma_tid).partition_S(sQ);
 
-  // (row, col) coordinates of this thread's S elements, for the mask and the LSE.
-  Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
-  constexpr int kRows = 2 * kBlockM / (16 * Kt::kNWarps);  // m16n8 tiles: 2 rows per thread per 16-row slice
+  // (row, col) coordinates of this thread's S elements (columns from key0), for the mask and the LSE.
+  Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockNMma>>{})));
+  constexpr int kRows = 2 * kBlockM / (16 * Kt::kMmaWarps);  // m16n8 tiles: 2 rows per thread per 16-row slice
   // A warp whose first 16-row slice lies past the tile's real rows holds no real row at all (its other slices
-  // lie further down): it skips the MMAs and the softmax and only loads and synchronises. Decode tiles hold
-  // few real rows (GQA-packed: seqlen_q * group), so most of their warps skip. Uniform per warp.
-  bool const warp_active = m0 + get<0>(tScS(0, 0)) / 16 * 16 < rows;
+  // lie further down): it skips the MMAs and the softmax and only loads and synchronises. Decode tiles with
+  // 17-64 real rows (GQA-packed: seqlen_q * group) leave some warps so. Uniform per warp. Under split keys
+  // every warp has the tile's (first) real row.
+  bool const warp_active = Kt::kSplitKeys || m0 + get<0>(tScS(0, 0)) / 16 * 16 < rows;
   float row_max[kRows], row_sum[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
@@ -246,10 +318,10 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
       continue;
     }
 
-    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockNMma>>{});
     clear(acc_s);
-    Tensor tSsK = smem_copy_k.get_thread_slice(tid).partition_S(sK_stage(s));
-    gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, tid);
+    Tensor tSsK = smem_copy_k.get_thread_slice(mma_tid).partition_S(sK_mma(s));
+    gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, mma_tid);
 
     Tensor scores = rowcol_view(acc_s);
     static_assert(decltype(size<0>(scores))::value == kRows);
@@ -259,13 +331,14 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     }
     if (tile_mask.needs_mask(m_block, n)) {
       // Per row the visible keys are [lo, hi) plus the sink tokens below hi: two compares per element.
-      int const sink_hi = p.sink_tokens - n * kBlockN;
+      int const col0 = n * kBlockN + key0;  // key of this thread's S column 0
+      int const sink_hi = p.sink_tokens - col0;
       CUTE_UNROLL
       for (int r = 0; r < size<0>(scores); ++r) {
         int lo, hi;
         tile_mask.visible_cols(m0 + get<0>(tScS(r, 0)), lo, hi);
-        lo -= n * kBlockN;  // in the block's columns
-        hi -= n * kBlockN;
+        lo -= col0;  // in the thread's columns
+        hi -= col0;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(scores); ++c) {
           int const j = get<1>(tScS(r, c));
@@ -302,29 +375,43 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) rP(i) = Element(acc_s(i));
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
-    Tensor tOsVt = smem_copy_v.get_thread_slice(tid).partition_S(sVt_stage(s));
-    gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, tid);
+    Tensor tOsVt = smem_copy_v.get_thread_slice(mma_tid).partition_S(sVt_mma(s));
+    gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, mma_tid);
     if constexpr (Kt::kStages == 2) Prims::sync_threads();  // every read of stage s done before t + 2 refills it
   }
   Prims::template cp_async_wait<0>();  // the trailing empty groups (or the Q copy, when no key block was visited)
 
+  Tensor tOcO = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+  float row_total[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) row_total[r] = quad_sum<Prims>(row_sum[r]);
+  // Split keys: from here on warp 0 alone holds the tile's rows; the others only join the barriers and the
+  // 16-byte global stores of the epilogue.
+  bool holds_rows = true;
+  if constexpr (Kt::kSplitKeys) {
+    int tile_rows[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) tile_rows[r] = get<0>(tOcO(r, 0));
+    holds_rows = merge_warp_splits<Kt>(reinterpret_cast<char*>(smem_k), tid, scale_log2, tile_rows, row_max,
+                                       row_total, acc_o);
+  }
+
   // ---- finalize: the sink joins the denominator once per row (in the combine when split) ------------------
   bool const split_kv = p.num_splits > 1;
   Tensor out_rows = rowcol_view(acc_o);
-  Tensor tOcO = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
   float lse[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    float sum = quad_sum<Prims>(row_sum[r]);
     float max_nat = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * scale_nat;
     float const sink = split_kv ? -INFINITY : p.sinks ? p.sinks[head_of(get<0>(tOcO(r, 0)))] : -INFINITY;
-    RowFinal f = finalize_row(max_nat, sum, sink);
+    RowFinal f = finalize_row(max_nat, row_total[r], sink);
     lse[r] = f.lse;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
   }
 
   if (split_kv) {
+    if (!holds_rows) return;
     // Partial results in fp32, straight from registers: decode tiles are small and the combine reads them once.
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -343,21 +430,23 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
 
   // ---- epilogue: registers -> shared (reusing Q's space) -> global in 16-byte vectors ----------------------
   Prims::sync_threads();  // no thread still reads sQ
-  Tensor rO = make_tensor<Element>(acc_o.layout());
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_o); ++i) rO(i) = Element(acc_o(i));
   Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
-  auto smem_copy_o = make_tiled_copy_C(typename Kt::SmemCopyAtomO{}, tiled_mma);
-  auto smem_thr_o = smem_copy_o.get_thread_slice(tid);
-  copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
+  if (holds_rows) {
+    Tensor rO = make_tensor<Element>(acc_o.layout());
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); ++i) rO(i) = Element(acc_o(i));
+    auto smem_copy_o = make_tiled_copy_C(typename Kt::SmemCopyAtomO{}, tiled_mma);
+    auto smem_thr_o = smem_copy_o.get_thread_slice(mma_tid);
+    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
 
-  // LSE: the lane holding column 0 of a row writes it.
-  int64_t const lse_seq = (varlen ? q_start : 0) + int64_t(bidb) * p.lse_batch_stride;
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    int const row = get<0>(tOcO(r, 0));
-    if (get<1>(tOcO(r, 0)) == 0 && m0 + row < rows) {
-      p.lse[lse_seq + int64_t(head_of(row)) * p.lse_head_stride + query_of(row)] = lse[r];
+    // LSE: the lane holding column 0 of a row writes it.
+    int64_t const lse_seq = (varlen ? q_start : 0) + int64_t(bidb) * p.lse_batch_stride;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int const row = get<0>(tOcO(r, 0));
+      if (get<1>(tOcO(r, 0)) == 0 && m0 + row < rows) {
+        p.lse[lse_seq + int64_t(head_of(row)) * p.lse_head_stride + query_of(row)] = lse[r];
+      }
     }
   }
 

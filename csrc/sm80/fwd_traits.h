@@ -13,7 +13,8 @@ namespace sinkattn::sm80 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, class Element_, class Prims_, int kStages_ = 2>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, class Element_, class Prims_, int kStages_ = 2,
+          bool kSplitKeys_ = false>
 struct FwdTraits {
   using Element = Element_;
   using Prims = Prims_;
@@ -23,12 +24,21 @@ struct FwdTraits {
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kHeadDim % 64 == 0, "compiled head dims are multiples of 64");
-  static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA tiles");
 
-  // Warps split M only: each warp owns 16-row slices of Q, S and O, so the softmax of a row stays within the
-  // 4 lanes of one quad and no warp ever needs another's rows. N tile 16 lets one ldmatrix.x4 feed two n8 atoms.
-  using TiledMma = TiledMMA<MMA_Atom<typename Prims::template Mma<Element>>, Layout<Shape<Int<kNWarps>, _1, _1>>,
-                            Tile<Int<16 * kNWarps>, _16, _16>>;
+  // Two ways to give the warps work. Rows (the default): each warp owns 16-row slices of Q, S and O, so the
+  // softmax of a row stays within the 4 lanes of one quad and no warp ever needs another's rows. Keys (decode:
+  // a tile of at most 16 real rows, where splitting rows would leave all but one warp idle): every warp takes
+  // all 16 rows and its own kBlockNMma keys of each key block, keeps its own softmax state as if it were a
+  // split of the keys, and the warps' states merge once at the end (fwd_kernel.h, merge_warp_splits).
+  static constexpr bool kSplitKeys = kSplitKeys_;
+  static constexpr int kMmaWarps = kSplitKeys ? 1 : kNWarps;  // warps of one TiledMma
+  static constexpr int kBlockNMma = kSplitKeys ? kBlockN / kNWarps : kBlockN;  // keys of one warp's S tile
+  static_assert(kBlockM % (16 * kMmaWarps) == 0, "each warp owns whole 16-row MMA tiles");
+  static_assert(!kSplitKeys || kBlockM == 16, "split keys: one 16-row tile that every warp shares");
+  static_assert(kBlockNMma % 16 == 0, "a warp's keys are whole k16 slices of P V");
+  // N tile 16 lets one ldmatrix.x4 feed two n8 atoms.
+  using TiledMma = TiledMMA<MMA_Atom<typename Prims::template Mma<Element>>, Layout<Shape<Int<kMmaWarps>, _1, _1>>,
+                            Tile<Int<16 * kMmaWarps>, _16, _16>>;
 
   // 64-element (128-byte) rows, XOR-swizzled in 16-byte chunks so both the row-wise cp.async writes and the
   // 8x8 ldmatrix reads (plain and transposed) hit 8 different bank groups.
@@ -40,6 +50,14 @@ struct FwdTraits {
   // V read as the B operand of O = P V needs (d, n) indexing: the same bytes, transposed view.
   using SmemLayoutVt = decltype(composition(SmemLayoutKV{},
                                             make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  // One warp's keys of a K/V stage under split keys: the first kBlockNMma rows of the stage's layout (same
+  // strides). Warp w's start at element w * kBlockNMma * kBlockKSmem: whole 8-row swizzle atoms (512
+  // elements), which the XOR swizzle (bits 3-8 of the element offset) leaves alone, so a pointer offset does.
+  using SmemLayoutKMma = decltype(local_tile(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutKV{}),
+                                             Shape<Int<kBlockNMma>, Int<kHeadDim>>{}, make_coord(_0{}, _0{})).layout());
+  using SmemLayoutVtMma = decltype(local_tile(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutVt{}),
+                                              Shape<Int<kHeadDim>, Int<kBlockNMma>>{}, make_coord(_0{}, _0{})).layout());
+  static_assert(kBlockNMma % 8 == 0);
 
   static constexpr int kSmemQ = int(cosize_v<SmemLayoutQ>) * int(sizeof(Element));
   static constexpr int kSmemKV = int(cosize_v<SmemLayoutKV>) * int(sizeof(Element));
@@ -48,6 +66,10 @@ struct FwdTraits {
   static constexpr int kStages = kStages_;
   static_assert(kStages >= 2);
   static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;
+  // Split keys: after the last key block the K/V stages hold the warps' softmax states (max and sum per row
+  // and warp) and the O fragments of warps 1.. for warp 0 to merge.
+  static constexpr int kMergeFloats = 2 * kNWarps * 16 + (kNWarps - 1) * 16 * kHeadDim;
+  static_assert(!kSplitKeys || kMergeFloats * 4 <= 2 * kStages * kSmemKV);
 
   // Global <-> shared: 16-byte vectors, 8 threads per 64-element row.
   static constexpr int kElemsPerVec = 16 / int(sizeof(Element));

@@ -22,6 +22,9 @@ struct GpuPrims {
   static __device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
     return __shfl_xor_sync(0xffffffffu, x, lane_mask);
   }
+  // Scalar shared-memory traffic outside the tiled copies (the split-keys merge of fwd_kernel.h).
+  static __device__ __forceinline__ void smem_store(float* p, float x) { *p = x; }
+  static __device__ __forceinline__ float smem_load(float const* p) { return *p; }
   static __device__ __forceinline__ void cp_async_fence() { cute::cp_async_fence(); }
   template <int N>
   static __device__ __forceinline__ void cp_async_wait() { cute::cp_async_wait<N>(); }
