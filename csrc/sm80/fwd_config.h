@@ -36,8 +36,11 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
   bool const few_rows = fwd_few_rows(p), split_keys = fwd_split_keys(p);
   if constexpr (kHeadDim == 64) {
     if (split_keys) {
-      // 32 keys per warp per block. 98 KB: fits every arch (sm86/sm89 allow 99 KB per block).
-      f.template operator()<FwdTraits<64, 16, 128, 4, Element, Prims, 3, true>>();
+      // 32 keys per warp per block. 98 KB: fits every arch (sm86/sm89 allow 99 KB per block), and two CTAs
+      // an sm90 SM.
+      using Keys = FwdTraits<64, 16, 128, 4, Element, Prims, 3, true>;
+      static_assert(Keys::kSmemBytes <= 99 * 1024);
+      f.template operator()<Keys>();
     } else if (few_rows) {
       // kBlockN 128: with 64 the 3- and 4-stage tiles spill 4-16 bytes on sm_80 (at 168 registers).
       using Big = FwdTraits<64, 64, 128, 4, Element, Prims, 3>;               // 104 KB, 64 KB in flight: sm80, sm90
@@ -52,8 +55,8 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
     }
   } else if constexpr (kHeadDim == 128) {
     if (split_keys) {
-      // 16 keys per warp per block.
-      using Big = FwdTraits<128, 16, 64, 4, Element, Prims, 4, true>;         // 132 KB, 96 KB in flight: sm80, sm90
+      // 16 keys per warp per block. Big: two CTAs fit an sm90 SM (228 KB), as with the 64-row tile before.
+      using Big = FwdTraits<128, 16, 64, 4, Element, Prims, 3, true>;         // 100 KB, 64 KB in flight: sm80, sm90
       using Small = FwdTraits<128, 16, 64, 4, Element, Prims, 2, true>;       // 68 KB, 32 KB in flight
       if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
       else f.template operator()<Small>();

@@ -200,14 +200,9 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   Element* smem_k = smem_q + cosize_v<typename Kt::SmemLayoutQ>;
   Element* smem_v = smem_k + Kt::kStages * cosize_v<typename Kt::SmemLayoutKV>;
   Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
-  auto sK_stage = [&](int s) {
-    return make_tensor(make_smem_ptr(smem_k + s * cosize_v<typename Kt::SmemLayoutKV>), typename Kt::SmemLayoutKV{});
-  };
-  auto sV_stage = [&](int s) {
-    return make_tensor(make_smem_ptr(smem_v + s * cosize_v<typename Kt::SmemLayoutKV>), typename Kt::SmemLayoutKV{});
-  };
-  auto sVt_stage = [&](int s) {
-    return make_tensor(make_smem_ptr(smem_v + s * cosize_v<typename Kt::SmemLayoutKV>), typename Kt::SmemLayoutVt{});
+  // Stage s of K or V (base smem_k or smem_v) from key row0 on (whole 8-row swizzle atoms), seen in `layout`.
+  auto stage = [&](Element* base, int s, int row0, auto layout) {
+    return make_tensor(make_smem_ptr(base + s * cosize_v<typename Kt::SmemLayoutKV> + row0 * Kt::kBlockKSmem), layout);
   };
 
   // ---- global -> shared copies -----------------------------------------------------------------------------
@@ -222,9 +217,10 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
                                                     Shape<Int<kBlockN>, Int<kHeadDim>>{}, GenRowMajor{}))(_, 0, 0).layout();
   auto load_kv = [&](int t) {
     int const n = range.block(t), s = (t - t_begin) % Kt::kStages, j0 = n * kBlockN;
-    load_rows<Kt>(gmem_thr.partition_D(sK_stage(s)), tKVcKV, vec, seqlen_k - j0, p.headdim,
+    typename Kt::SmemLayoutKV const whole;
+    load_rows<Kt>(gmem_thr.partition_D(stage(smem_k, s, 0, whole)), tKVcKV, vec, seqlen_k - j0, p.headdim,
                   [&](int r) { return kv_row(k_seq, p.k_batch_stride, p.k_row_stride, j0 + r); });
-    load_rows<Kt>(gmem_thr.partition_D(sV_stage(s)), tKVcKV, vec, seqlen_k - j0, p.headdim,
+    load_rows<Kt>(gmem_thr.partition_D(stage(smem_v, s, 0, whole)), tKVcKV, vec, seqlen_k - j0, p.headdim,
                   [&](int r) { return kv_row(v_seq, p.v_batch_stride, p.v_row_stride, j0 + r); });
   };
 
@@ -244,22 +240,8 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   constexpr int kBlockNMma = Kt::kBlockNMma;
   int const mma_tid = Kt::kSplitKeys ? tid % 32 : tid;
   int const key0 = Kt::kSplitKeys ? tid / 32 * kBlockNMma : 0;
-  auto sK_mma = [&](int s) {
-    if constexpr (Kt::kSplitKeys) {
-      return make_tensor(make_smem_ptr(smem_k + s * cosize_v<typename Kt::SmemLayoutKV> + key0 * Kt::kBlockKSmem),
-                         typename Kt::SmemLayoutKMma{});
-    } else {
-      return sK_stage(s);
-    }
-  };
-  auto sVt_mma = [&](int s) {
-    if constexpr (Kt::kSplitKeys) {
-      return make_tensor(make_smem_ptr(smem_v + s * cosize_v<typename Kt::SmemLayoutKV> + key0 * Kt::kBlockKSmem),
-                         typename Kt::SmemLayoutVtMma{});
-    } else {
-      return sVt_stage(s);
-    }
-  };
+  auto sK_mma = [&](int s) { return stage(smem_k, s, key0, typename Kt::SmemLayoutKMma{}); };
+  auto sVt_mma = [&](int s) { return stage(smem_v, s, key0, typename Kt::SmemLayoutVtMma{}); };
   typename Kt::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(mma_tid);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);

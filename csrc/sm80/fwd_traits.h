@@ -8,6 +8,7 @@
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/copy_atom.hpp>
 #include <cutlass/numeric_types.h>
+#include <type_traits>
 
 namespace sinkattn::sm80 {
 
@@ -50,13 +51,20 @@ struct FwdTraits {
   // V read as the B operand of O = P V needs (d, n) indexing: the same bytes, transposed view.
   using SmemLayoutVt = decltype(composition(SmemLayoutKV{},
                                             make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
-  // One warp's keys of a K/V stage under split keys: the first kBlockNMma rows of the stage's layout (same
-  // strides). Warp w's start at element w * kBlockNMma * kBlockKSmem: whole 8-row swizzle atoms (512
-  // elements), which the XOR swizzle (bits 3-8 of the element offset) leaves alone, so a pointer offset does.
-  using SmemLayoutKMma = decltype(local_tile(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutKV{}),
-                                             Shape<Int<kBlockNMma>, Int<kHeadDim>>{}, make_coord(_0{}, _0{})).layout());
-  using SmemLayoutVtMma = decltype(local_tile(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutVt{}),
-                                              Shape<Int<kHeadDim>, Int<kBlockNMma>>{}, make_coord(_0{}, _0{})).layout());
+  // What one warp's MMAs read of a K/V stage: all of it, or under split keys the first kBlockNMma rows of the
+  // stage's layout (same strides). Warp w's keys start at element w * kBlockNMma * kBlockKSmem: whole 8-row
+  // swizzle atoms (512 elements), which the XOR swizzle (bits 3-8 of the element offset) leaves alone, so a
+  // pointer offset does.
+  using SmemLayoutKMma = std::conditional_t<
+      kSplitKeys,
+      decltype(local_tile(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutKV{}),
+                          Shape<Int<kBlockNMma>, Int<kHeadDim>>{}, make_coord(_0{}, _0{})).layout()),
+      SmemLayoutKV>;
+  using SmemLayoutVtMma = std::conditional_t<
+      kSplitKeys,
+      decltype(local_tile(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutVt{}),
+                          Shape<Int<kHeadDim>, Int<kBlockNMma>>{}, make_coord(_0{}, _0{})).layout()),
+      SmemLayoutVt>;
   static_assert(kBlockNMma % 8 == 0);
 
   static constexpr int kSmemQ = int(cosize_v<SmemLayoutQ>) * int(sizeof(Element));
