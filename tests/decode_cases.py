@@ -61,5 +61,8 @@ DECODE_CASES = [
                                  capacity=200, lens=(150, 37, 0))),
     ("gqa8-paged16-split2", dict(h=8, hk=1, sq=1, sn=1, causal=True, page_size=16, capacity=320, lens=(300, 3, 129),
                                  num_splits=2)),
+    # Speculative decoding's shape: 3 queries x 8 heads = 24 rows (two key groups of two warps).
+    ("gqa8-3queries-paged16-split2", dict(h=8, hk=1, sq=3, sn=3, causal=True, page_size=16, capacity=200,
+                                          lens=(150, 5, 0), num_splits=2)),
     ("sinks-neginf-paged64", dict(sq=1, sn=1, page_size=64, capacity=192, lens=(120, 64, 1), sinks="-inf", num_splits=0)),
 ]

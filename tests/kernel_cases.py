@@ -127,14 +127,17 @@ def kernel_cases(headdims, dtypes) -> list[Case]:
             Case(f"d{d}-sinktok>seqlen", d, seqlen_q=50, seqlen_k=70, causal=True, window=(3, 0), sink_tokens=90),
             Case(f"d{d}-varlen-empty", d, varlen=[(17, 40), (0, 5), (70, 0), (129, 130), (1, 1)], nheads=4,
                  nheads_k=2, causal=True, window=(50, 0), sink_tokens=2),
-            # At most 16 query rows: the sm80 tile whose warps split each key block's keys (fwd_config.h). A
-            # window and sink tokens that cut the warps' key ranges; keys that reach only warp 0's range; rows
-            # that see no key at all.
+            # At most 32 query rows: the sm80 tiles whose warps split each key block's keys (fwd_config.h). A
+            # window and sink tokens that cut the warps' key ranges; keys that reach only the first warp's range;
+            # rows that see no key at all; 17-32 rows (two key groups, a warp with 4 real rows).
             Case(f"d{d}-16rows-window-cuts-warps-sinktok", d, seqlen_q=16, seqlen_k=300, causal=True,
                  window=(37, 0), sink_tokens=5),
             Case(f"d{d}-5rows-two-sided-softcap", d, seqlen_q=5, seqlen_k=150, nheads=3, nheads_k=3, window=(20, 7),
                  softcap=10.0),
             Case(f"d{d}-3rows-12keys", d, batch=2, seqlen_q=3, seqlen_k=12),
             Case(f"d{d}-16rows-causal-sq>sk-empty-rows", d, seqlen_q=16, seqlen_k=5, causal=True),
+            Case(f"d{d}-30rows-window-sinktok", d, seqlen_q=30, seqlen_k=300, causal=True, window=(45, 0),
+                 sink_tokens=3),
+            Case(f"d{d}-20rows-two-sided", d, seqlen_q=20, seqlen_k=90, window=(20, 7)),
         ]
     return cases

@@ -20,27 +20,35 @@ inline bool fwd_few_rows(FwdParams const& p) {
   return p.num_splits > 1 || int64_t(p.seqlen_q) * group <= 64;
 }
 
-// At most 16 real rows per (sequence, head or head group): one 16-row tile whose warps split the keys of each
-// key block instead of the rows (fwd_traits.h). With rows split, one warp would do all the math of a decode
-// step (gpt-oss: 8 query heads per KV head, one query) while three only load: the H200 measured 62.8% of its
-// copy bandwidth so for hd64, where a key block carries the most softmax work per byte.
-inline bool fwd_split_keys(FwdParams const& p) {
+// Key groups of a decode tile (fwd_traits.h): with at most 16 real rows per (sequence, head or head group),
+// all 4 warps take the same 16 rows and split the keys of each key block; with 17-32, two groups of two warps.
+// With rows split alone, one warp did all the math of a decode step (gpt-oss: 8 query heads per KV head, one
+// query) while three only loaded: the H200 measured 62.8% of its copy bandwidth so for hd64, where a key
+// block carries the most softmax work per byte.
+inline int fwd_key_groups(FwdParams const& p) {
   int const group = p.pack_gqa && p.nheads_k > 0 ? p.nheads / p.nheads_k : 1;
-  return int64_t(p.seqlen_q) * group <= 16;
+  int64_t const rows = int64_t(p.seqlen_q) * group;
+  return rows <= 16 ? 4 : rows <= 32 ? 2 : 1;
 }
 
 // Calls f.template operator()<Traits>() with the configuration for this head dim, problem and shared-memory
 // limit. Sizes: Q kBlockM x d, plus kStages x (K + V) of kBlockN x d, in 2-byte elements.
 template <int kHeadDim, class Element, class Prims, class F>
 void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
-  bool const few_rows = fwd_few_rows(p), split_keys = fwd_split_keys(p);
+  bool const few_rows = fwd_few_rows(p);
+  int const key_groups = fwd_key_groups(p);
   if constexpr (kHeadDim == 64) {
-    if (split_keys) {
+    if (key_groups == 4) {
       // 32 keys per warp per block. 98 KB: fits every arch (sm86/sm89 allow 99 KB per block), and two CTAs
       // an sm90 SM.
-      using Keys = FwdTraits<64, 16, 128, 4, Element, Prims, 3, true>;
+      using Keys = FwdTraits<64, 16, 128, 4, Element, Prims, 3, 4>;
       static_assert(Keys::kSmemBytes <= 99 * 1024);
       f.template operator()<Keys>();
+    } else if (key_groups == 2) {
+      using Big = FwdTraits<64, 32, 128, 4, Element, Prims, 3, 2>;           // 100 KB, 64 KB in flight: sm80, sm90
+      using Small = FwdTraits<64, 32, 128, 4, Element, Prims, 2, 2>;         // 68 KB, 32 KB in flight
+      if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
+      else f.template operator()<Small>();
     } else if (few_rows) {
       // kBlockN 128: with 64 the 3- and 4-stage tiles spill 4-16 bytes on sm_80 (at 168 registers).
       using Big = FwdTraits<64, 64, 128, 4, Element, Prims, 3>;               // 104 KB, 64 KB in flight: sm80, sm90
@@ -54,12 +62,16 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
       f.template operator()<FwdTraits<64, 128, 64, 4, Element, Prims>>();    // 48 KB
     }
   } else if constexpr (kHeadDim == 128) {
-    if (split_keys) {
-      // 16 keys per warp per block. Big: two CTAs fit an sm90 SM (228 KB), as with the 64-row tile before.
-      using Big = FwdTraits<128, 16, 64, 4, Element, Prims, 3, true>;         // 100 KB, 64 KB in flight: sm80, sm90
-      using Small = FwdTraits<128, 16, 64, 4, Element, Prims, 2, true>;       // 68 KB, 32 KB in flight
-      if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
-      else f.template operator()<Small>();
+    if (key_groups > 1) {
+      // 16 (32) keys per warp per block. Big: two CTAs fit an sm90 SM (228 KB), as with the 64-row tile.
+      auto run = [&]<int kGroups>() {
+        using Big = FwdTraits<128, 64 / kGroups, 64, 4, Element, Prims, 3, kGroups>;  // 100-104 KB: sm80, sm90
+        using Small = FwdTraits<128, 64 / kGroups, 64, 4, Element, Prims, 2, kGroups>;  // 68-72 KB
+        if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
+        else f.template operator()<Small>();
+      };
+      if (key_groups == 4) run.template operator()<4>();
+      else run.template operator()<2>();
     } else if (few_rows) {
       using Big = FwdTraits<128, 64, 64, 4, Element, Prims, 3>;               // 112 KB, 64 KB in flight: sm80, sm90
       using Small = FwdTraits<128, 64, 32, 4, Element, Prims, 4>;             // 80 KB, 48 KB in flight
@@ -70,10 +82,11 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
     }
   } else {
     static_assert(kHeadDim == 256);
-    using Keys = FwdTraits<256, 16, 64, 4, Element, Prims, 2, true>;         // 136 KB, 16 keys per warp: sm80, sm90
+    // Rows 17-32 keep the 64-row tile here: two key groups would take 144 KB for 16 keys per warp.
+    using Keys = FwdTraits<256, 16, 64, 4, Element, Prims, 2, 4>;            // 136 KB, 16 keys per warp: sm80, sm90
     using Big = FwdTraits<256, 64, 64, 4, Element, Prims>;                   // 160 KB: sm80 only
     using Small = FwdTraits<256, 64, 32, 4, Element, Prims>;                 // 96 KB: sm86 / sm89
-    if (split_keys && max_smem_per_block >= Keys::kSmemBytes) f.template operator()<Keys>();
+    if (key_groups == 4 && max_smem_per_block >= Keys::kSmemBytes) f.template operator()<Keys>();
     else if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
     else f.template operator()<Small>();
   }

@@ -101,49 +101,53 @@ SA_DEVICE float quad_sum(float x) {
   return x + Prims::shfl_xor(x, 2);
 }
 
-// Split keys: each warp holds the softmax state (max and sum per row) and O of its own keys, like a split of
-// split-KV. Warps 1.. hand theirs to warp 0 through the K/V stages, which rescales every state to the common
-// max and adds them up; true for warp 0, which then holds the tile's result. A warp that saw no visible key
-// has max -inf and weighs 0. rows[r]: the tile row of the thread's r-th accumulator row.
+// Split keys: each key group holds the softmax state (max and sum per row) and O of its own keys, like a
+// split of split-KV. Groups 1.. hand theirs to group 0 through the K/V stages, which rescales every state to
+// the common max and adds them up; true for group 0's threads, which then hold the tile's result. A group
+// that saw no visible key of a row has max -inf there and weighs 0. rows[r]: the tile row of the thread's
+// r-th accumulator row; mma_tid: the thread's index in its group.
 template <class Kt, class Acc, int kRows>
-SA_DEVICE bool merge_warp_splits(char* smem_kv, int tid, float scale_log2, int const (&rows)[kRows],
-                                 float (&row_max)[kRows], float (&row_total)[kRows], Acc& acc_o) {
+SA_DEVICE bool merge_key_groups(char* smem_kv, int tid, float scale_log2, int const (&rows)[kRows],
+                                float (&row_max)[kRows], float (&row_total)[kRows], Acc& acc_o) {
   using Prims = typename Kt::Prims;
-  constexpr int kWarps = Kt::kNWarps, kFrag = decltype(size(acc_o))::value;
-  float* merge_max = reinterpret_cast<float*>(smem_kv);  // [warp][row]
-  float* merge_sum = merge_max + kWarps * 16;            // [warp][row]
-  float* merge_o = merge_sum + kWarps * 16;              // [warp - 1][fragment value][lane]: conflict-free
-  int const warp = tid / 32, lane = tid % 32;
+  constexpr int kGroups = Kt::kKeyGroups, kM = Kt::kBlockM, kGroupThreads = 32 * Kt::kMmaWarps;
+  constexpr int kFrag = decltype(size(acc_o))::value;
+  float* merge_max = reinterpret_cast<float*>(smem_kv);  // [group][row]
+  float* merge_sum = merge_max + kGroups * kM;           // [group][row]
+  float* merge_o = merge_sum + kGroups * kM;             // [group - 1][fragment value][mma_tid]: conflict-free
+  int const group = tid / kGroupThreads, mma_tid = tid % kGroupThreads;
   Prims::sync_threads();  // every warp's reads of the K/V stages done (with 3+ stages no barrier ends the loop)
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    if (lane % 4 == 0) {  // the quad's 4 lanes hold the same row state
-      Prims::smem_store(&merge_max[warp * 16 + rows[r]], row_max[r]);
-      Prims::smem_store(&merge_sum[warp * 16 + rows[r]], row_total[r]);
+    if (mma_tid % 4 == 0) {  // the quad's 4 lanes hold the same row state
+      Prims::smem_store(&merge_max[group * kM + rows[r]], row_max[r]);
+      Prims::smem_store(&merge_sum[group * kM + rows[r]], row_total[r]);
     }
   }
-  if (warp > 0) {
+  if (group > 0) {
     CUTE_UNROLL
-    for (int i = 0; i < kFrag; ++i) Prims::smem_store(&merge_o[((warp - 1) * kFrag + i) * 32 + lane], acc_o(i));
+    for (int i = 0; i < kFrag; ++i)
+      Prims::smem_store(&merge_o[((group - 1) * kFrag + i) * kGroupThreads + mma_tid], acc_o(i));
   }
   Prims::sync_threads();
-  if (warp > 0) return false;
+  if (group > 0) return false;
   auto const rc = acc_rowcol(acc_o.layout());
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     float m = -INFINITY;
     CUTE_UNROLL
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, Prims::smem_load(&merge_max[w * 16 + rows[r]]));
+    for (int g = 0; g < kGroups; ++g) m = fmaxf(m, Prims::smem_load(&merge_max[g * kM + rows[r]]));
     float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
     float total = 0.f;
     CUTE_UNROLL
-    for (int w = 0; w < kWarps; ++w) {
-      float const f = exp2f(Prims::smem_load(&merge_max[w * 16 + rows[r]]) * scale_log2 - m_scaled);
-      total += f * Prims::smem_load(&merge_sum[w * 16 + rows[r]]);
+    for (int g = 0; g < kGroups; ++g) {
+      float const f = exp2f(Prims::smem_load(&merge_max[g * kM + rows[r]]) * scale_log2 - m_scaled);
+      total += f * Prims::smem_load(&merge_sum[g * kM + rows[r]]);
       CUTE_UNROLL
       for (int c = 0; c < size<1>(rc); ++c) {
         int const i = rc(r, c);
-        acc_o(i) = w == 0 ? acc_o(i) * f : acc_o(i) + f * Prims::smem_load(&merge_o[((w - 1) * kFrag + i) * 32 + lane]);
+        acc_o(i) = g == 0 ? acc_o(i) * f
+                          : acc_o(i) + f * Prims::smem_load(&merge_o[((g - 1) * kFrag + i) * kGroupThreads + mma_tid]);
       }
     }
     row_max[r] = m;
@@ -236,10 +240,10 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   }
 
   // ---- MMA partitions ----------------------------------------------------------------------------------------
-  // Split keys: each warp is a TiledMma of its own (index: the lane) over its keys key0.. of every key block.
-  constexpr int kBlockNMma = Kt::kBlockNMma;
-  int const mma_tid = Kt::kSplitKeys ? tid % 32 : tid;
-  int const key0 = Kt::kSplitKeys ? tid / 32 * kBlockNMma : 0;
+  // Split keys: each key group is a TiledMma of its own (index mma_tid) over its keys key0.. of every block.
+  constexpr int kBlockNMma = Kt::kBlockNMma, kGroupThreads = 32 * Kt::kMmaWarps;
+  int const mma_tid = tid % kGroupThreads;
+  int const key0 = tid / kGroupThreads * kBlockNMma;
   auto sK_mma = [&](int s) { return stage(smem_k, s, key0, typename Kt::SmemLayoutKMma{}); };
   auto sVt_mma = [&](int s) { return stage(smem_v, s, key0, typename Kt::SmemLayoutVtMma{}); };
   typename Kt::TiledMma tiled_mma;
@@ -259,10 +263,10 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockNMma>>{})));
   constexpr int kRows = 2 * kBlockM / (16 * Kt::kMmaWarps);  // m16n8 tiles: 2 rows per thread per 16-row slice
   // A warp whose first 16-row slice lies past the tile's real rows holds no real row at all (its other slices
-  // lie further down): it skips the MMAs and the softmax and only loads and synchronises. Decode tiles with
-  // 17-64 real rows (GQA-packed: seqlen_q * group) leave some warps so. Uniform per warp. Under split keys
-  // every warp has the tile's (first) real row.
-  bool const warp_active = Kt::kSplitKeys || m0 + get<0>(tScS(0, 0)) / 16 * 16 < rows;
+  // lie further down): it skips the MMAs and the softmax and only loads and synchronises (and under split
+  // keys hands an empty state to the merge). Decode tiles (GQA-packed: seqlen_q * group real rows) leave some
+  // warps so. Uniform per warp.
+  bool const warp_active = m0 + get<0>(tScS(0, 0)) / 16 * 16 < rows;
   float row_max[kRows], row_sum[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
@@ -367,14 +371,14 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   float row_total[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) row_total[r] = quad_sum<Prims>(row_sum[r]);
-  // Split keys: from here on warp 0 alone holds the tile's rows; the others only join the barriers and the
-  // 16-byte global stores of the epilogue.
+  // Split keys: from here on key group 0 alone holds the tile's rows; the others only join the barriers and
+  // the 16-byte global stores of the epilogue.
   bool holds_rows = true;
   if constexpr (Kt::kSplitKeys) {
     int tile_rows[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) tile_rows[r] = get<0>(tOcO(r, 0));
-    holds_rows = merge_warp_splits<Kt>(reinterpret_cast<char*>(smem_k), tid, scale_log2, tile_rows, row_max,
+    holds_rows = merge_key_groups<Kt>(reinterpret_cast<char*>(smem_k), tid, scale_log2, tile_rows, row_max,
                                        row_total, acc_o);
   }
 

@@ -15,7 +15,7 @@ namespace sinkattn::sm80 {
 using namespace cute;
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, class Element_, class Prims_, int kStages_ = 2,
-          bool kSplitKeys_ = false>
+          int kKeyGroups_ = 1>
 struct FwdTraits {
   using Element = Element_;
   using Prims = Prims_;
@@ -26,17 +26,20 @@ struct FwdTraits {
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kHeadDim % 64 == 0, "compiled head dims are multiples of 64");
 
-  // Two ways to give the warps work. Rows (the default): each warp owns 16-row slices of Q, S and O, so the
-  // softmax of a row stays within the 4 lanes of one quad and no warp ever needs another's rows. Keys (decode:
-  // a tile of at most 16 real rows, where splitting rows would leave all but one warp idle): every warp takes
-  // all 16 rows and its own kBlockNMma keys of each key block, keeps its own softmax state as if it were a
-  // split of the keys, and the warps' states merge once at the end (fwd_kernel.h, merge_warp_splits).
-  static constexpr bool kSplitKeys = kSplitKeys_;
-  static constexpr int kMmaWarps = kSplitKeys ? 1 : kNWarps;  // warps of one TiledMma
-  static constexpr int kBlockNMma = kSplitKeys ? kBlockN / kNWarps : kBlockN;  // keys of one warp's S tile
+  // How the warps share the work. By rows (one key group, the default): each warp owns 16-row slices of Q, S
+  // and O, so the softmax of a row stays within the 4 lanes of one quad and no warp ever needs another's rows.
+  // By keys too (decode: a tile of 16 or 32 real rows, where splitting rows alone would leave warps idle):
+  // the warps form kKeyGroups groups of kMmaWarps warps; each group covers all kBlockM rows (16 per warp)
+  // with its own kBlockNMma keys of each key block and keeps its own softmax state, as if it were a split of
+  // the keys; the groups' states merge once at the end (fwd_kernel.h, merge_key_groups).
+  static constexpr int kKeyGroups = kKeyGroups_;
+  static constexpr bool kSplitKeys = kKeyGroups > 1;
+  static_assert(kNWarps % kKeyGroups == 0);
+  static constexpr int kMmaWarps = kNWarps / kKeyGroups;  // warps of one TiledMma: one key group
+  static constexpr int kBlockNMma = kBlockN / kKeyGroups;  // keys of one group's S tile
   static_assert(kBlockM % (16 * kMmaWarps) == 0, "each warp owns whole 16-row MMA tiles");
-  static_assert(!kSplitKeys || kBlockM == 16, "split keys: one 16-row tile that every warp shares");
-  static_assert(kBlockNMma % 16 == 0, "a warp's keys are whole k16 slices of P V");
+  static_assert(!kSplitKeys || kBlockM == 16 * kMmaWarps, "split keys: one 16-row slice per warp of a group");
+  static_assert(kBlockNMma % 16 == 0, "a group's keys are whole k16 slices of P V");
   // N tile 16 lets one ldmatrix.x4 feed two n8 atoms.
   using TiledMma = TiledMMA<MMA_Atom<typename Prims::template Mma<Element>>, Layout<Shape<Int<kMmaWarps>, _1, _1>>,
                             Tile<Int<16 * kMmaWarps>, _16, _16>>;
@@ -51,8 +54,8 @@ struct FwdTraits {
   // V read as the B operand of O = P V needs (d, n) indexing: the same bytes, transposed view.
   using SmemLayoutVt = decltype(composition(SmemLayoutKV{},
                                             make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
-  // What one warp's MMAs read of a K/V stage: all of it, or under split keys the first kBlockNMma rows of the
-  // stage's layout (same strides). Warp w's keys start at element w * kBlockNMma * kBlockKSmem: whole 8-row
+  // What one key group's MMAs read of a K/V stage: all of it, or under split keys the first kBlockNMma rows of
+  // the stage's layout (same strides). Group g's keys start at element g * kBlockNMma * kBlockKSmem: whole 8-row
   // swizzle atoms (512 elements), which the XOR swizzle (bits 3-8 of the element offset) leaves alone, so a
   // pointer offset does.
   using SmemLayoutKMma = std::conditional_t<
@@ -74,9 +77,9 @@ struct FwdTraits {
   static constexpr int kStages = kStages_;
   static_assert(kStages >= 2);
   static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;
-  // Split keys: after the last key block the K/V stages hold the warps' softmax states (max and sum per row
-  // and warp) and the O fragments of warps 1.. for warp 0 to merge.
-  static constexpr int kMergeFloats = 2 * kNWarps * 16 + (kNWarps - 1) * 16 * kHeadDim;
+  // Split keys: after the last key block the K/V stages hold the key groups' softmax states (max and sum per
+  // row and group) and the O fragments of groups 1.. for group 0 to merge.
+  static constexpr int kMergeFloats = 2 * kKeyGroups * kBlockM + (kKeyGroups - 1) * kBlockM * kHeadDim;
   static_assert(!kSplitKeys || kMergeFloats * 4 <= 2 * kStages * kSmemKV);
 
   // Global <-> shared: 16-byte vectors, 8 threads per 64-element row.
