@@ -187,6 +187,9 @@ def check() -> list[Case]:
         cases.append(Case(g, "attn", mode, 2, 8192, 8192, 16, 16, 128, "bf16", sinks=True, skip=noflex))
     cases.append(Case(g, "decode", "fwd", 64, 1, 16384, 64, 8, 128, "bf16", causal=True, window_right=0,
                       sinks=True, skip=noflex))
+    # Speculative decoding, 3 queries x 8 heads per KV head: the sm80 tile of two key groups (24 rows).
+    cases.append(Case(g, "decode", "fwd", 64, 3, 32768, 64, 8, 64, "bf16", causal=True, window_right=0,
+                      sinks=True, skip=noflex))
     for sk in (8192, 131072):
         cases.append(Case(g, "decode", "fwd", 16, 1, sk, 64, 8, 64, "bf16", causal=True, window_left=127,
                           window_right=0, sinks=True, skip=noflex))
