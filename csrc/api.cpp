@@ -423,8 +423,9 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
   p.sink_tokens = int(sink_tokens);
   p.pack_gqa = p.nheads > p.nheads_k;
 
-  // Split-KV: decode launches one CTA per (sequence, KV head); splitting the keys fills the SMs.
-  int const block_m = p.headdim_rounded == 256 ? 64 : 128, block_n = 64;
+  // Split-KV: decode launches one CTA per (sequence, KV head); splitting the keys fills the SMs. block_n: the
+  // key block of the decode tiles (sm80/fwd_config.h), so no split count exceeds the blocks there are.
+  int const block_m = p.headdim_rounded == 256 ? 64 : 128, block_n = p.headdim_rounded == 64 ? 128 : 64;
   int64_t const rows = int64_t(p.seqlen_q) * (p.nheads / p.nheads_k);
   int64_t const ctas = (rows + block_m - 1) / block_m * (p.pack_gqa ? p.nheads_k : p.nheads) * p.batch;
   int sms = 108;  // the emulation pretends to be an A100
