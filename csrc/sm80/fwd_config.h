@@ -45,6 +45,7 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
       static_assert(Keys::kSmemBytes <= 99 * 1024);
       f.template operator()<Keys>();
     } else if (key_groups == 2) {
+      // 64 keys per group of two warps per block.
       using Big = FwdTraits<64, 32, 128, 4, Element, Prims, 3, 2>;           // 100 KB, 64 KB in flight: sm80, sm90
       using Small = FwdTraits<64, 32, 128, 4, Element, Prims, 2, 2>;         // 68 KB, 32 KB in flight
       if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
@@ -82,7 +83,7 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
     }
   } else {
     static_assert(kHeadDim == 256);
-    // Rows 17-32 keep the 64-row tile here: two key groups would take 144 KB for 16 keys per warp.
+    // Rows 17-32 keep the 64-row tile here: two key groups (32 of 64 keys each) would take 144 KB.
     using Keys = FwdTraits<256, 16, 64, 4, Element, Prims, 2, 4>;            // 136 KB, 16 keys per warp: sm80, sm90
     using Big = FwdTraits<256, 64, 64, 4, Element, Prims>;                   // 160 KB: sm80 only
     using Small = FwdTraits<256, 64, 32, 4, Element, Prims>;                 // 96 KB: sm86 / sm89
