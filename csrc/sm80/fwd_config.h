@@ -31,6 +31,13 @@ inline int fwd_key_groups(FwdParams const& p) {
   return rows <= 16 ? 4 : rows <= 32 ? 2 : 1;
 }
 
+// f with Big where it fits the device's shared memory per block, else with Small.
+template <class Big, class Small, class F>
+void with_fitting(int max_smem_per_block, F&& f) {
+  if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
+  else f.template operator()<Small>();
+}
+
 // Calls f.template operator()<Traits>() with the configuration for this head dim, problem and shared-memory
 // limit. Sizes: Q kBlockM x d, plus kStages x (K + V) of kBlockN x d, in 2-byte elements.
 template <int kHeadDim, class Element, class Prims, class F>
@@ -48,14 +55,12 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
       // 64 keys per group of two warps per block.
       using Big = FwdTraits<64, 32, 128, 4, Element, Prims, 3, 2>;           // 100 KB, 64 KB in flight: sm80, sm90
       using Small = FwdTraits<64, 32, 128, 4, Element, Prims, 2, 2>;         // 68 KB, 32 KB in flight
-      if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
-      else f.template operator()<Small>();
+      with_fitting<Big, Small>(max_smem_per_block, f);
     } else if (few_rows) {
       // kBlockN 128: with 64 the 3- and 4-stage tiles spill 4-16 bytes on sm_80 (at 168 registers).
       using Big = FwdTraits<64, 64, 128, 4, Element, Prims, 3>;               // 104 KB, 64 KB in flight: sm80, sm90
       using Small = FwdTraits<64, 64, 128, 4, Element, Prims, 2>;             // 72 KB, 32 KB in flight
-      if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
-      else f.template operator()<Small>();
+      with_fitting<Big, Small>(max_smem_per_block, f);
     } else {
       // 4 warps of 32 rows: each K/V fragment read from shared memory feeds two 16-row MMA tiles (half the
       // ldmatrix traffic per FLOP of 8 warps of 16 rows). 255 registers, no spill since the element mask
@@ -66,18 +71,16 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
     if (key_groups > 1) {
       // 16 (32) keys per warp per block. Big: two CTAs fit an sm90 SM (228 KB), as with the 64-row tile.
       auto run = [&]<int kGroups>() {
-        using Big = FwdTraits<128, 64 / kGroups, 64, 4, Element, Prims, 3, kGroups>;  // 100-104 KB: sm80, sm90
-        using Small = FwdTraits<128, 64 / kGroups, 64, 4, Element, Prims, 2, kGroups>;  // 68-72 KB
-        if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
-        else f.template operator()<Small>();
+        with_fitting<FwdTraits<128, 64 / kGroups, 64, 4, Element, Prims, 3, kGroups>,   // 100-104 KB: sm80, sm90
+                     FwdTraits<128, 64 / kGroups, 64, 4, Element, Prims, 2, kGroups>>(  // 68-72 KB
+            max_smem_per_block, f);
       };
       if (key_groups == 4) run.template operator()<4>();
       else run.template operator()<2>();
     } else if (few_rows) {
       using Big = FwdTraits<128, 64, 64, 4, Element, Prims, 3>;               // 112 KB, 64 KB in flight: sm80, sm90
       using Small = FwdTraits<128, 64, 32, 4, Element, Prims, 4>;             // 80 KB, 48 KB in flight
-      if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
-      else f.template operator()<Small>();
+      with_fitting<Big, Small>(max_smem_per_block, f);
     } else {
       f.template operator()<FwdTraits<128, 128, 64, 8, Element, Prims>>();   // 96 KB: fits sm86 too
     }
@@ -88,8 +91,7 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
     using Big = FwdTraits<256, 64, 64, 4, Element, Prims>;                   // 160 KB: sm80 only
     using Small = FwdTraits<256, 64, 32, 4, Element, Prims>;                 // 96 KB: sm86 / sm89
     if (key_groups == 4 && max_smem_per_block >= Keys::kSmemBytes) f.template operator()<Keys>();
-    else if (max_smem_per_block >= Big::kSmemBytes) f.template operator()<Big>();
-    else f.template operator()<Small>();
+    else with_fitting<Big, Small>(max_smem_per_block, f);
   }
 }
 
