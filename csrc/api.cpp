@@ -49,6 +49,10 @@ static py::list registry() {
   return out;
 }
 
+#ifndef SINKATTN_NATIVE_GPUS
+#define SINKATTN_NATIVE_GPUS ""
+#endif
+
 static py::dict build_info() {
   py::dict d;
   d["nvcc_version"] = nvcc_version();
@@ -56,6 +60,7 @@ static py::dict build_info() {
   d["cuda_arch_list"] = cuda_arch_list();
   d["torch_version_at_build"] = SINKATTN_TORCH_VERSION_AT_BUILD;
   d["requested_archs"] = SINKATTN_REQUESTED_ARCHS;
+  d["native_gpus"] = SINKATTN_NATIVE_GPUS;  // SINKATTN_CUDA_ARCHS=native: the GPUs the archs came from
   d["requested_headdims"] = SINKATTN_REQUESTED_HEADDIMS;
   d["requested_dtypes"] = SINKATTN_REQUESTED_DTYPES;
   d["emulation"] = bool(SINKATTN_EMULATION_BUILT);

@@ -7,13 +7,16 @@ translation unit registers itself in the binary's kernel registry (csrc/build_in
 it was really compiled for, so the capability report reads what the binary holds, not this file.
 
 Environment knobs (read by setup.py and passed in as `Grid`):
-    SINKATTN_CUDA_ARCHS  "80;90a" (default). 80/86/89 build sm_8x SASS; 90a builds the sm90 family
+    SINKATTN_CUDA_ARCHS  "80;90a" (default), or "native": the archs of the GPUs visible at build time
+                         (setup.py asks torch). 80/86/89 build sm_8x SASS; 90a builds the sm90 family
                          for sm_90a and the sm80 family for sm_90 (the portable path on Hopper);
                          100/120 build native SASS of the portable families for Blackwell. The sm80
                          family also embeds compute_80 PTX, which the driver JIT-compiles on any
                          newer GPU that has no SASS of its own in the build.
     SINKATTN_HEADDIMS    "64,128,256" (default)
     SINKATTN_DTYPES      "bf16,fp16" (default)
+    SINKATTN_EMULATION   "0" (default): the host-emulated sm80 kernels are a test facility (the CPU tests run
+                         the kernels' logic through them); `make test` builds them with "1".
 """
 from __future__ import annotations
 
@@ -32,11 +35,36 @@ class Grid:
     archs: list[str]
     headdims: list[int]
     dtypes: list[str]
-    emulation: bool = True
+    emulation: bool = False
     families: list[str] = field(default_factory=lambda: ["common", "sm80", "sm90"])
+    # With SINKATTN_CUDA_ARCHS=native: (GPU name, (major, minor), arch) of each GPU the archs came from.
+    native: list[tuple[str, tuple[int, int], str]] = field(default_factory=list)
 
 
-def parse_grid(env=os.environ) -> Grid:
+def arch_of_capability(major: int, minor: int) -> str | None:
+    """The arch in KNOWN_ARCHS whose SASS runs natively on compute capability major.minor, or None.
+
+    SASS runs on the same major revision at an equal or higher minor one, so sm_80 code serves cc 8.7 as
+    well; 90a is the Hopper build (sm90 kernels as sm_90a, sm80 kernels as sm_90)."""
+    if major == 8:
+        return {6: "86", 9: "89"}.get(minor, "80")
+    if major == 9:
+        return "90a"
+    if major == 10:
+        return "100"
+    if major == 12:
+        return "120"
+    return None
+
+
+def native_string(grid: Grid) -> str:
+    """What build_info records of a native build: the GPUs the archs came from ("" for named archs)."""
+    return ", ".join(f"{name} (cc {cc[0]}.{cc[1]}: {arch})" for name, cc, arch in grid.native)
+
+
+def parse_grid(env=os.environ, native=None) -> Grid:
+    """The grid the environment asks for. `native` is a callable giving (GPU name, (major, minor)) of each
+    visible GPU, used only for SINKATTN_CUDA_ARCHS=native (setup.py passes one that asks torch)."""
     def split(var, default):
         raw = env.get(var, default)
         items = list(dict.fromkeys(x.strip() for x in raw.replace(";", ",").split(",") if x.strip()))
@@ -45,10 +73,26 @@ def parse_grid(env=os.environ) -> Grid:
         return items
 
     archs = split("SINKATTN_CUDA_ARCHS", "80;90a")
+    found = []
+    if "native" in archs:
+        if native is None:
+            raise SystemExit("sinkattn build: SINKATTN_CUDA_ARCHS=native needs the build to see the GPUs "
+                             "(setup.py asks torch); name the archs here, e.g. 80;90a")
+        for name, cc in native():
+            arch = arch_of_capability(*cc)
+            if arch is None:
+                raise SystemExit(f"sinkattn build: SINKATTN_CUDA_ARCHS=native: {name} has compute capability "
+                                 f"{cc[0]}.{cc[1]}, which no compiled family targets natively; build with "
+                                 "SINKATTN_CUDA_ARCHS=80 (its compute_80 PTX runs there through the driver's JIT)")
+            found.append((name, tuple(cc), arch))
+        if not found:
+            raise SystemExit("sinkattn build: SINKATTN_CUDA_ARCHS=native found no GPU; name the archs, e.g. 80;90a")
+        rest = [a for a in archs if a != "native"]
+        archs = list(dict.fromkeys(rest + sorted({a for _, _, a in found}, key=KNOWN_ARCHS.index)))
     for a in archs:
         if a not in KNOWN_ARCHS:
             raise SystemExit(f"sinkattn build: SINKATTN_CUDA_ARCHS holds {a!r}; accepted: {', '.join(KNOWN_ARCHS)}"
-                             " (write 90a, not 90: the Hopper kernels need the arch-specific sm_90a target)")
+                             " or native (write 90a, not 90: the Hopper kernels need the arch-specific sm_90a target)")
     headdims = []
     for h in split("SINKATTN_HEADDIMS", ",".join(map(str, ALL_HEADDIMS))):
         if not h.isdigit() or int(h) not in ALL_HEADDIMS:
@@ -59,10 +103,11 @@ def parse_grid(env=os.environ) -> Grid:
     for d in dtypes:
         if d not in ALL_DTYPES:
             raise SystemExit(f"sinkattn build: SINKATTN_DTYPES holds {d!r}; accepted: {', '.join(ALL_DTYPES)}")
-    emu = env.get("SINKATTN_EMULATION", "1").strip().lower()
+    emu = env.get("SINKATTN_EMULATION", "0").strip().lower()
     if emu not in TRUE_WORDS + FALSE_WORDS:
         raise SystemExit(f"sinkattn build: SINKATTN_EMULATION={emu!r}; accepted: 1/true/on/yes or 0/false/off/no")
-    return Grid(archs=archs, headdims=sorted(set(headdims)), dtypes=sorted(set(dtypes)), emulation=emu in TRUE_WORDS)
+    return Grid(archs=archs, headdims=sorted(set(headdims)), dtypes=sorted(set(dtypes)), emulation=emu in TRUE_WORDS,
+                native=found)
 
 
 def family_targets(family: str, archs: list[str]) -> list[tuple[str, str]]:
@@ -106,6 +151,7 @@ class Unit:
     name: str       # file stem in csrc/instantiations/
     family: str     # "common", "sm80", "sm90" or "emu" (host code compiled by the C++ compiler)
     text: str
+    registers: bool = True  # False: a part of a kernel whose launcher (and registry entry) is in another unit
 
 
 # The attention kernel units: (header, launcher, its params and launch argument, registry family, features
@@ -124,14 +170,51 @@ _KERNEL_UNITS = {
 }
 
 
+# The sm80 kernels' tile configurations are compiled in parts (FwdUnit / BwdUnit in sm80/fwd_config.h and
+# bwd_config.h; fwd_launch.cuh says how): the first part rides with the launcher's unit, each other part gets a
+# unit of its own, named with its suffix, which the build compiles in parallel. Per kind: the launcher's part
+# template, the enum, and per head dim the parts beyond the first as (enumerator, unit name suffix).
+_PARTS = {
+    "fwd_sm80": ("sm80::launch_fwd_part", "sm80::FwdUnit", "FwdParams",
+                 {h: (("kKeyGroups", "_keys"),) for h in ALL_HEADDIMS}),
+    "bwd_sm80": ("sm80::launch_bwd_part", "sm80::BwdUnit", "BwdParams", {128: (("kSmallSmem", "_small"),)}),
+    "fwd_emu": ("sm80::launch_fwd_part_emulated", "sm80::FwdUnit", "FwdParams",
+                {h: (("kKeyGroups", "_keys"),) for h in ALL_HEADDIMS}),
+}
+
+
+def _part_fn(kind: str, hdim: int, dtype: str, part: str) -> str:
+    fn, enum, params, _ = _PARTS[kind]
+    return f"{fn}<{hdim}, {CPP_DTYPE[dtype]}, {enum}::{part}>({params} const&, {_KERNEL_UNITS[kind][3]})"
+
+
+def _parts(kind: str, hdim: int) -> tuple:
+    return _PARTS[kind][3].get(hdim, ()) if kind in _PARTS else ()
+
+
+def _part_unit(kind: str, hdim: int, dtype: str, part: str, suffix: str) -> Unit:
+    header = _KERNEL_UNITS[kind][0]
+    name = f"{kind}_hdim{hdim}_{dtype}"
+    text = f"""// Generated by csrc/generate_kernels.py: do not edit.
+// {name}{suffix}: the {part} tiles of {name}, which launches them.
+#include "{header}"
+namespace sinkattn {{
+template void {_part_fn(kind, hdim, dtype, part)};
+}}  // namespace sinkattn
+"""
+    return Unit(name + suffix, _KERNEL_UNITS[kind][6], text, registers=False)
+
+
 def _kernel_unit(kind: str, hdim: int, dtype: str) -> Unit:
     header, launcher, params, launch_arg, registry_family, features, family = _KERNEL_UNITS[kind]
     name = f"{kind}_hdim{hdim}_{dtype}"
     fn = f"{launcher}<{hdim}, {CPP_DTYPE[dtype]}>"
+    elsewhere = "".join(f"extern template void {_part_fn(kind, hdim, dtype, part)};  // in {name}{suffix}\n"
+                        for part, suffix in _parts(kind, hdim))
     text = f"""// Generated by csrc/generate_kernels.py: do not edit.
 #include "{header}"
 namespace sinkattn {{
-template void {fn}({params} const&, {launch_arg});
+{elsewhere}template void {fn}({params} const&, {launch_arg});
 SINKATTN_REGISTER_KERNEL({name}, "{registry_family}", "{kind[:3]}", {hdim}, "{dtype}", {features},
                          ({fn}))
 }}  // namespace sinkattn
@@ -160,6 +243,8 @@ def units(grid: Grid) -> list[Unit]:
     if grid.emulation:
         kinds += ["fwd_emu", "bwd_emu"]
     out += [_kernel_unit(kind, h, d) for kind in kinds for h in grid.headdims for d in grid.dtypes]
+    out += [_part_unit(kind, h, d, part, suffix) for kind in kinds for h in grid.headdims for d in grid.dtypes
+            for part, suffix in _parts(kind, h)]
     return out
 
 

@@ -67,6 +67,26 @@ def serving_paths(device: _device.DeviceInfo) -> dict:
     return paths
 
 
+# What each arch of SINKATTN_CUDA_ARCHS adds to a build (the report lists the ones a build lacks).
+ARCH_ADDS = {
+    "80": "native sm_80 code of the sm80 kernels for cc 8.0 (A100), which cc 8.6/8.9 (A10, L4, RTX 30xx/40xx) "
+          "run too",
+    "86": "sm_86 SASS for cc 8.6/8.9 (they run the sm_80 SASS natively without it)",
+    "89": "sm_89 SASS for cc 8.9 (it runs the sm_80 or sm_86 SASS natively without it)",
+    "90a": "the Hopper kernels (the sm90 TMA + wgmma forward as sm_90a, the sm80 kernels as sm_90 SASS) for cc 9.0",
+    "100": "native sm_100 SASS for Blackwell datacenter GPUs (cc 10.x), which otherwise JIT the compute_80 PTX",
+    "120": "native sm_120 SASS for Blackwell workstation GPUs (cc 12.x), which otherwise JIT the compute_80 PTX",
+}
+
+
+def wider_build(build: dict | None) -> dict:
+    """{arch: what it would add} for the archs this build did not compile."""
+    if not build:
+        return {}
+    have = {a for a in build.get("requested_archs", "").replace(",", ";").split(";") if a}
+    return {a: what for a, what in ARCH_ADDS.items() if a not in have}
+
+
 def _mismatches(build: dict | None, runtime: dict, devices: list[dict]) -> list[dict]:
     out = []
     if not _ext.loaded():
@@ -134,6 +154,7 @@ def capabilities(devices: list[_device.DeviceInfo] | None = None) -> dict:
         "build": build,
         "runtime": runtime,
         "kernels": [dict(k) for k in _ext.registry()],
+        "wider_build": wider_build(build),
         "devices": dev_rows,
         "mismatches": _mismatches(build, runtime, dev_rows),
     }

@@ -29,6 +29,11 @@ def render(cap: dict) -> str:
         lines += ["Build (read from the binary):",
                   f"  nvcc {b['nvcc_version']}, CUTLASS {b['cutlass_version']}, torch at build {b['torch_version_at_build']}",
                   f"  requested archs: {b['requested_archs']}"]
+        if b.get("native_gpus"):
+            lines.append(f"  built for the GPUs present (SINKATTN_CUDA_ARCHS=native): {b['native_gpus']}")
+        if cap.get("wider_build"):
+            lines.append("  a wider build (SINKATTN_CUDA_ARCHS) would add:")
+            lines += [f"    {a}: {what}" for a, what in cap["wider_build"].items()]
     else:
         lines += [f"Build: no compiled extension ({cap['extension']['error']}).",
                   "  Every call is served by the PyTorch reference backend."]

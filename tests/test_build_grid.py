@@ -40,7 +40,8 @@ def test_defaults():
     assert g.archs == ["80", "90a"]
     assert g.headdims == [64, 128, 256]
     assert g.dtypes == ["bf16", "fp16"]
-    assert g.emulation is True
+    # the host-emulated kernels are a test facility: `make test` asks for them, a plain install does not
+    assert g.emulation is False and g.native == []
 
 
 @pytest.mark.parametrize("value,want", [
@@ -184,14 +185,18 @@ def test_units_merge_only_narrowed():
 
 
 def test_units_full_grid_with_fwd(with_fwd):
-    g = gen.parse_grid({})
+    g = gen.parse_grid({"SINKATTN_EMULATION": "1"})
     names = _names(g)
     want = {f"merge_{d}" for d in ("bf16", "fp16", "fp32")}
     want |= {f"fwd_sm80_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
     want |= {f"fwd_emu_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
     want |= {f"bwd_{f}_hdim{h}_{d}" for f in ("sm80", "emu") for h in (64, 128, 256) for d in ("bf16", "fp16")}
     want |= {f"fwd_sm90_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
+    # the tile tables' other parts, each in a unit of its own (built in parallel with the launcher's)
+    want |= {f"fwd_{f}_hdim{h}_{d}_keys" for f in ("sm80", "emu") for h in (64, 128, 256) for d in ("bf16", "fp16")}
+    want |= {f"bwd_sm80_hdim128_{d}_small" for d in ("bf16", "fp16")}
     assert set(names) == want and len(names) == len(want)
+    assert {u.name for u in gen.units(g) if not u.registers} == {n for n in want if n.endswith(("_keys", "_small"))}
     fam = {u.name: u.family for u in gen.units(g)}
     assert fam["fwd_sm80_hdim64_bf16"] == "sm80" and fam["fwd_emu_hdim64_bf16"] == "emu" and fam["merge_fp32"] == "common"
     assert fam["fwd_sm90_hdim128_bf16"] == "sm90"
@@ -208,11 +213,14 @@ def test_sm90_units_only_with_90a():
 def test_units_narrowed_with_fwd(with_fwd):
     g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "86", "SINKATTN_HEADDIMS": "128", "SINKATTN_DTYPES": "fp16",
                         "SINKATTN_EMULATION": "0"})
-    assert _names(g) == ["bwd_sm80_hdim128_fp16", "fwd_sm80_hdim128_fp16", "merge_fp16", "merge_fp32"]
-    g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "90a", "SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "bf16"})
+    assert _names(g) == ["bwd_sm80_hdim128_fp16", "bwd_sm80_hdim128_fp16_small", "fwd_sm80_hdim128_fp16",
+                         "fwd_sm80_hdim128_fp16_keys", "merge_fp16", "merge_fp32"]
+    g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "90a", "SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "bf16",
+                        "SINKATTN_EMULATION": "1"})
     # 90a builds the sm90 forward, and still the sm80 family (as sm_90) and the emulated kernel
-    assert _names(g) == ["bwd_emu_hdim64_bf16", "bwd_sm80_hdim64_bf16", "fwd_emu_hdim64_bf16", "fwd_sm80_hdim64_bf16",
-                         "fwd_sm90_hdim64_bf16", "merge_bf16", "merge_fp32"]
+    assert _names(g) == ["bwd_emu_hdim64_bf16", "bwd_sm80_hdim64_bf16", "fwd_emu_hdim64_bf16", "fwd_emu_hdim64_bf16_keys",
+                         "fwd_sm80_hdim64_bf16", "fwd_sm80_hdim64_bf16_keys", "fwd_sm90_hdim64_bf16", "merge_bf16",
+                         "merge_fp32"]
     bwd = next(u for u in gen.units(g) if u.name == "bwd_sm80_hdim64_bf16")
     assert "run_bwd_sm80<64, cutlass::bfloat16_t>" in bwd.text and '"sm80", "bwd", 64, "bf16"' in bwd.text
     fwd = next(u for u in gen.units(g) if u.name == "fwd_sm80_hdim64_bf16")
@@ -237,3 +245,52 @@ def test_generate_writes_units_and_removes_stale(tmp_path):
     os.utime(p, (1, 1))
     gen.generate(str(tmp_path), g)
     assert p.stat().st_mtime == 1
+
+
+# ---- SINKATTN_CUDA_ARCHS=native ------------------------------------------------------------------------------
+@pytest.mark.parametrize("cc,arch", [((8, 0), "80"), ((8, 6), "86"), ((8, 7), "80"), ((8, 9), "89"), ((9, 0), "90a"),
+                                     ((10, 0), "100"), ((10, 3), "100"), ((12, 0), "120"), ((7, 5), None),
+                                     ((11, 0), None)])
+def test_arch_of_capability(cc, arch):
+    assert gen.arch_of_capability(*cc) == arch
+
+
+def test_native_takes_the_visible_gpus():
+    gpus = [("NVIDIA H200", (9, 0)), ("NVIDIA GeForce RTX 4090", (8, 9)), ("NVIDIA H200", (9, 0))]
+    g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "native"}, native=lambda: gpus)
+    assert g.archs == ["89", "90a"]  # sorted as KNOWN_ARCHS, each once
+    assert [a for _, _, a in g.native] == ["90a", "89", "90a"]
+    assert gen.native_string(g) == ("NVIDIA H200 (cc 9.0: 90a), NVIDIA GeForce RTX 4090 (cc 8.9: 89), "
+                                    "NVIDIA H200 (cc 9.0: 90a)")
+    # a named arch beside native is kept
+    g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "80;native"}, native=lambda: gpus[:1])
+    assert g.archs == ["80", "90a"]
+    assert gen.native_string(gen.parse_grid({})) == ""
+
+
+@pytest.mark.parametrize("gpus,words", [
+    ([], ["native", "no GPU", "80;90a"]),
+    ([("Tesla T4", (7, 5))], ["Tesla T4", "7.5", "SINKATTN_CUDA_ARCHS=80"]),
+])
+def test_native_without_a_usable_gpu_says_what_to_do(gpus, words):
+    with pytest.raises(SystemExit) as e:
+        gen.parse_grid({"SINKATTN_CUDA_ARCHS": "native"}, native=lambda: gpus)
+    for w in words:
+        assert w in str(e.value.code), (w, e.value.code)
+    with pytest.raises(SystemExit) as e:  # no detector (e.g. the generator run by hand)
+        gen.parse_grid({"SINKATTN_CUDA_ARCHS": "native"})
+    assert "native" in str(e.value.code)
+
+
+def test_parts_are_declared_extern_where_launched_and_defined_once():
+    """A part's tiles are instantiated in its own unit only: the launcher's unit declares them extern, so the
+    split really moves the compile work (and a part the launcher's unit forgot would link, just not split)."""
+    g = gen.parse_grid({"SINKATTN_HEADDIMS": "128", "SINKATTN_DTYPES": "bf16"})
+    by = {u.name: u.text for u in gen.units(g)}
+    for launcher, part, fn in [("fwd_sm80_hdim128_bf16", "_keys", "launch_fwd_part<128, cutlass::bfloat16_t, "
+                                "sm80::FwdUnit::kKeyGroups>"),
+                               ("bwd_sm80_hdim128_bf16", "_small", "launch_bwd_part<128, cutlass::bfloat16_t, "
+                                "sm80::BwdUnit::kSmallSmem>")]:
+        assert f"extern template void sm80::{fn}" in by[launcher]
+        assert f"\ntemplate void sm80::{fn}" in by[launcher + part]
+        assert "SINKATTN_REGISTER_KERNEL" in by[launcher] and "SINKATTN_REGISTER_KERNEL" not in by[launcher + part]

@@ -225,7 +225,7 @@ def test_registry_matches_generator():
     names = [k["name"] for k in reg]
     assert len(names) == len(set(names)), f"a kernel is registered twice: {names}"
     matches = [env for env, grid in _requested_grid_candidates(build)
-               if sorted(u.name for u in gen.units(grid)) == sorted(names)]
+               if sorted(u.name for u in gen.units(grid) if u.registers) == sorted(names)]
     assert matches, (f"no grid with requested_archs={build['requested_archs']!r} makes generate_kernels.units() "
                      f"equal to the registry {sorted(names)}")
     env = matches[0]
@@ -239,11 +239,12 @@ def test_registry_matches_generator():
     # __CUDA_ARCH_LIST__ of the common family's translation unit (90a reads 900)
     want_list = ",".join(str(int(re.sub(r"\D", "", r)) * 10) for _, r in gen.family_targets("common", grid.archs))
     assert build["cuda_arch_list"] == want_list
-    # the generated sources on disk are the same set (generate() removes stale units)
+    # the generated sources on disk are the same set (generate() removes stale units), parts of a kernel included
     inst = ROOT / "csrc" / "instantiations"
     if inst.is_dir():
         on_disk = sorted(p.stem for p in inst.iterdir() if p.suffix in (".cu", ".cpp"))
-        assert on_disk == sorted(names), f"csrc/instantiations holds {on_disk}, the binary {sorted(names)}"
+        want_units = sorted(u.name for u in gen.units(grid))
+        assert on_disk == want_units, f"csrc/instantiations holds {on_disk}, the build's grid {want_units}"
 
 
 @EXT
@@ -494,3 +495,34 @@ def test_missing_extension_subprocess():
     assert r.returncode == 0, r.stderr[-3000:]
     cap = json.loads(r.stdout)
     assert cap["extension"]["loaded"] is False and "sinkattn._C" in cap["extension"]["error"]
+
+
+# ---- a build for the GPUs present, and what a wider one would add ----------------------------------------
+def test_wider_build_lists_what_each_missing_arch_adds():
+    assert capability.wider_build(None) == {}
+    full = {"requested_archs": ";".join(capability.ARCH_ADDS)}
+    assert capability.wider_build(full) == {}
+    hopper_only = capability.wider_build({"requested_archs": "90a"})
+    assert set(hopper_only) == {"80", "86", "89", "100", "120"}
+    assert "cc 8.0" in hopper_only["80"] and "A100" in hopper_only["80"]
+    assert "sm90" in capability.wider_build({"requested_archs": "80"})["90a"]
+
+
+def test_report_names_a_native_build_and_the_wider_one(monkeypatch):
+    cap = sinkattn.capabilities(devices=[])
+    cap["extension"] = {"loaded": True, "error": None}
+    cap["build"] = {"nvcc_version": "13.0.88", "cutlass_version": "4.2.0", "torch_version_at_build": "2.14.1",
+                    "requested_archs": "90a", "native_gpus": "NVIDIA H200 (cc 9.0: 90a)"}
+    cap["wider_build"] = capability.wider_build(cap["build"])
+    text = render(cap)
+    assert "built for the GPUs present (SINKATTN_CUDA_ARCHS=native): NVIDIA H200 (cc 9.0: 90a)" in text
+    assert "a wider build (SINKATTN_CUDA_ARCHS) would add:" in text and "    80: native sm_80 code" in text
+    cap["build"]["native_gpus"] = ""
+    assert "SINKATTN_CUDA_ARCHS=native" not in render(cap)
+
+
+@EXT
+def test_this_build_reports_its_wider_build():
+    cap = sinkattn.capabilities(devices=[])
+    have = set(cap["build"]["requested_archs"].split(";"))
+    assert set(cap["wider_build"]) == set(capability.ARCH_ADDS) - have

@@ -12,15 +12,30 @@
 
 namespace sinkattn {
 
+namespace sm80 {
+
+// The tiles of `kUnit` (fwd_config.h FwdUnit), compiled in their own translation unit as on the GPU
+// (sm80/fwd_launch.cuh), so the emulated forward of one head dim and dtype builds in two parallel halves.
+template <int kHeadDim, class Element, FwdUnit kUnit>
+void launch_fwd_part_emulated(FwdParams const& p, EmuLaunch const& launch) {
+  with_fwd_config<kHeadDim, Element, emu::EmuPrims>(p, launch.max_smem_per_block, [&]<class Kt>() {
+    if constexpr (fwd_unit_of<Kt> == kUnit) {
+      FwdGrid const grid = fwd_grid<Kt::kBlockM>(p);
+      emu::launch(grid.size(p.batch), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
+        int m_block, split, head, batch;
+        grid.decode(bid, m_block, split, head, batch);
+        fwd_block<Kt>(p, smem, tid, m_block, batch, head, split);
+      });
+    }
+  });
+}
+
+}  // namespace sm80
+
 template <int kHeadDim, class Element>
 void run_fwd_sm80_emulated(FwdParams const& p, EmuLaunch const& launch) {
   sm80::with_fwd_config<kHeadDim, Element, emu::EmuPrims>(p, launch.max_smem_per_block, [&]<class Kt>() {
-    sm80::FwdGrid const grid = sm80::fwd_grid<Kt::kBlockM>(p);
-    emu::launch(grid.size(p.batch), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
-      int m_block, split, head, batch;
-      grid.decode(bid, m_block, split, head, batch);
-      sm80::fwd_block<Kt>(p, smem, tid, m_block, batch, head, split);
-    });
+    sm80::launch_fwd_part_emulated<kHeadDim, Element, sm80::fwd_unit_of<Kt>>(p, launch);
   });
   if (p.num_splits > 1) {
     for (int b = 0; b < p.batch; ++b)

@@ -49,6 +49,32 @@ inline unsigned elementwise_blocks(int64_t n) {
   return unsigned(b < 1 ? 1 : b > (1 << 16) ? (1 << 16) : b);
 }
 
+template <class Kt>
+void launch_bwd_tile(BwdParams const& p, cudaStream_t stream) {
+  BwdGrid const grid = bwd_grid<Kt::kBlockN>(p);
+  if (grid.size(p.batch) == 0) return;
+  if (Kt::kSmemBytes > p.max_smem_per_block) {  // head dim 256 on a 99 KB device (dispatch declines it first)
+    throw std::runtime_error("sinkattn bwd: the sm80 backward for head dim " + std::to_string(Kt::kHeadDim) +
+                             " needs " + std::to_string(Kt::kSmemBytes / 1024) +
+                             " KB of shared memory per block; this device has " +
+                             std::to_string(p.max_smem_per_block / 1024) + " KB");
+  }
+  auto kernel = bwd_kernel<Kt>;
+  if (Kt::kSmemBytes > 48 * 1024) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
+  }
+  kernel<<<dim3(unsigned(grid.size(p.batch))), dim3(Kt::kNThreads), Kt::kSmemBytes, stream>>>(p, grid);
+}
+
+// The tiles of `kUnit` for this problem. As in the forward (fwd_launch.cuh), the generator compiles each part
+// of the tile table in its own translation unit and declares it extern in the launcher's.
+template <int kHeadDim, class Element, BwdUnit kUnit>
+void launch_bwd_part(BwdParams const& p, cudaStream_t stream) {
+  with_bwd_config<kHeadDim, Element, GpuPrims>(p.max_smem_per_block, [&]<class Kt>() {
+    if constexpr (bwd_unit_of<Kt> == kUnit) launch_bwd_tile<Kt>(p, stream);
+  });
+}
+
 }  // namespace sm80
 
 template <int kHeadDim, class Element>
@@ -56,18 +82,7 @@ void run_bwd_sm80(BwdParams const& p, cudaStream_t stream) {
   int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
   if (rows > 0) sm80::bwd_preprocess_kernel<Element><<<sm80::elementwise_blocks(rows), 256, 0, stream>>>(p);
   sm80::with_bwd_config<kHeadDim, Element, sm80::GpuPrims>(p.max_smem_per_block, [&]<class Kt>() {
-    sm80::BwdGrid const grid = sm80::bwd_grid<Kt::kBlockN>(p);
-    if (grid.size(p.batch) == 0) return;
-    if (Kt::kSmemBytes > p.max_smem_per_block) {  // head dim 256 on a 99 KB device (dispatch declines it first)
-      throw std::runtime_error("sinkattn bwd: the sm80 backward for head dim " + std::to_string(kHeadDim) + " needs " +
-                               std::to_string(Kt::kSmemBytes / 1024) + " KB of shared memory per block; this device has " +
-                               std::to_string(p.max_smem_per_block / 1024) + " KB");
-    }
-    auto kernel = sm80::bwd_kernel<Kt>;
-    if (Kt::kSmemBytes > 48 * 1024) {
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
-    }
-    kernel<<<dim3(unsigned(grid.size(p.batch))), dim3(Kt::kNThreads), Kt::kSmemBytes, stream>>>(p, grid);
+    sm80::launch_bwd_part<kHeadDim, Element, sm80::bwd_unit_of<Kt>>(p, stream);
   });
   int64_t const n = int64_t(p.total_q) * p.nheads * p.headdim;
   int64_t const nk = int64_t(p.total_k) * p.nheads_k * p.headdim;

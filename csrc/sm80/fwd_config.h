@@ -31,6 +31,12 @@ inline int fwd_key_groups(FwdParams const& p) {
   return rows <= 16 ? 4 : rows <= 32 ? 2 : 1;
 }
 
+// Which translation unit compiles a tile configuration (fwd_launch.cuh, generate_kernels.py _PARTS):
+// the row tiles (prefill, few-row decode tiles) and the key-group tiles, about half the compile time each.
+enum class FwdUnit { kRows, kKeyGroups };
+template <class Kt>
+inline constexpr FwdUnit fwd_unit_of = Kt::kSplitKeys ? FwdUnit::kKeyGroups : FwdUnit::kRows;
+
 // f with Big where it fits the device's shared memory per block, else with Small.
 template <class Big, class Small, class F>
 void with_fitting(int max_smem_per_block, F&& f) {

@@ -1,36 +1,30 @@
-// fwd_launch.cuh: the __global__ wrapper and launcher of the sm80 forward kernel (nvcc only, no torch).
+// fwd_launch.cuh: the launcher of the sm80 forward (nvcc only, no torch): picks the tile configuration
+// (fwd_config.h) and launches it, then the split-KV combine.
+//
+// The tiles are compiled in two translation units per head dim and dtype (generate_kernels.py), so neither
+// holds every configuration: the one named fwd_sm80_hdim*_* holds run_fwd_sm80 and the row tiles, the one
+// named *_keys the key-group (decode) tiles, reached through launch_fwd_part. The unit that does not compile a
+// part sees launch_fwd_part for it as an explicit instantiation declaration (extern template, written by the
+// generator), so its kernels are not instantiated twice. Measured on the 2-core dev machine: one unit of all
+// the tiles took 83-87 s at hd64/hd128 (sm_80 + sm_90 SASS), which the split halves and runs in parallel.
 #pragma once
 #include <cuda_runtime.h>
 
 #include "build_info.h"
-#include "common/combine.h"
 #include "params.h"
 #include "sm80/fwd_config.h"
-#include "sm80/fwd_grid.h"
-#include "sm80/fwd_kernel.h"
-#include "sm80/prims_gpu.cuh"
+#include "sm80/fwd_tile.cuh"
 
 namespace sinkattn {
 
 namespace sm80 {
 
-template <class Kt>
-__global__ void __launch_bounds__(Kt::kNThreads) fwd_kernel(__grid_constant__ const FwdParams p, FwdGrid const grid) {
-  extern __shared__ __align__(128) char smem[];
-  int m_block, split, head, batch;
-  grid.decode(blockIdx.x, m_block, split, head, batch);
-  fwd_block<Kt>(p, smem, threadIdx.x, m_block, batch, head, split);
-}
-
-// One warp per output row (batch, head, query).
-template <class Element>
-__global__ void combine_kernel(__grid_constant__ const FwdParams p) {
-  int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
-  int64_t const warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
-    int const i = int(r % p.seqlen_q), h = int((r / p.seqlen_q) % p.nheads), b = int(r / (int64_t(p.seqlen_q) * p.nheads));
-    combine_row<Element>(p, b, h, i, threadIdx.x % 32, 32);
-  }
+// The tiles of `kUnit` for this problem (never called with a problem whose tile another unit compiles).
+template <int kHeadDim, class Element, FwdUnit kUnit>
+void launch_fwd_part(FwdParams const& p, cudaStream_t stream) {
+  with_fwd_config<kHeadDim, Element, GpuPrims>(p, p.max_smem_per_block, [&]<class Kt>() {
+    if constexpr (fwd_unit_of<Kt> == kUnit) launch_fwd_tile<Kt>(p, stream);
+  });
 }
 
 }  // namespace sm80
@@ -38,19 +32,9 @@ __global__ void combine_kernel(__grid_constant__ const FwdParams p) {
 template <int kHeadDim, class Element>
 void run_fwd_sm80(FwdParams const& p, cudaStream_t stream) {
   sm80::with_fwd_config<kHeadDim, Element, sm80::GpuPrims>(p, p.max_smem_per_block, [&]<class Kt>() {
-    sm80::FwdGrid const grid = sm80::fwd_grid<Kt::kBlockM>(p);
-    if (grid.size(p.batch) == 0) return;
-    auto kernel = sm80::fwd_kernel<Kt>;
-    if (Kt::kSmemBytes > 48 * 1024) {
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
-    }
-    kernel<<<dim3(unsigned(grid.size(p.batch))), dim3(Kt::kNThreads), Kt::kSmemBytes, stream>>>(p, grid);
+    sm80::launch_fwd_part<kHeadDim, Element, sm80::fwd_unit_of<Kt>>(p, stream);
   });
-  if (p.num_splits > 1) {
-    int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
-    int const blocks = int(rows / 4 + 1 < (1 << 20) ? rows / 4 + 1 : (1 << 20));
-    sm80::combine_kernel<Element><<<blocks, 128, 0, stream>>>(p);
-  }
+  if (p.num_splits > 1) sm80::launch_fwd_combine<Element>(p, stream);
 }
 
 }  // namespace sinkattn
