@@ -4,26 +4,54 @@ MAX_JOBS ?= 2
 CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda) $(patsubst %/bin/nvcc,%,$(realpath $(shell command -v nvcc 2>/dev/null))))
 export CUDA_HOME MAX_JOBS
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
+# Paths below the checkout hash as relative ones, so a second clone (CI's, a worktree) hits the same cache.
+export CCACHE_BASEDIR ?= $(CURDIR)
+export CCACHE_NOHASHDIR ?= 1
 TORCH_VERSION ?= 2.14.1
 
-SOURCES := setup.py $(shell find csrc -name '*.h' -o -name '*.cuh' -o -name '*.cu' -o -name '*.cpp' -o -name '*.py' | grep -v instantiations)
+SOURCES := setup.py tools/build_progress.py $(shell find csrc -name '*.h' -o -name '*.cuh' -o -name '*.cu' -o -name '*.cpp' -o -name '*.py' | grep -v instantiations)
+# A command with its output in a log, the lines that matter shown, and a heartbeat while it is quiet
+# (pip hides a build's output; tools/build_progress.py says why and how).
+PROGRESS = $(PYTHON) tools/build_progress.py run
+# make run / install build what a GPU needs; make test adds the host-emulated kernels the CPU tests run.
 STAMP := build/.installed
+STAMP_EMU := build/.installed-emulation
+GRID := build/.grid
 
-.PHONY: install deps cutlass run test report bench build-all gpu-check gpu-prebuilt clean
+.PHONY: install deps cutlass run test report bench build-all build-times gpu-check gpu-prebuilt clean FORCE
 
 deps:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==$(TORCH_VERSION)
-	@$(PYTHON) -c "import pytest, numpy, matplotlib" 2>/dev/null || $(PYTHON) -m pip install pytest numpy matplotlib
-	@$(PYTHON) -c "import transformers" 2>/dev/null || $(PYTHON) -m pip install "transformers==5.24.0"
+	@mkdir -p build/logs
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PROGRESS) --name "installing torch $(TORCH_VERSION)" --log build/logs/torch.log -- $(PYTHON) -m pip install torch==$(TORCH_VERSION)
+	@$(PYTHON) -c "import pytest, numpy, matplotlib, hypothesis" 2>/dev/null || $(PROGRESS) --name "installing test tools" --log build/logs/test-tools.log -- $(PYTHON) -m pip install pytest numpy matplotlib hypothesis
+	@$(PYTHON) -c "import transformers" 2>/dev/null || $(PROGRESS) --name "installing transformers" --log build/logs/transformers.log -- $(PYTHON) -m pip install "transformers==5.24.0"
 	@command -v ninja >/dev/null || $(PYTHON) -m pip install ninja
 
 cutlass:
 	$(PYTHON) third_party/fetch_cutlass.py
 
-$(STAMP): $(SOURCES)
+# The grid the environment asks for (SINKATTN_CUDA_ARCHS / _HEADDIMS / _DTYPES), rewritten only when it changes,
+# so that narrowing or widening the grid rebuilds and an unchanged one does not.
+$(GRID): FORCE
+	@mkdir -p build
+	@echo "$(SINKATTN_CUDA_ARCHS)|$(SINKATTN_HEADDIMS)|$(SINKATTN_DTYPES)" | cmp -s - $@ 2>/dev/null || \
+	  echo "$(SINKATTN_CUDA_ARCHS)|$(SINKATTN_HEADDIMS)|$(SINKATTN_DTYPES)" > $@
+
+# $(1): SINKATTN_EMULATION of the build. pip runs -v under the progress wrapper, which shows the kernel build's
+# "[n/N] ..." lines and a heartbeat; the whole output is in build/logs/pip-install.log.
+define build_extension
 	$(MAKE) deps cutlass
-	$(PYTHON) -m pip install --no-build-isolation --no-deps -e .
-	@mkdir -p build && touch $(STAMP)
+	SINKATTN_EMULATION=$(1) $(PROGRESS) --name "building sinkattn" --log build/logs/pip-install.log \
+	  --show "sinkattn build" -- $(PYTHON) -m pip install -v --no-build-isolation --no-deps -e .
+endef
+
+$(STAMP): $(SOURCES) $(GRID)
+	$(call build_extension,$(or $(SINKATTN_EMULATION),0))
+	@touch $(STAMP)
+
+$(STAMP_EMU): $(SOURCES) $(GRID)
+	$(call build_extension,1)
+	@touch $(STAMP) $(STAMP_EMU)
 
 install: $(STAMP)
 
@@ -31,7 +59,7 @@ run: install
 	$(PYTHON) -m sinkattn.report
 	$(PYTHON) examples/quickstart.py
 
-test: install
+test: $(STAMP_EMU)
 	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
 
 report: install
@@ -45,6 +73,10 @@ build-all: deps cutlass
 	SINKATTN_PTXAS_VERBOSE=1 SINKATTN_CUDA_ARCHS="80;86;90a" SINKATTN_HEADDIMS=64,128,256 SINKATTN_DTYPES=bf16,fp16 \
 	  $(PYTHON) -m pip install --no-build-isolation --no-deps -v -e . 2>&1 | tee build/build-all.log | grep -E "ptxas info|spill|error" || true
 	$(PYTHON) ../shared/tools/sass_report.py sinkattn/_C*.so || $(PYTHON) tools/sass_report.py sinkattn/_C*.so
+
+# Per-unit build times of the last kernel build, slowest first, and the wall time on 2, 8 and 32 cores.
+build-times:
+	$(PYTHON) tools/build_times.py
 
 gpu-check:
 	bash bench/gpu_check.sh

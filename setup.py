@@ -26,6 +26,8 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
 sys.path.insert(0, CSRC)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import build_progress  # noqa: E402
 import generate_kernels as gen  # noqa: E402
 
 FETCH_HINT = "make cutlass   (or: python third_party/fetch_cutlass.py)"
@@ -89,6 +91,33 @@ def cutlass_version(include_dir):
     return ".".join(p.group(1) if p else "?" for p in parts)
 
 
+def targets_per_kind(units, grid):
+    """Unit kind -> the number of SASS targets its family compiles (what its compile time scales with)."""
+    out = {}
+    for src, fam in units:
+        kind = build_progress.unit_kind(os.path.basename(src))
+        out[kind] = 1 if fam == "emu" else max(1, len(gen.family_targets(fam, grid.archs)))
+    return out
+
+
+def expected_cost(unit, grid):
+    src, fam = unit
+    kind = build_progress.unit_kind(os.path.basename(src))
+    n = 1 if fam == "emu" else max(1, len(gen.family_targets(fam, grid.archs)))
+    return build_progress.UNIT_COST_S.get(kind, build_progress.DEFAULT_COST_S) * n
+
+
+def native_gpus():
+    """SINKATTN_CUDA_ARCHS=native: (name, compute capability) of each GPU torch sees now."""
+    import torch
+    if not torch.cuda.is_available():
+        fail("SINKATTN_CUDA_ARCHS=native, but torch sees no CUDA GPU on this machine (torch "
+             f"{torch.__version__}, CUDA {torch.version.cuda}); name the archs instead, e.g. 80;90a (the default), "
+             "or 80;86;89;90a for every Ampere, Ada and Hopper GPU")
+    return [(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+            for i in range(torch.cuda.device_count())]
+
+
 def write_ninja(build_dir, units, cuda_home, cutlass_inc, grid, cxx_flags_extra):
     nvcc = os.path.join(cuda_home, "bin", "nvcc")
     ccache = shutil.which("ccache")
@@ -109,19 +138,23 @@ def write_ninja(build_dir, units, cuda_home, cutlass_inc, grid, cxx_flags_extra)
     for fam in families:
         if fam == "emu":
             lines += [f"rule cc_{fam}",
-                      f"  command = {pre}c++ {cxx_common} -DSINKATTN_COMPILED_ARCHS='\"host\"' -MMD -MF $out.d -c $in -o $out",
-                      "  depfile = $out.d", "  deps = gcc", ""]
+                      f"  command = touch $out.start && {pre}c++ {cxx_common} -DSINKATTN_COMPILED_ARCHS='\"host\"' "
+                      "-MMD -MF $out.d -c $in -o $out",
+                      "  description = $unit", "  depfile = $out.d", "  deps = gcc", ""]
         else:
             flags = " ".join(gen.gencode_flags(fam, grid.archs))
             archs = gen.arch_list_string(fam, grid.archs)
             lines += [f"rule cc_{fam}",
-                      f"  command = {pre}{nvcc} {nvcc_common} {flags} -DSINKATTN_COMPILED_ARCHS='\"{archs}\"' "
-                      f"-MD -MF $out.d -c $in -o $out",
-                      "  depfile = $out.d", "  deps = gcc", ""]
+                      f"  command = touch $out.start && {pre}{nvcc} {nvcc_common} {flags} "
+                      f"-DSINKATTN_COMPILED_ARCHS='\"{archs}\"' -MD -MF $out.d -c $in -o $out",
+                      "  description = $unit", "  depfile = $out.d", "  deps = gcc", ""]
+    # The object list keeps the grid's order (the link line); the ninja file lists the heaviest units first,
+    # so with ninja's in-order scheduling the long ones start early and the short ones fill the gaps.
     for src, fam in units:
-        obj = os.path.join(build_dir, os.path.basename(src) + ".o")
-        objects.append(obj)
-        lines.append(f"build {obj}: cc_{fam} {src}")
+        objects.append(os.path.join(build_dir, os.path.basename(src) + ".o"))
+    for src, fam in sorted(units, key=lambda u: -expected_cost(u, grid)):
+        unit = os.path.basename(src)
+        lines += [f"build {os.path.join(build_dir, unit + '.o')}: cc_{fam} {src}", f"  unit = {unit}"]
     with open(os.path.join(build_dir, "build.ninja"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return objects
@@ -140,7 +173,7 @@ def cuda_extension():
     import torch
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    grid = gen.parse_grid()
+    grid = gen.parse_grid(native=native_gpus)
     major, minor = nvcc_version(cuda_home)
     if "90a" in grid.archs and (major, minor) < (12, 3):
         fail(f"nvcc {major}.{minor} at {cuda_home} is older than 12.3, which the sm_90a kernels need. "
@@ -183,12 +216,15 @@ def cuda_extension():
             if prebuilt:
                 print(f"sinkattn build: linking the prebuilt kernel objects in {prebuilt}")
             else:
-                subprocess.run(["ninja", "-C", build_dir, "-j", jobs], check=True)
+                build_progress.run_ninja(build_dir, int(jobs), targets_per_kind(units, grid))
+            print("sinkattn build: compiling api.cpp against torch's headers and linking sinkattn._C "
+                  "(about a minute on 2 cores)", flush=True)
             super().build_extensions()
 
     defines = [f"-DSINKATTN_CUTLASS_VERSION=\"{cutlass_version(cutlass_inc)}\"",
                f"-DSINKATTN_TORCH_VERSION_AT_BUILD=\"{torch.__version__}\"",
                f"-DSINKATTN_REQUESTED_ARCHS=\"{';'.join(grid.archs)}\"",
+               f"-DSINKATTN_NATIVE_GPUS=\"{gen.native_string(grid)}\"",
                f"-DSINKATTN_REQUESTED_HEADDIMS=\"{','.join(map(str, grid.headdims))}\"",
                f"-DSINKATTN_REQUESTED_DTYPES=\"{','.join(grid.dtypes)}\"",
                f"-DSINKATTN_EMULATION_BUILT={int(grid.emulation)}"]
