@@ -243,7 +243,8 @@ def test_forward_and_cache_update_read_nothing_on_the_host(vb, monkeypatch):
         calls.append((q.shape, kw["cache_seqlens"].data_ptr(), kw["block_table"].data_ptr(), kw["window_size"]))
         return torch.zeros(q.shape, dtype=q.dtype)
 
-    monkeypatch.setattr(vb, "flash_attn_with_kvcache", op)
+    from sinkattn.integrations import vllm_paged
+    monkeypatch.setattr(vllm_paged, "flash_attn_with_kvcache", op)
     key, value, slot_mapping = batch.step_kv()
     q = batch.query.float()
     output = torch.empty(batch.num_tokens, H, D)

@@ -8,19 +8,13 @@ What it serves (gpt-oss and models like it): learnable sinks, sliding-window and
 vLLM's paged KV cache (any page size), chunked prefill mixed with decode, prefix caching,
 speculative decoding (query length 1 + k), full CUDA graphs for uniform batches.
 
-How vLLM's batch maps onto `sinkattn.flash_attn_with_kvcache`:
-- vLLM writes the step's new K/V into the cache first (`do_kv_cache_update`, by slot_mapping), so
-  attention reads everything from the cache: cache_seqlens = seq_lens (keys per request, new ones
-  included) and the queries are the last query_len positions of each request, which is exactly
-  flash_attn_with_kvcache's bottom-right alignment.
-- Requests are planned in `build()` from the host copy of query_start_loc (vLLM keeps one, so no
-  device read): each run of consecutive requests with the same query length is one call on a view
-  q[t0:t1].view(n, L, h, d) with seq_lens/block_table sliced [r0:r1]. vLLM puts decodes (length 1, or
-  1 + k with speculation) first, so a decode or speculative batch is one call, and a mixed batch is
-  one call for its decodes plus one per prefill chunk.
-- `forward()` slices and views tensors only: it reads no device value on the host, so a uniform
-  batch can be captured in a CUDA graph. A graph replays with the plan it was captured with, which
-  is why CUDA graphs are declared for uniform batches only.
+The mapping of vLLM's batch onto `sinkattn.flash_attn_with_kvcache` lives in `vllm_paged` (no vLLM
+import there, so the benchmark times the same code): one call per run of consecutive requests with the
+same query length, planned in `build()` from vLLM's host copy of query_start_loc. vLLM puts decodes
+(length 1, or 1 + k with speculation) first, so a decode or speculative batch is one call, a mixed batch
+one call for its decodes plus one per prefill chunk. `forward()` slices and views tensors only and reads
+no device value on the host, so a uniform batch can be captured in a CUDA graph; a graph replays the plan
+it was captured with, which is why CUDA graphs are declared for uniform batches only.
 """
 from __future__ import annotations
 
@@ -38,18 +32,9 @@ from vllm.v1.attention.backend import (
 )
 
 from ..errors import SinkattnValueError
-from ..interface import flash_attn_with_kvcache
+from .vllm_paged import Run, attend, cache_views, plan_runs, write_kv
 
 _KV_DTYPES = ["auto", "float16", "bfloat16"]
-
-
-@dataclass(frozen=True)
-class Run:
-    """Requests [r0, r1) all with query length L; their tokens start at row t0."""
-    r0: int
-    r1: int
-    t0: int
-    L: int
 
 
 @dataclass
@@ -60,23 +45,6 @@ class SinkattnMetadata:
     block_table: torch.Tensor    # (num_reqs, max_blocks) int32
     slot_mapping: torch.Tensor   # (num_tokens,) int64, -1 for padding tokens
     runs: tuple[Run, ...]
-
-
-def plan_runs(query_start_loc_cpu: torch.Tensor, num_reqs: int) -> tuple[Run, ...]:
-    """Runs of consecutive requests with equal query length, from the host copy of query_start_loc.
-    Requests with no query (vLLM's padding requests in a padded batch) are skipped."""
-    starts = query_start_loc_cpu[: num_reqs + 1].tolist()  # a CPU tensor: no device sync
-    runs: list[Run] = []
-    r = 0
-    while r < num_reqs:
-        L = starts[r + 1] - starts[r]
-        r1 = r + 1
-        while r1 < num_reqs and starts[r1 + 1] - starts[r1] == L:
-            r1 += 1
-        if L > 0:
-            runs.append(Run(r, r1, starts[r], L))
-        r = r1
-    return tuple(runs)
 
 
 class SinkattnMetadataBuilder(AttentionMetadataBuilder[SinkattnMetadata]):
@@ -129,25 +97,11 @@ class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
             raise SinkattnValueError(f"sinkattn vLLM backend: sinks has shape {tuple(sinks.shape)}; accepted: "
                                      f"({num_heads},), one logit per query head of this rank")
 
-    def _caches(self, kv_cache):
-        # vLLM 0.33 hands every FlashAttention-style backend the logical (num_blocks, num_kv_heads, block_size,
-        # 2 * head_size) view (K then V in the last dim), whatever the physical layout; swapping dims 1 and 2
-        # gives the (num_pages, page_size, nheads_k, headdim) views flash_attn_with_kvcache reads, by strides.
-        return kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        """Write this step's K/V (num_tokens, nheads_k, head_size) into the cache at slot_mapping.
-
-        Slot s is block s // block_size, offset s % block_size. Padding tokens have slot -1: they are sent
-        to slot 0 instead of being masked out (a mask would need a device-to-host read, which a CUDA graph
-        cannot hold). Block 0 is vLLM's null block (the block pool reserves it and never hands it to a
-        request), so nothing reads what lands there."""
-        k_cache, v_cache = self._caches(kv_cache)
-        n = slot_mapping.shape[0]  # key/value may be padded beyond the scheduled tokens
-        slots = slot_mapping.clamp(min=0).long()
-        block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
-        k_cache[block, offset] = key[:n].to(k_cache.dtype)
-        v_cache[block, offset] = value[:n].to(v_cache.dtype)
+        """Write this step's K/V into the cache at slot_mapping (vllm_paged.write_kv: padding slots go to
+        vLLM's null block, so no host read)."""
+        k_cache, v_cache = cache_views(kv_cache, self.head_size)
+        write_kv(k_cache, v_cache, key, value, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -156,18 +110,11 @@ class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
                                      "supported; accepted: None")
         if attn_metadata is None:  # vLLM's profiling run
             return output.fill_(0)
-        k_cache, v_cache = self._caches(kv_cache)
-        h, d = self.num_heads, self.head_size
-        out = output.view(-1, h, d)
+        k_cache, v_cache = cache_views(kv_cache, self.head_size)
         m = attn_metadata
-        for run in m.runs:
-            n = run.r1 - run.r0
-            rows = slice(run.t0, run.t0 + n * run.L)
-            o = flash_attn_with_kvcache(query[rows].view(n, run.L, h, d), k_cache, v_cache, self.sinks,
-                                        cache_seqlens=m.seq_lens[run.r0:run.r1],
-                                        block_table=m.block_table[run.r0:run.r1], softmax_scale=self.scale,
-                                        causal=True, window_size=self.window_size, softcap=self.softcap)
-            out[rows].copy_(o.view(n * run.L, h, d))
+        attend(query, k_cache, v_cache, m.seq_lens, m.block_table, m.runs,
+               output.view(-1, self.num_heads, self.head_size), self.sinks, softmax_scale=self.scale,
+               window_size=self.window_size, softcap=self.softcap)
         return output
 
 
