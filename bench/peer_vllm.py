@@ -16,7 +16,8 @@ Both sides see the same inputs: gpt-oss heads (64 q, 8 kv, head dim 64, bf16, si
 in vLLM's logical layout (num_blocks, 8, 16, 128) over vLLM's default physical order (NHD), page size 16
 (vLLM's default), random block tables, the same query_start_loc / seq_lens. The peer is called as
 TritonAttentionImpl.forward calls it, with the split-K scratch TritonAttentionMetadataBuilder allocates
-(threshold 128 // num_kv_heads sequences, 16 segments). sinkattn runs `vllm_paged.attend`, the backend's
+(threshold 128 // num_kv_heads sequences, 16 segments), and a block table as wide as vLLM's (a 128k
+max_model_len: 8192 columns, whatever the batch's lengths). sinkattn runs `vllm_paged.attend`, the backend's
 forward, on "auto" and (cc 9.0) forced "sm80". Both are timed as CUDA graph replays where they capture
 (vLLM runs decode in full CUDA graphs), else eagerly (the `method` column says which).
 """
@@ -41,6 +42,7 @@ FILES = ("vllm/v1/attention/ops/triton_attention_helpers.py", "vllm/v1/attention
 ROOT = Path(__file__).resolve().parent.parent
 PEER_DIR = ROOT / "third_party" / ".cache" / "vllm-peer" / f"vllm-{VLLM_VERSION}"  # git-ignored
 H, HK, D, PAGE = 64, 8, 64, 16
+MAX_MODEL_LEN = 131072  # gpt-oss; vLLM's block table has cdiv(max_model_len, block_size) columns per request
 SEGMENTS = 16
 
 
@@ -162,7 +164,7 @@ def make(batch: Batch, device, dtype=torch.bfloat16, seed=0):
     pages_per = [-(-s // PAGE) for s in seq]
     num_blocks = 1 + sum(pages_per)
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).to(torch.int32)  # block 0: vLLM's null block
-    bt = torch.zeros(len(seq), max(pages_per), dtype=torch.int32)
+    bt = torch.zeros(len(seq), -(-MAX_MODEL_LEN // PAGE), dtype=torch.int32)  # unused columns: null block
     i = 0
     for r, n in enumerate(pages_per):
         bt[r, :n], i = perm[i:i + n], i + n
