@@ -5,6 +5,7 @@ monkeypatch and the `flash_attn_varlen_func` drop-in it used are gone: vLLM 0.33
 parameters (FA4-only ones among them) and a drop-in would have to track every release; the backend
 (tests/test_vllm_backend.py) is the supported route.
 """
+import importlib.util
 import logging
 import re
 import sys
@@ -13,17 +14,20 @@ from pathlib import Path
 import pytest
 
 from sinkattn import compat
+from tests import vllm_stubs
 from tests.test_vllm_backend import vllm_src  # noqa: F401  (session fixture: the wheel, fetched once)
 
 
 @pytest.fixture
 def registry(vllm_src):  # noqa: F811
+    vllm_stubs.install(vllm_src)
     from vllm.v1.attention.backends import registry as reg
     reg.AttentionBackendEnum.CUSTOM.clear_override()
     before = dict(reg._ATTN_OVERRIDES)
     yield reg
     reg.AttentionBackendEnum.CUSTOM.clear_override()
     assert {k: v for k, v in reg._ATTN_OVERRIDES.items() if k.name != "CUSTOM"} == before
+    vllm_stubs.park()
 
 
 def test_plugin_registers_the_custom_backend_only(registry):
@@ -70,3 +74,11 @@ def test_the_old_drop_in_is_gone():
     """vLLM 0.33's flash_attn_varlen_func signature is not ours to mirror; nothing may import the old names."""
     for name in ("flash_attn_varlen_func", "patch_vllm"):
         assert not hasattr(compat, name)
+
+
+def test_vllm_is_gone_after_use(registry):
+    """The tests put vLLM's modules back out of sight afterwards (later test modules must not see a vllm)."""
+    vllm_stubs.park()
+    assert not [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]
+    assert not any(isinstance(f, vllm_stubs._Finder) for f in sys.meta_path)
+    assert importlib.util.find_spec("vllm") is None

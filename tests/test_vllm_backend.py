@@ -27,23 +27,23 @@ WINDOW = 8                       # gpt-oss slides 128; 8 lets the window bite at
 
 @pytest.fixture(scope="session")
 def vllm_src():
-    """The wheel's source, fetched once per run, with vLLM's modules importable (tests/vllm_stubs.py)."""
+    """The wheel's source, fetched once per run (tests/vllm_stubs.py)."""
     t = time.time()
     try:
         root = vllm_stubs.vllm_root()
     except RuntimeError as e:
         pytest.skip(f"vLLM {vllm_stubs.VLLM_VERSION} wheel could not be fetched: {e}")
     print(f"\nvLLM {vllm_stubs.VLLM_VERSION} source ready in {time.time() - t:.1f} s at {root}")
-    vllm_stubs.install(root)
-    yield root
-    vllm_stubs.uninstall()
+    return root
 
 
 @pytest.fixture(scope="module")
 def vb(vllm_src):
-    """sinkattn.integrations.vllm_backend imported over the real vLLM modules."""
+    """sinkattn.integrations.vllm_backend imported over the real vLLM modules (taken out again after)."""
+    vllm_stubs.install(vllm_src)
     import sinkattn.integrations.vllm_backend as mod
-    return mod
+    yield mod
+    vllm_stubs.park()
 
 
 def _config(num_spec=None):

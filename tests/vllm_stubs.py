@@ -11,7 +11,8 @@ Nothing from it enters the project.
   - every other module is the wheel's own source, executed unchanged.
 So the attention code under test (backend base classes, registry, CommonAttentionMetadata, the CUDA
 platform's backend selection, split_decodes_and_prefills) is vLLM's, and only plumbing is faked.
-`uninstall()` (at the end of the session) removes the finder and every vllm module.
+`park()` takes the finder and every vllm module out again (tests that use them install and park around
+themselves), keeping the module objects for the next `install()`.
 """
 from __future__ import annotations
 
@@ -211,24 +212,33 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 _finder: _Finder | None = None
+_parked: dict[str, types.ModuleType] = {}
+
+
+def _ours(name: str) -> bool:
+    return name == "vllm" or name.startswith("vllm.") or name == "sinkattn.integrations.vllm_backend"
 
 
 def install(root: Path) -> None:
-    """Idempotent: vLLM's modules can be executed once per process (vllm.utils.torch_utils registers torch
-    opaque types at import, and torch refuses a second registration), so install once per session."""
+    """Make vLLM's modules importable (again). vLLM's modules can be executed only once per process
+    (vllm.utils.torch_utils registers torch opaque types at import, and torch refuses a second
+    registration), so `park()` sets them aside and this puts the same module objects back."""
     global _finder
-    if _finder is not None and _finder.root == Path(root):
-        return
-    uninstall()
-    _finder = _Finder(Path(root))
-    sys.meta_path.insert(0, _finder)
-    logging.getLogger("vllm").setLevel(logging.WARNING)
+    if _finder is None or _finder.root != Path(root):
+        if _finder is not None:
+            raise RuntimeError(f"vLLM's modules were loaded from {_finder.root}; one source per process")
+        _finder = _Finder(Path(root))
+        logging.getLogger("vllm").setLevel(logging.WARNING)
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+    sys.modules.update(_parked)
+    _parked.clear()
 
 
-def uninstall() -> None:
-    global _finder
+def park() -> None:
+    """Take vLLM (and sinkattn's backend module, built on it) out of sys.modules and the finder off
+    sys.meta_path, so that tests after this one see no vllm; `install()` brings the same modules back."""
     if _finder is not None and _finder in sys.meta_path:
         sys.meta_path.remove(_finder)
-    _finder = None
-    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-        del sys.modules[name]
+    for name in [n for n in sys.modules if _ours(n)]:
+        _parked[name] = sys.modules.pop(name)
