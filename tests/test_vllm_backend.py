@@ -328,15 +328,29 @@ def platform(vb):
 
 
 @pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9), (9, 0)])
-def test_selected_when_asked(platform, cap):
+def test_selected_when_asked(platform, vb, monkeypatch, cap):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    monkeypatch.setattr(vb, "kernel_gap", lambda *a: None)  # as with a build that has the kernel
     vllm_stubs.Platform.capability = cap
     path = platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(), num_heads=64)
     assert path == "sinkattn.integrations.vllm_backend.SinkattnBackend"
     assert AttentionBackendEnum[path and "CUSTOM"].get_class().get_name() == "CUSTOM"
 
 
+def test_selection_needs_a_compiled_kernel(platform):
+    """Selecting the backend where only the PyTorch reference would run (slow, not graphable) is refused."""
+    from sinkattn import _ext
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    if _ext.loaded():  # CI's build holds head dim 64 bf16 for sm_80, which serves cc 8.0
+        path = platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(), num_heads=64)
+        assert path.endswith("SinkattnBackend")
+    else:
+        with pytest.raises(ValueError, match="no compiled sinkattn kernel .*compiled extension is not available"):
+            platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(), num_heads=64)
+
+
 @pytest.mark.parametrize("kw, text", [
+    (dict(dtype=torch.float32), "dtype=torch.float32"),
     (dict(use_dcp=True), "decode context parallelism"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
     (dict(attn_type="encoder_decoder"), "encoder or cross attention"),

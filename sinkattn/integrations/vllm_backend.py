@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import (
 )
 
 from ..errors import SinkattnValueError
-from .vllm_paged import Run, attend, cache_views, plan_runs, write_kv
+from .vllm_paged import Run, attend, cache_views, kernel_gap, plan_runs, write_kv
 
 _KV_DTYPES = ["auto", "float16", "bfloat16"]
 
@@ -119,7 +119,7 @@ class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
 
 
 class SinkattnBackend(AttentionBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]  # what the kernels take
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(_KV_DTYPES)
     # vLLM calls impl.do_kv_cache_update before forward (its unified_kv_cache_update op).
     forward_includes_kv_cache_update: bool = False
@@ -153,6 +153,14 @@ class SinkattnBackend(AttentionBackend):
         return capability is not None and (capability.major, capability.minor) >= (8, 0)
 
     @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             use_mm_prefix, device_capability):
+        # Only a compiled kernel is worth selecting: the reference fallback is slow and cannot be graphed.
+        reason = kernel_gap(head_size, dtype, device_capability) if device_capability is not None else None
+        return None if reason is None else f"no compiled sinkattn kernel serves head_size={head_size} {dtype} " \
+                                           f"here ({reason})"
+
+    @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
         return False  # build() plans its calls from the host query lengths
 
@@ -168,6 +176,7 @@ class SinkattnBackend(AttentionBackend):
                                             f"(accepted: {_KV_DTYPES}; vLLM: --kv-cache-dtype auto)",
             "compute capability not supported": "sinkattn's kernels need compute capability 8.0 or newer",
             "head_size not supported": f"head_size={kw.get('head_size')} (accepted: multiples of 8 up to 256)",
+            "dtype not supported": f"dtype={kw.get('dtype')} (sinkattn's kernels take float16 and bfloat16)",
         }
         out = [explain.get(r, r) for r in reasons]
         if not cls.supports_attn_type(kw.get("attn_type", AttentionType.DECODER)):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _kernels
+from .._problem import Problem
 from ..interface import flash_attn_with_kvcache
 
 
@@ -52,6 +54,24 @@ def plan_runs(query_start_loc_cpu: torch.Tensor, num_reqs: int) -> tuple[Run, ..
 def cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's logical (num_blocks, nheads_k, block_size, 2 * head_size) cache -> K and V page views."""
     return kv_cache.transpose(1, 2).split(head_size, dim=-1)
+
+
+def kernel_gap(head_size: int, dtype: torch.dtype, capability) -> str | None:
+    """None when a compiled sinkattn kernel serves this paged attention on a GPU of `capability` (a (major,
+    minor) pair or vLLM's DeviceCapability); else why not. Otherwise `attend` would run on the PyTorch
+    reference: slow, and it reads sequence lengths on the host, which a CUDA graph cannot hold."""
+    cap = (capability[0], capability[1]) if isinstance(capability, tuple) else (capability.major,
+                                                                                capability.minor)
+    problem = Problem(kind="kvcache", device_type="cuda", dtype=dtype, headdim=head_size, headdim_v=head_size,
+                      nheads=1, nheads_k=1, window_left=-1, window_right=0, sink_tokens=0, softcap=0.0,
+                      has_sinks=True, varlen=False, paged=True)
+    reasons = []
+    for backend in _kernels.preferred_backends(cap, problem) or ("sm80",):
+        reason = _kernels.why_not(backend, problem, capability=cap)
+        if reason is None:
+            return None
+        reasons.append(f"{backend}: {reason}")
+    return "; ".join(reasons)
 
 
 def write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
