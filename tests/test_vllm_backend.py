@@ -98,7 +98,7 @@ class Batch:
         ks = [self.k[r][c:] for r, c in enumerate(self.ctx)]
         vs = [self.v[r][c:] for r, c in enumerate(self.ctx)]
         slots = [self.slots(r, range(c, s)) for r, (c, s) in enumerate(zip(self.ctx, self.seq))]
-        pad = torch.zeros(self.pad_tokens, HK, D, dtype=torch.float64)
+        pad = torch.full((self.pad_tokens, HK, D), 5.0, dtype=torch.float64)  # padded rows hold stale values
         slot_mapping = torch.cat(slots + [torch.full((self.pad_tokens,), -1, dtype=torch.long)])
         return torch.cat(ks + [pad]), torch.cat(vs + [pad]), slot_mapping
 
@@ -271,8 +271,9 @@ def test_cache_update_writes_only_its_slots(vb):
     for r, n in enumerate(batch.q):
         s = batch.slots(r, range(n))
         expected[s // BLOCK, s % BLOCK] = True
-    expected[0, 0] = True  # padding tokens (slot -1) land in vLLM's null block
+    expected[0, 0] = True  # padding tokens (slot -1) land in vLLM's null block, as zeros
     assert torch.equal(written, expected)
+    assert (k_cache[0, 0] == 0).all() and (v_cache[0, 0] == 0).all()
 
 
 def test_no_sinks_layer_is_plain_attention(vb):

@@ -98,8 +98,8 @@ class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
                                      f"({num_heads},), one logit per query head of this rank")
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        """Write this step's K/V into the cache at slot_mapping (vllm_paged.write_kv: padding slots go to
-        vLLM's null block, so no host read)."""
+        """Write this step's K/V into the cache at slot_mapping (vllm_paged.write_kv: padding tokens write
+        zeros into vLLM's null block, so no host read)."""
         k_cache, v_cache = cache_views(kv_cache, self.head_size)
         write_kv(k_cache, v_cache, key, value, slot_mapping)
 

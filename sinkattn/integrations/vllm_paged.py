@@ -77,14 +77,15 @@ def kernel_gap(head_size: int, dtype: torch.dtype, capability) -> str | None:
 def write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
     """Write key/value (num_tokens, nheads_k, head_size) at slot_mapping (block * block_size + offset).
 
-    Padding tokens have slot -1: they are sent to slot 0 instead of being masked out (a mask needs a
-    device-to-host read, which a CUDA graph cannot hold). Block 0 is vLLM's null block (its block pool
-    reserves it and never gives it to a request), so nothing reads what lands there."""
+    Padding tokens have slot -1. A mask would need a device-to-host read, which a CUDA graph cannot hold, so
+    they are written, as zeros, to slot 0 instead: block 0 is vLLM's null block (its block pool reserves it
+    and never gives it to a request; sliding-window layers point dropped pages at it), which stays zero."""
     n = slot_mapping.shape[0]  # key/value may be padded beyond the scheduled tokens
+    pad = (slot_mapping < 0)[:, None, None]
     slots = slot_mapping.clamp(min=0).long()
     block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache[block, offset] = key[:n].to(k_cache.dtype)
-    v_cache[block, offset] = value[:n].to(v_cache.dtype)
+    k_cache[block, offset] = torch.where(pad, 0, key[:n]).to(k_cache.dtype)
+    v_cache[block, offset] = torch.where(pad, 0, value[:n]).to(v_cache.dtype)
 
 
 def attend(query, k_cache, v_cache, seq_lens, block_table, runs, out, sinks=None, *, softmax_scale,
