@@ -130,8 +130,10 @@ def _sinks(seed):
     return s
 
 
-def run_step(vb, batch, window, num_spec=None, seed=0, capture=False):
-    """What vLLM does for one layer in one step: prior steps' cache writes, build, kv update, forward."""
+def run_step(vb, batch, window, num_spec=None, seed=0, capture=False, drop_outside_window=False):
+    """What vLLM does for one layer in one step: prior steps' cache writes, build, kv update, forward.
+    drop_outside_window: what vLLM's sliding-window KV manager does to pages no query can see any more:
+    free them (here: poisoned with NaN, as if reused) and point the block table at the null block 0."""
     dtype = batch.dtype
     sinks = _sinks(seed)
     impl = _layer(vb, sinks.to(dtype), window, dtype)
@@ -141,6 +143,13 @@ def run_step(vb, batch, window, num_spec=None, seed=0, capture=False):
         if c:
             impl.do_kv_cache_update(None, batch.k[r][:c].to(dtype), batch.v[r][:c].to(dtype), batch.kv_cache,
                                     batch.slots(r, range(c)))
+    if drop_outside_window:
+        batch.kv_cache[0] = 0  # vLLM allocates the cache zeroed; block 0 is never handed out
+        for r, c in enumerate(batch.ctx):
+            first_visible = max(0, c - (window - 1))  # the step's first query sees keys from here on
+            for page in range(first_visible // BLOCK):
+                batch.kv_cache[batch.block_table[r, page].long()] = float("nan")
+                batch.block_table[r, page] = 0
     common = batch.common_metadata()
     md = builder.build_for_cudagraph_capture(common) if capture else builder.build(0, common)
     key, value, slot_mapping = batch.step_kv()
@@ -188,6 +197,16 @@ def test_layer_step_matches_oracle(vb, case, window, dtype):
     check_against_oracle(batch, out, sinks, window, f"{case}/{'sliding' if window else 'full'}/{dtype}")
     if num_spec is not None:  # vLLM's own threshold logic put 1 + k query tokens on the decode side
         assert builder.reorder_batch_threshold == 1 + num_spec
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_sliding_layer_with_dropped_pages(vb, dtype):
+    """gpt-oss's sliding layers after vLLM dropped the pages left of the window (long contexts, decode and a
+    chunk over a cached prefix): nothing may reach past the window into the null block or freed pages."""
+    batch = Batch([100, 63, 50, 200], [1, 1, 20, 1], dtype, seed=7, pad_tokens=3)
+    out, _, _, sinks = run_step(vb, batch, WINDOW, seed=7, drop_outside_window=True)
+    assert (batch.block_table[:, 0] == 0).all()  # pages were dropped
+    check_against_oracle(batch, out, sinks, WINDOW, f"sliding-dropped/{dtype}")
 
 
 def test_call_plan(vb):
