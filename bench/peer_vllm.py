@@ -361,6 +361,8 @@ def main(argv=None):
     if args.cmd == "extract":
         print(f"peer source: {extract(Path(args.dest))}")
         return
+    if not torch.cuda.is_available():
+        sys.exit("bench.peer_vllm run: needs a CUDA GPU (tests/test_peer_vllm.py checks both sides on the CPU)")
     rows = run(args)
     out = Path(os.environ.get("OUT", ROOT / "bench" / "results"))
     out.mkdir(parents=True, exist_ok=True)
