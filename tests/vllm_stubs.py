@@ -9,8 +9,10 @@ Nothing from it enters the project.
     inits import the engine, CUDA ops, torch.distributed setup, pydantic configs, ...);
   - the modules named in STUBS get a small stand-in (below, each says what it replaces and why);
   - every other module is the wheel's own source, executed unchanged.
-So the attention code under test (backend base classes, registry, CommonAttentionMetadata, the CUDA
-platform's backend selection, split_decodes_and_prefills) is vLLM's, and only plumbing is faked.
+So the code the tests drive (attention backend base classes and registry, CommonAttentionMetadata, KV cache
+specs and layouts, the selector's config, the CUDA platform's backend selection) is vLLM's; only plumbing is
+faked. (vllm/v1/attention/backends/utils.py and the vLLM backends themselves pull in the engine, configs
+and zmq, so they are not loaded: selection records them as unavailable, which is all the tests need.)
 `park()` takes the finder and every vllm module out again (tests that use them install and park around
 themselves), keeping the module objects for the next `install()`.
 """
@@ -21,6 +23,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -50,6 +53,7 @@ def vllm_root() -> Path:
         if r.returncode != 0 or not wheels:
             raise RuntimeError(f"pip download vllm=={VLLM_VERSION} failed: {(r.stderr or r.stdout).strip()[-400:]}")
     tmp = base / "src.partial"
+    shutil.rmtree(tmp, ignore_errors=True)  # a run interrupted while unpacking
     with zipfile.ZipFile(wheels[0]) as z:
         z.extractall(tmp, [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")])
     tmp.rename(src)
