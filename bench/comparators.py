@@ -15,6 +15,9 @@
                     window and sink tokens through mask_mod (a BlockMask, built outside the timed region,
                     as a user would cache it), learnable sinks by the same exact lse correction, which is
                     differentiable here. Paged decode: n/a.
+    vllm-triton     vLLM 0.33's Triton unified attention (its TRITON_ATTN backend's kernel, what vLLM serves
+                    sinks with off Hopper), source from the vllm wheel at run time (bench/peer_vllm.py).
+                    Paged decode on a GPU only; n/a elsewhere and when the source was not extracted.
 
 Timed callables do nothing but the call (no per-call warning filters: bench.run silences the one-time
 fallback and FlexAttention warnings around the whole grid). Every prepared comparator returns a callable
@@ -387,11 +390,17 @@ def prep_flex(case: Case, x: Inputs, device: torch.device) -> Prepared:
                     keep=[out, block_mask])
 
 
+def prep_vllm_triton(case: Case, x: Inputs, device: torch.device) -> Prepared:
+    from .peer_vllm import prep_case  # here: peer_vllm imports this module
+    return prep_case(case, x, device)
+
+
 COMPARATORS = {
     "sinkattn": prep_sinkattn,
     "sinkattn-sm80": prep_sinkattn_sm80,
     "reference": prep_reference,
     "sdpa-flash": prep_sdpa,
     "flex": prep_flex,
+    "vllm-triton": prep_vllm_triton,
 }
 PRIMARY = "sinkattn"

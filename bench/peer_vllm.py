@@ -1,0 +1,374 @@
+"""vLLM's own Triton unified attention beside sinkattn's vLLM backend, on vLLM's paged KV layout.
+
+vLLM 0.33 serves learnable sinks on Ampere/Ada (and wherever FlashAttention 3 is absent) with its
+TRITON_ATTN backend, whose kernel is `vllm/v1/attention/ops/triton_unified_attention.py` (pure Triton,
+plus `triton_attention_helpers.py`). That is what a gpt-oss user runs today; sinkattn's backend must beat it.
+
+The peer's source comes from the vllm 0.33 wheel at run time and is never committed:
+
+    python -m bench.peer_vllm extract      # here, with PyPI: the two files -> third_party/.cache/vllm-peer/
+    python -m bench.peer_vllm run          # on the GPU machine (no network), carrying that folder
+
+`load()` runs them unchanged under a few stand-in modules for their vLLM imports (logger, envs flag,
+platform's fp8 dtype and arch family, triton re-export, the KVQuantMode enum), each below with its reason.
+
+Both sides see the same inputs: gpt-oss heads (64 q, 8 kv, head dim 64, bf16, sinks), one KV cache tensor
+in vLLM's logical layout (num_blocks, 8, 16, 128) over vLLM's default physical order (NHD), page size 16
+(vLLM's default), random block tables, the same query_start_loc / seq_lens. The peer is called as
+TritonAttentionImpl.forward calls it, with the split-K scratch TritonAttentionMetadataBuilder allocates
+(threshold 128 // num_kv_heads sequences, 16 segments), and a block table as wide as vLLM's (a 128k
+max_model_len: 8192 columns, whatever the batch's lengths). sinkattn runs `vllm_paged.attend`, the backend's
+forward, on "auto" and (cc 9.0) forced "sm80". Both are timed as CUDA graph replays where they capture
+(vLLM runs decode in full CUDA graphs), else eagerly (the `method` column says which).
+"""
+from __future__ import annotations
+
+import argparse
+import enum
+import importlib.util
+import json
+import logging
+import os
+import sys
+import types
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VLLM_VERSION = "0.33.0"
+FILES = ("vllm/v1/attention/ops/triton_attention_helpers.py", "vllm/v1/attention/ops/triton_unified_attention.py")
+ROOT = Path(__file__).resolve().parent.parent
+PEER_DIR = ROOT / "third_party" / ".cache" / "vllm-peer" / f"vllm-{VLLM_VERSION}"  # git-ignored
+H, HK, D, PAGE = 64, 8, 64, 16
+MAX_MODEL_LEN = 131072  # gpt-oss; vLLM's block table has cdiv(max_model_len, block_size) columns per request
+SEGMENTS = 16
+
+
+# ---------------------------------------------------------------------------------------------- source
+def _wheel() -> Path:
+    cache = Path(os.environ.get("SINKATTN_CACHE", Path.home() / ".cache" / "sinkattn")) / f"vllm-{VLLM_VERSION}"
+    found = sorted(cache.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    if found:
+        return found[0]
+    import subprocess
+    cache.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", f"vllm=={VLLM_VERSION}", "--no-deps",
+                    "--only-binary=:all:", "-d", str(cache), "-q"], check=True)
+    return sorted(cache.glob(f"vllm-{VLLM_VERSION}-*.whl"))[0]
+
+
+def extract(dest: Path = PEER_DIR) -> Path:
+    """Copy the peer's two source files out of the vllm wheel (downloaded once, without dependencies)."""
+    with zipfile.ZipFile(_wheel()) as z:
+        for name in FILES:
+            out = dest / name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(z.read(name))
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------- stand-ins
+class KVQuantMode(enum.IntEnum):
+    """vllm.v1.kv_cache_interface.KVQuantMode's members the kernel file names (it dispatches on identity)."""
+    NONE = 0
+    FP8_PER_TENSOR = 1
+    INT8_PER_TOKEN_HEAD = 2
+    FP8_PER_TOKEN_HEAD = 3
+    INT4_PER_TOKEN_HEAD = 4
+
+
+class _Logger(logging.LoggerAdapter):
+    """vllm.logger's logger: a standard logger plus the *_once methods the kernel file calls."""
+
+    def debug_once(self, msg, *a, **k):
+        self.debug(msg, *a)
+
+    def info_once(self, msg, *a, **k):
+        self.info(msg, *a)
+
+    def warning_once(self, msg, *a, **k):
+        self.warning(msg, *a)
+
+
+class _Platform:
+    """vllm.platforms.current_platform: the two questions the kernel file asks."""
+
+    @staticmethod
+    def fp8_dtype():
+        return torch.float8_e4m3fn
+
+    @staticmethod
+    def is_device_capability_family(capability: int, device_id: int = 0) -> bool:
+        if not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_capability(device_id)[0] == capability // 10
+
+
+def load(src: Path = PEER_DIR):
+    """vLLM's unified_attention, executed from the extracted source under the stand-ins above.
+
+    The files import `vllm.*` by absolute name, so the stand-ins and the two modules sit in sys.modules
+    under those names while they load; every entry is then restored to what it was (an installed vllm,
+    or nothing), and the returned function keeps its module alive through its globals."""
+    if not (src / FILES[1]).exists():
+        raise FileNotFoundError(f"{src / FILES[1]} is missing: run `python -m bench.peer_vllm extract` where PyPI "
+                                f"is reachable and carry {PEER_DIR.relative_to(ROOT)} along")
+    import triton
+    import triton.language as tl
+    mods = {n: types.ModuleType(n) for n in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops")}
+    for m in mods.values():
+        m.__path__ = []
+    mods["vllm.envs"] = types.SimpleNamespace(VLLM_BATCH_INVARIANT=False)
+    mods["vllm.logger"] = types.SimpleNamespace(init_logger=lambda n: _Logger(logging.getLogger(n), {}))
+    mods["vllm.platforms"] = types.SimpleNamespace(current_platform=_Platform())
+    mods["vllm.triton_utils"] = types.SimpleNamespace(tl=tl, triton=triton)
+    mods["vllm.v1.kv_cache_interface"] = types.SimpleNamespace(KVQuantMode=KVQuantMode)
+    mods["vllm"].envs = mods["vllm.envs"]
+    names = [f[:-3].replace("/", ".") for f in FILES]
+    saved = {n: sys.modules.get(n) for n in [*mods, *names]}
+    sys.modules.update(mods)
+    try:
+        for name, file in zip(names, FILES):
+            spec = importlib.util.spec_from_file_location(name, src / file)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        return module.unified_attention
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+
+
+# ---------------------------------------------------------------------------------------------- one batch
+@dataclass(frozen=True)
+class Batch:
+    name: str
+    ctx: tuple            # cached tokens per request before this step
+    q: tuple              # query tokens per request this step
+    window: int = -1      # left window (127 for gpt-oss's sliding layers), -1 full
+
+    @property
+    def seq(self):
+        return tuple(c + n for c, n in zip(self.ctx, self.q))
+
+
+def make(batch: Batch, device, dtype=torch.bfloat16, seed=0):
+    """Inputs as vLLM hands them to an attention impl (the cache already holds this step's K/V)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    seq = batch.seq
+    pages_per = [-(-s // PAGE) for s in seq]
+    num_blocks = 1 + sum(pages_per)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).to(torch.int32)  # block 0: vLLM's null block
+    bt = torch.zeros(len(seq), -(-MAX_MODEL_LEN // PAGE), dtype=torch.int32)  # unused columns: null block
+    i = 0
+    for r, n in enumerate(pages_per):
+        bt[r, :n], i = perm[i:i + n], i + n
+    phys = torch.randn(num_blocks, PAGE, HK, 2 * D, device=device, dtype=dtype)  # NHD, vLLM's default order
+    kv_cache = phys.permute(0, 2, 1, 3)  # the logical (num_blocks, HK, PAGE, 2D) view vLLM passes
+    qsl = torch.tensor([0, *torch.tensor(batch.q).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), H, D, device=device, dtype=dtype)
+    sinks = (torch.randn(H, generator=g) + 1.0).to(device)
+    return dict(query=query, kv_cache=kv_cache, qsl=qsl, qsl_dev=qsl.to(device),
+                seq_lens=torch.tensor(seq, dtype=torch.int32, device=device), block_table=bt.to(device), sinks=sinks)
+
+
+def prep_vllm(unified_attention, batch: Batch, x):
+    """The call TritonAttentionImpl.forward makes, with TritonAttentionMetadataBuilder's scratch."""
+    key_cache, value_cache = x["kv_cache"].transpose(1, 2).split(D, dim=-1)
+    dev, num_seqs = x["query"].device, len(batch.q)
+    threshold = 128 // HK
+    rows = threshold * min(max(batch.q), 8)  # scratch rows: 3D-eligible sequences x query tokens
+    scratch = dict(seq_threshold_3D=threshold, num_par_softmax_segments=SEGMENTS,
+                   softmax_segm_output=torch.empty(rows, H, SEGMENTS, triton_pow2(D), dtype=torch.float32, device=dev),
+                   softmax_segm_max=torch.empty(rows, H, SEGMENTS, dtype=torch.float32, device=dev),
+                   softmax_segm_expsum=torch.empty(rows, H, SEGMENTS, dtype=torch.float32, device=dev))
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    out = torch.empty_like(x["query"])
+    sinks = x["sinks"].to(x["query"].dtype)  # vLLM keeps sinks in the model dtype (make_attention_sink)
+    window = (batch.window, 0) if batch.window >= 0 else (-1, -1)  # TritonAttentionImpl's sliding_window
+
+    def run():
+        unified_attention(q=x["query"], k=key_cache, v=value_cache, out=out, cu_seqlens_q=x["qsl_dev"],
+                          max_seqlen_q=max(batch.q), seqused_k=x["seq_lens"], max_seqlen_k=max(batch.seq),
+                          softmax_scale=D ** -0.5, causal=True, window_size=window,
+                          block_table=x["block_table"], softcap=0, q_descale=None,
+                          k_descale=one.expand(num_seqs, HK), v_descale=one.expand(num_seqs, HK), sinks=sinks,
+                          **scratch)
+        return out
+    return run
+
+
+def prep_sinkattn(batch: Batch, x, backend="auto"):
+    """sinkattn's vLLM backend forward (vllm_paged.attend) on the same cache and metadata."""
+    from sinkattn.integrations import vllm_paged
+    k_cache, v_cache = vllm_paged.cache_views(x["kv_cache"], D)
+    runs = vllm_paged.plan_runs(x["qsl"], len(batch.q))
+    out = torch.empty_like(x["query"])
+    sinks = x["sinks"].to(x["query"].dtype)
+    window = (batch.window, 0) if batch.window >= 0 else (-1, -1)
+    from sinkattn import dispatch
+    problem = dispatch.make_problem("kvcache", x["query"][None, :1], k_cache, sinks, window_left=window[0],
+                                    window_right=0, sink_tokens=0, softcap=0.0, paged=True)
+    served = dispatch.choose(problem, backend)
+    if served == "reference" and x["query"].is_cuda:  # not worth a GPU lease's seconds
+        raise RuntimeError("sinkattn would run its PyTorch reference here (is the extension built?)")
+
+    def run():
+        return vllm_paged.attend(x["query"], k_cache, v_cache, x["seq_lens"], x["block_table"], runs, out, sinks,
+                                 softmax_scale=D ** -0.5, window_size=window, backend=backend)
+    run.served_by = served
+    return run
+
+
+_PEER = {}
+
+
+def prep_case(case, x, device):
+    """bench.comparators entry "vllm-triton": the peer on the shared grids' paged decode cases (vLLM reads
+    only its paged layout), its K/V pages being the case's own (pages, page_size, nheads_k, headdim) caches."""
+    from .comparators import Prepared, Unsupported
+    if case.kind != "decode" or not case.paged:
+        raise Unsupported("vLLM's Triton unified attention reads vLLM's paged KV cache: paged decode only")
+    if device.type != "cuda":
+        raise Unsupported("vLLM's Triton kernel runs on a GPU (tests/test_peer_vllm.py runs it interpreted)")
+    if case.sink_tokens:
+        raise Unsupported("vLLM's kernel has no StreamingLLM sink tokens")
+    if "fn" not in _PEER:
+        try:
+            _PEER["fn"] = load()
+        except FileNotFoundError as e:
+            raise Unsupported(str(e)) from None
+    fn = _PEER["fn"]
+    b, sq, h, d = x.q.shape
+    hk = x.k_cache.shape[2]
+    q = x.q.reshape(b * sq, h, d)
+    out = torch.empty_like(q)
+    qsl = torch.arange(0, b * sq + 1, sq, dtype=torch.int32, device=device)
+    threshold = 128 // hk
+    rows = threshold * min(sq, 8)
+    scratch = dict(seq_threshold_3D=threshold, num_par_softmax_segments=SEGMENTS,
+                   softmax_segm_output=torch.empty(rows, h, SEGMENTS, triton_pow2(d), dtype=torch.float32,
+                                                   device=device),
+                   softmax_segm_max=torch.empty(rows, h, SEGMENTS, dtype=torch.float32, device=device),
+                   softmax_segm_expsum=torch.empty(rows, h, SEGMENTS, dtype=torch.float32, device=device))
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    window = (case.window_left, 0) if case.window_left >= 0 else (-1, -1)
+
+    def run():
+        fn(q=q, k=x.k_cache, v=x.v_cache, out=out, cu_seqlens_q=qsl, max_seqlen_q=sq, seqused_k=x.cache_seqlens,
+           max_seqlen_k=case.seqlen_k, softmax_scale=d ** -0.5, causal=True, window_size=window,
+           block_table=x.block_table, softcap=0, q_descale=None, k_descale=one.expand(b, hk),
+           v_descale=one.expand(b, hk), sinks=x.sinks, **scratch)
+        return out.view(b, sq, h, d)
+    return Prepared(run, "exact (native)" if case.sinks else "none needed", "triton (vLLM 0.33)", output=run,
+                    graphable=device.type == "cuda")
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------- grid
+def grid(quick: bool = False) -> list[Batch]:
+    """Decode batches 1..256 at 8k..32k tokens of context, speculative (1 + 3) decode, and mixed batches
+    (decodes plus chunked-prefill chunks, one over a cached prefix), each with window 128 and full."""
+    out = []
+    for window in (127, -1):
+        tag = "win128" if window >= 0 else "full"
+        for b in ((1, 64, 256) if quick else (1, 4, 16, 64, 256)):
+            for sk in ((8192, 32768) if quick else (8192, 16384, 32768)):
+                out.append(Batch(f"decode/{tag}/b{b}/sk{sk}", (sk - 1,) * b, (1,) * b, window))
+        for b in ((64,) if quick else (16, 64)):
+            out.append(Batch(f"spec4/{tag}/b{b}/sk32768", (32768 - 4,) * b, (4,) * b, window))
+        for b, sk in (((64, 16384),) if quick else ((16, 8192), (64, 16384), (256, 8192))):
+            out.append(Batch(f"mixed/{tag}/b{b}+2pf/sk{sk}", (sk - 1,) * b + (0, 8192), (1,) * b + (2048, 2048),
+                             window))
+    return out
+
+
+def kv_bytes(batch: Batch) -> int:
+    """K + V bytes one call must read at least (visible keys only), plus q and out."""
+    per_tok = 2 * HK * D * 2
+    keys = sum(min(s, batch.window + n) if batch.window >= 0 else s for s, n in zip(batch.seq, batch.q))
+    return keys * per_tok + 2 * sum(batch.q) * H * D * 2
+
+
+def run(args) -> list[dict]:
+    from bench import timing
+    device = torch.device("cuda")
+    unified_attention = load(Path(args.src))
+    cc = torch.cuda.get_device_capability()
+    comparators = {"vllm-triton": lambda b, x: prep_vllm(unified_attention, b, x),
+                   "sinkattn": lambda b, x: prep_sinkattn(b, x, "auto")}
+    if cc == (9, 0):
+        comparators["sinkattn-sm80"] = lambda b, x: prep_sinkattn(b, x, "sm80")
+    rows = []
+    for batch in grid(args.quick):
+        x = make(batch, device)
+        ref = None
+        for name, prep in comparators.items():
+            row = dict(case=batch.name, comparator=name, tokens=sum(batch.q), bytes=kv_bytes(batch))
+            try:
+                fn = prep(batch, x)
+                row["served_by"] = getattr(fn, "served_by", "triton")
+                out = fn().float().clone()
+                if ref is None:
+                    ref = out
+                else:
+                    row["max_abs_diff_vs_vllm"] = (out - ref).abs().max().item()
+                t = timing.bench(fn, device, use_graph=True, budget_ms=args.budget_ms)
+                row.update(t.as_dict(), status="ok", gbps=row["bytes"] / t.median_ms / 1e6)
+            except Exception as e:  # noqa: BLE001 - one failure must not stop the grid
+                row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """One line per case: each comparator's median and sinkattn's speedup over vLLM's Triton kernel."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["case"], {})[r["comparator"]] = r
+    lines = [f"{'case':38s} {'vllm-triton ms':>14s} {'sinkattn ms':>12s} {'x':>6s} {'sm80 ms':>9s} {'x':>6s}"]
+    for case, d in by.items():
+        v = d.get("vllm-triton", {}).get("median_ms")
+        cells = [f"{case:38s}", f"{v:14.4f}" if v else f"{'-':>14s}"]
+        for n, w in (("sinkattn", 12), ("sinkattn-sm80", 9)):
+            t = d.get(n, {}).get("median_ms")
+            cells += [f"{t:{w}.4f}" if t else f"{'-':>{w}s}", f"{v / t:6.2f}" if (t and v) else f"{'-':>6s}"]
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.peer_vllm", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("extract", help="copy the peer's source out of the vllm wheel (needs PyPI once)")
+    e.add_argument("--dest", default=str(PEER_DIR))
+    r = sub.add_parser("run", help="time both on this GPU; writes $OUT/peer_vllm.json")
+    r.add_argument("--src", default=str(PEER_DIR))
+    r.add_argument("--quick", action="store_true", help="a third of the grid (for a short lease)")
+    r.add_argument("--budget-ms", type=float, default=300.0, help="timed runs per comparator and case")
+    args = p.parse_args(argv)
+    if args.cmd == "extract":
+        print(f"peer source: {extract(Path(args.dest))}")
+        return
+    if not torch.cuda.is_available():
+        sys.exit("bench.peer_vllm run: needs a CUDA GPU (tests/test_peer_vllm.py checks both sides on the CPU)")
+    rows = run(args)
+    out = Path(os.environ.get("OUT", ROOT / "bench" / "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peer_vllm.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""sinkattn as a vLLM 0.33 attention backend (backend class, metadata builder, impl).
+
+vLLM imports this module only when the user selects it: `sinkattn.compat.vllm_plugin` registers
+`SinkattnBackend` as vLLM's CUSTOM backend, which vLLM's automatic selection never picks, so
+installing sinkattn changes nothing until `--attention-backend CUSTOM` is given.
+
+What it serves (gpt-oss and models like it): learnable sinks, sliding-window and full layers, GQA,
+vLLM's paged KV cache (any page size), chunked prefill mixed with decode, prefix caching,
+speculative decoding (query length 1 + k), full CUDA graphs for uniform batches.
+
+The mapping of vLLM's batch onto `sinkattn.flash_attn_with_kvcache` lives in `vllm_paged` (no vLLM
+import there, so the benchmark times the same code): one call per run of consecutive requests with the
+same query length, planned in `build()` from vLLM's host copy of query_start_loc. vLLM puts decodes
+(length 1, or 1 + k with speculation) first, so a decode or speculative batch is one call, a mixed batch
+one call for its decodes plus one per prefill chunk. `forward()` slices and views tensors only and reads
+no device value on the host, so a uniform batch can be captured in a CUDA graph; a graph replays the plan
+it was captured with, which is why CUDA graphs are declared for uniform batches only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+from ..errors import SinkattnValueError
+from .vllm_paged import Run, attend, cache_views, kernel_gap, plan_runs, write_kv
+
+_KV_DTYPES = ["auto", "float16", "bfloat16"]
+
+
+@dataclass
+class SinkattnMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    seq_lens: torch.Tensor       # (num_reqs,) int32: keys of each request, this step's included
+    block_table: torch.Tensor    # (num_reqs, max_blocks) int32
+    slot_mapping: torch.Tensor   # (num_tokens,) int64, -1 for padding tokens
+    runs: tuple[Run, ...]
+
+
+class SinkattnMetadataBuilder(AttentionMetadataBuilder[SinkattnMetadata]):
+    # A captured graph keeps the call plan of its capture; uniform batches (all decodes, or all 1 + k
+    # speculative queries) keep one plan for every replay of the same size.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Decodes first, speculative verifications (1 + k queries) counted as decodes: one call for them.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> SinkattnMetadata:
+        m = common_attn_metadata
+        if not (m.causal is True):
+            raise SinkattnValueError(f"sinkattn vLLM backend: causal={m.causal!r} in the batch metadata; accepted: "
+                                     f"True (decoder self-attention)")
+        return SinkattnMetadata(num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
+                                seq_lens=m.seq_lens, block_table=m.block_table_tensor, slot_mapping=m.slot_mapping,
+                                runs=plan_runs(m.query_start_loc_cpu, m.num_reqs))
+
+
+class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
+                 kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, sinks=None):
+        # Selection already refused what this impl cannot serve (SinkattnBackend.validate_configuration);
+        # these checks catch a layer built around the selector.
+        if alibi_slopes is not None:
+            raise SinkattnValueError("sinkattn vLLM backend: alibi_slopes is not supported; accepted: None")
+        if attn_type != AttentionType.DECODER:
+            raise SinkattnValueError(f"sinkattn vLLM backend: attn_type={attn_type!r}; accepted: "
+                                     f"{AttentionType.DECODER.value!r} (decoder self-attention)")
+        if kv_cache_dtype not in _KV_DTYPES:
+            raise SinkattnValueError(f"sinkattn vLLM backend: kv_cache_dtype={kv_cache_dtype!r}; accepted: "
+                                     f"{_KV_DTYPES} (vLLM: --kv-cache-dtype auto)")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        # vLLM's sliding_window counts the query's own key: window w sees keys i-w+1 .. i, i.e. (w - 1, 0).
+        self.window_size = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
+        self.softcap = float(logits_soft_cap or 0.0)
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sinks = sinks
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise SinkattnValueError(f"sinkattn vLLM backend: sinks has shape {tuple(sinks.shape)}; accepted: "
+                                     f"({num_heads},), one logit per query head of this rank")
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        """Write this step's K/V into the cache at slot_mapping (vllm_paged.write_kv: padding tokens write
+        zeros into vLLM's null block, so no host read)."""
+        k_cache, v_cache = cache_views(kv_cache, self.head_size)
+        write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise SinkattnValueError("sinkattn vLLM backend: fused output quantization (output_scale) is not "
+                                     "supported; accepted: None")
+        if attn_metadata is None:  # vLLM's profiling run
+            return output.fill_(0)
+        k_cache, v_cache = cache_views(kv_cache, self.head_size)
+        m = attn_metadata
+        attend(query, k_cache, v_cache, m.seq_lens, m.block_table, m.runs,
+               output.view(-1, self.num_heads, self.head_size), self.sinks, softmax_scale=self.scale,
+               window_size=self.window_size, softcap=self.softcap)
+        return output
+
+
+class SinkattnBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]  # what the kernels take
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(_KV_DTYPES)
+    # vLLM calls impl.do_kv_cache_update before forward (its unified_kv_cache_update op).
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # vLLM maps the name back to its enum member: AttentionBackendEnum[get_name()]
+
+    @staticmethod
+    def get_impl_cls():
+        return SinkattnImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return SinkattnMetadataBuilder
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size % 8 == 0 and 8 <= head_size <= 256
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return capability is not None and (capability.major, capability.minor) >= (8, 0)
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             use_mm_prefix, device_capability):
+        # Only a compiled kernel is worth selecting: the reference fallback is slow and cannot be graphed.
+        reason = kernel_gap(head_size, dtype, device_capability) if device_capability is not None else None
+        return None if reason is None else f"no compiled sinkattn kernel serves head_size={head_size} {dtype} " \
+                                           f"here ({reason})"
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return False  # build() plans its calls from the host query lengths
+
+    @classmethod
+    def validate_configuration(cls, **kw) -> list[str]:
+        """vLLM's checks, with the refusals a user of this backend can meet spelled out."""
+        reasons = super().validate_configuration(**kw)
+        explain = {
+            "DCP not supported": "decode context parallelism (--decode-context-parallel-size > 1) is not served "
+                                 "by sinkattn's backend (vLLM's DCP path would drop the sinks); run without it",
+            "PCP not supported": "prefill context parallelism is not served by sinkattn's backend",
+            "kv_cache_dtype not supported": f"kv_cache_dtype={kw.get('kv_cache_dtype')!r} is not served by sinkattn "
+                                            f"(accepted: {_KV_DTYPES}; vLLM: --kv-cache-dtype auto)",
+            "compute capability not supported": "sinkattn's kernels need compute capability 8.0 or newer",
+            "head_size not supported": f"head_size={kw.get('head_size')} (accepted: multiples of 8 up to 256)",
+            "dtype not supported": f"dtype={kw.get('dtype')} (sinkattn's kernels take float16 and bfloat16)",
+        }
+        out = [explain.get(r, r) for r in reasons]
+        if not cls.supports_attn_type(kw.get("attn_type", AttentionType.DECODER)):
+            out = [r for r in out if not r.startswith("attention type")]
+            out.append(f"attention type {kw.get('attn_type')!r} (encoder or cross attention) is not served by "
+                       f"sinkattn's backend; accepted: decoder self-attention")
+        return [f"sinkattn: {r}" for r in out]

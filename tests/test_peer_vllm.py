@@ -1,0 +1,77 @@
+"""bench/peer_vllm.py on the CPU: vLLM 0.33's own Triton unified attention, run by Triton's interpreter from
+the wheel's source under the bench's stand-ins, against sinkattn's vLLM backend forward on the same paged
+cache and metadata, and both against the float64 oracle.
+
+This checks what a GPU lease cannot afford to find out: that the carried peer loads with the stand-ins,
+that both comparators compute the same attention from vLLM's layout (so the timing compares like with
+like), and vLLM's sink/window semantics against sinkattn's. Small batches: the interpreter is slow.
+Triton reads TRITON_INTERPRET when it is first imported (its standard library is decorated then), and
+other tests may have imported it already, so the comparison runs in a child process.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import peer_vllm as P
+from tests.test_vllm_backend import vllm_src  # noqa: F401  (session fixture: the wheel, fetched once)
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCHES = {
+    "decode": P.Batch("decode (vLLM's split-K path), window 8", (37, 3), (1, 1), 7),
+    "mixed": P.Batch("decode + a prefill chunk over a cached prefix (2D path), full", (33, 16), (1, 4), -1),
+}
+
+
+def _child(src: str) -> None:
+    """In a process started with TRITON_INTERPRET=1: both comparators and the oracle on each batch."""
+    fn = P.load(Path(src))
+    for which, batch in BATCHES.items():
+        _compare(fn, which, batch)
+
+
+def _compare(fn, which, batch) -> None:
+    from tests.oracle import attention_oracle
+    x = P.make(batch, torch.device("cpu"), dtype=torch.float32, seed=1)
+    k_cache, v_cache = x["kv_cache"].transpose(1, 2).split(P.D, dim=-1)
+    starts, w = x["qsl"].tolist(), ((batch.window, 0) if batch.window >= 0 else (-1, -1))
+    refs = []
+    for r, s in enumerate(batch.seq):
+        pos = torch.arange(s)
+        page = x["block_table"][r].long()[pos // P.PAGE]
+        k, v = k_cache[page, pos % P.PAGE][None], v_cache[page, pos % P.PAGE][None]
+        refs.append(attention_oracle(x["query"][None, starts[r]:starts[r + 1]], k, v, x["sinks"], causal=True,
+                                     window_size=w)[0][0])
+    ref = torch.cat(refs)
+    theirs = P.prep_vllm(fn, batch, x)().clone()
+    ours = P.prep_sinkattn(batch, x)().clone()
+    torch.testing.assert_close(theirs.double(), ref, rtol=0, atol=2e-5, msg=f"{which}: vLLM's kernel vs float64")
+    torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-5, msg=f"{which}: sinkattn backend vs float64")
+    print(f"ok {which}: |vllm - oracle| {(theirs.double() - ref).abs().max():.2e}, "
+          f"|sinkattn - oracle| {(ours.double() - ref).abs().max():.2e}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (it ships with torch's Linux wheels)")
+def test_vllm_triton_and_sinkattn_agree_on_vllms_layout(vllm_src, tmp_path):  # noqa: F811
+    src = P.extract(tmp_path / "peer")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]))
+    code = f"from tests.test_peer_vllm import _child; _child({str(src)!r})"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert all(f"ok {which}:" in r.stdout for which in BATCHES), r.stdout
+
+
+def test_grid_covers_the_issue():
+    names = [b.name for b in P.grid()]
+    for b in (1, 4, 16, 64, 256):
+        for sk in (8192, 16384, 32768):
+            assert f"decode/win128/b{b}/sk{sk}" in names and f"decode/full/b{b}/sk{sk}" in names
+    assert any(n.startswith("mixed/") for n in names) and any(n.startswith("spec4/") for n in names)
+    mixed = next(b for b in P.grid() if b.name.startswith("mixed/"))
+    assert mixed.q[-2:] == (2048, 2048) and mixed.ctx[-1] == 8192  # a chunk over a cached prefix

@@ -1,0 +1,405 @@
+"""sinkattn's vLLM backend, driven through vLLM 0.33's own code (tests/vllm_stubs.py loads the wheel's modules).
+
+A gpt-oss-like attention layer (sinks, GQA 8:1, head dim 64, a sliding-window layer and a full layer, block
+size 16) runs batches as vLLM's model runner hands them over: vLLM's CommonAttentionMetadata into the
+backend's builder (a subclass of vLLM's AttentionMetadataBuilder, reorder threshold set by vLLM's own
+_init_reorder_batch_threshold), then impl.do_kv_cache_update and impl.forward in the order vLLM's
+unified_kv_cache_update / unified_attention_with_output call them, on a KV cache in vLLM's logical layout
+(num_blocks, num_kv_heads, block_size, 2 * head_size) over both physical layouts vLLM allocates. Every real
+output row is checked against the float64 oracle; the cache starts as NaN, so a read of any slot the batch
+did not write fails. Selection goes through vLLM's CudaPlatform.get_attn_backend_cls and registry.
+"""
+from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests import vllm_stubs
+from tests.oracle import attention_oracle, tolerance_check
+
+H, HK, D, BLOCK = 16, 2, 64, 16   # gpt-oss: 64 q heads over 8 KV heads, head dim 64 (8:1 kept, fewer heads)
+WINDOW = 8                       # gpt-oss slides 128; 8 lets the window bite at these context lengths
+
+
+@pytest.fixture(scope="session")
+def vllm_src():
+    """The wheel's source, fetched once per run (tests/vllm_stubs.py)."""
+    t = time.time()
+    try:
+        root = vllm_stubs.vllm_root()
+    except RuntimeError as e:
+        pytest.skip(f"vLLM {vllm_stubs.VLLM_VERSION} wheel could not be fetched: {e}")
+    print(f"\nvLLM {vllm_stubs.VLLM_VERSION} source ready in {time.time() - t:.1f} s at {root}")
+    return root
+
+
+@pytest.fixture(scope="module")
+def vb(vllm_src):
+    """sinkattn.integrations.vllm_backend imported over the real vLLM modules (taken out again after)."""
+    vllm_stubs.install(vllm_src)
+    import sinkattn.integrations.vllm_backend as mod
+    yield mod
+    vllm_stubs.park()
+
+
+def _config(num_spec=None):
+    # vllm.config's VllmConfig is a pydantic model; the builder reads these fields of it.
+    spec = None if num_spec is None else SimpleNamespace(num_speculative_tokens=num_spec, parallel_drafting=False)
+    return SimpleNamespace(speculative_config=spec, use_v2_model_runner=True,
+                           parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+
+
+class Batch:
+    """One scheduler step: requests with `ctx` tokens already cached and `q` new tokens, on pages handed out
+    like vLLM's block pool does (block 0 is the null block; shared prefixes share physical pages)."""
+
+    def __init__(self, ctx, q, dtype, seed, pad_reqs=0, pad_tokens=0, share_prefix=None, layout="LBNHC"):
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        g = torch.Generator().manual_seed(seed)
+        self.ctx, self.q, self.dtype = list(ctx), list(q), dtype
+        self.seq = [c + n for c, n in zip(ctx, q)]
+        per_req = [math.ceil(s / BLOCK) for s in self.seq]
+        num_blocks = 1 + sum(per_req) + 3
+        pages = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # never block 0
+        self.block_table = torch.zeros(len(ctx) + pad_reqs, max(per_req) + 1, dtype=torch.int32)
+        for r, n in enumerate(per_req):
+            self.block_table[r, :n] = torch.tensor([pages.pop() for _ in range(n)], dtype=torch.int32)
+        # Full K/V of every request (cached prefix + this step), in float64 for the oracle.
+        self.k = [torch.randn(s, HK, D, generator=g, dtype=torch.float64) for s in self.seq]
+        self.v = [torch.randn(s, HK, D, generator=g, dtype=torch.float64) for s in self.seq]
+        if share_prefix is not None:  # prefix caching: request b reuses request a's first n full pages
+            a, b, n = share_prefix
+            self.block_table[b, :n] = self.block_table[a, :n]
+            self.k[b][: n * BLOCK] = self.k[a][: n * BLOCK]
+            self.v[b][: n * BLOCK] = self.v[a][: n * BLOCK]
+        # vLLM's logical cache view over a physical allocation in `layout` order, poisoned with NaN.
+        order = KVCacheLayout[layout].layer_view_order
+        logical = (num_blocks, HK, BLOCK, 2 * D)
+        phys = torch.full([logical[i] for i in order], float("nan"), dtype=dtype)
+        self.kv_cache = phys.permute([order.index(i) for i in range(4)])
+        assert tuple(self.kv_cache.shape) == logical
+        lens = self.q + [0] * pad_reqs
+        self.qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        self.num_tokens = sum(self.q) + pad_tokens
+        self.query = torch.randn(self.num_tokens, H, D, generator=g, dtype=torch.float64)
+        self.seq_lens = torch.tensor(self.seq + [0] * pad_reqs, dtype=torch.int32)
+        self.pad_tokens = pad_tokens
+
+    def slots(self, r, positions):
+        pos = torch.as_tensor(positions)
+        return self.block_table[r].long()[pos // BLOCK] * BLOCK + pos % BLOCK
+
+    def step_kv(self):
+        """This step's new keys/values packed like the query, and slot_mapping (-1 on padding tokens)."""
+        ks = [self.k[r][c:] for r, c in enumerate(self.ctx)]
+        vs = [self.v[r][c:] for r, c in enumerate(self.ctx)]
+        slots = [self.slots(r, range(c, s)) for r, (c, s) in enumerate(zip(self.ctx, self.seq))]
+        pad = torch.full((self.pad_tokens, HK, D), 5.0, dtype=torch.float64)  # padded rows hold stale values
+        slot_mapping = torch.cat(slots + [torch.full((self.pad_tokens,), -1, dtype=torch.long)])
+        return torch.cat(ks + [pad]), torch.cat(vs + [pad]), slot_mapping
+
+    def common_metadata(self):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+        _, _, slot_mapping = self.step_kv()
+        return CommonAttentionMetadata(
+            query_start_loc=self.qsl.clone(), query_start_loc_cpu=self.qsl.clone(), seq_lens=self.seq_lens,
+            num_reqs=len(self.seq_lens), num_actual_tokens=self.num_tokens, max_query_len=max(self.q),
+            max_seq_len=max(self.seq), block_table_tensor=self.block_table, slot_mapping=slot_mapping)
+
+
+def _layer(vb, sinks, window, dtype):
+    from vllm.v1.attention.backend import AttentionType
+    return vb.SinkattnImpl(H, D, D ** -0.5, HK, None, window, "auto", None, AttentionType.DECODER, None,
+                           sinks=sinks)
+
+
+def _spec(window, dtype):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    if window is None:
+        return FullAttentionSpec(block_size=BLOCK, num_kv_heads=HK, head_size=D, dtype=dtype)
+    return SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HK, head_size=D, dtype=dtype, sliding_window=window)
+
+
+def _sinks(seed):
+    s = torch.randn(H, generator=torch.Generator().manual_seed(seed)) * 2
+    s[3] = float("-inf")  # vLLM pads sinks with -inf (make_attention_sink): plain attention for that head
+    return s
+
+
+def run_step(vb, batch, window, num_spec=None, seed=0, capture=False, drop_outside_window=False):
+    """What vLLM does for one layer in one step: prior steps' cache writes, build, kv update, forward.
+    drop_outside_window: what vLLM's sliding-window KV manager does to pages no query can see any more:
+    free them (here: poisoned with NaN, as if reused) and point the block table at the null block 0."""
+    dtype = batch.dtype
+    sinks = _sinks(seed)
+    impl = _layer(vb, sinks.to(dtype), window, dtype)
+    builder = vb.SinkattnMetadataBuilder(_spec(window, dtype), ["model.layers.0.self_attn.attn"],
+                                        _config(num_spec), torch.device("cpu"))
+    for r, c in enumerate(batch.ctx):  # earlier steps cached the prefix (same writer as this step)
+        if c:
+            impl.do_kv_cache_update(None, batch.k[r][:c].to(dtype), batch.v[r][:c].to(dtype), batch.kv_cache,
+                                    batch.slots(r, range(c)))
+    if drop_outside_window:
+        batch.kv_cache[0] = 0  # vLLM allocates the cache zeroed; block 0 is never handed out
+        for r, c in enumerate(batch.ctx):
+            first_visible = max(0, c - (window - 1))  # the step's first query sees keys from here on
+            for page in range(first_visible // BLOCK):
+                batch.kv_cache[batch.block_table[r, page].long()] = float("nan")
+                batch.block_table[r, page] = 0
+    common = batch.common_metadata()
+    md = builder.build_for_cudagraph_capture(common) if capture else builder.build(0, common)
+    key, value, slot_mapping = batch.step_kv()
+    impl.do_kv_cache_update(None, key.to(dtype), value.to(dtype), batch.kv_cache, slot_mapping)
+    output = torch.full((batch.num_tokens, H * D), float("nan"), dtype=dtype)
+    impl.forward(None, batch.query.to(dtype), key.to(dtype), value.to(dtype), batch.kv_cache, md,
+                 output.view(-1, H, D))
+    return output.view(-1, H, D), md, builder, sinks
+
+
+def check_against_oracle(batch, out, sinks, window, name):
+    w = (-1, -1) if window is None else (window - 1, 0)
+    q_in = batch.query.to(batch.dtype)
+    starts = batch.qsl.tolist()
+    for r in range(len(batch.seq)):
+        rows = slice(starts[r], starts[r + 1])
+        k, v = batch.k[r].to(batch.dtype)[None], batch.v[r].to(batch.dtype)[None]
+        ref, _ = attention_oracle(q_in[None, rows], k, v, sinks.to(batch.dtype), causal=True, window_size=w)
+        if batch.dtype == torch.float32:
+            torch.testing.assert_close(out[rows].double(), ref[0], rtol=0, atol=2e-5, msg=f"{name} request {r}")
+        else:
+            base, _ = attention_oracle(q_in[None, rows], k, v, sinks.to(batch.dtype), causal=True, window_size=w,
+                                       compute_dtype=batch.dtype)
+            tolerance_check(f"{name} request {r}", out[rows], ref[0], base[0], atol=1e-2)
+
+
+CASES = {
+    # name: (context lengths, query lengths, extra Batch kwargs, num speculative tokens)
+    "decode": ([0, 16, 39, 63, 5], [1, 1, 1, 1, 1], {}, None),
+    "mixed": ([17, 40, 2, 32, 0], [1, 1, 1, 20, 23], dict(pad_tokens=5, share_prefix=(1, 3, 2)), None),
+    "prefill": ([0, 0, 32], [19, 37, 21], dict(share_prefix=(1, 2, 2)), None),
+    "speculative": ([12, 30, 47, 3], [4, 4, 4, 4], dict(pad_reqs=2, pad_tokens=8), 3),
+    "spec-ragged": ([12, 30, 47, 3], [4, 2, 4, 1], {}, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window", [WINDOW, None], ids=["sliding", "full"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_step_matches_oracle(vb, case, window, dtype):
+    ctx, q, kw, num_spec = CASES[case]
+    layout = "LBHNC" if case == "prefill" else "LBNHC"  # vLLM allocates either order; the views read both
+    batch = Batch(ctx, q, dtype, seed=len(case), layout=layout, **kw)
+    out, md, builder, sinks = run_step(vb, batch, window, num_spec, seed=len(case))
+    check_against_oracle(batch, out, sinks, window, f"{case}/{'sliding' if window else 'full'}/{dtype}")
+    if num_spec is not None:  # vLLM's own threshold logic put 1 + k query tokens on the decode side
+        assert builder.reorder_batch_threshold == 1 + num_spec
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_sliding_layer_with_dropped_pages(vb, dtype):
+    """gpt-oss's sliding layers after vLLM dropped the pages left of the window (long contexts, decode and a
+    chunk over a cached prefix): nothing may reach past the window into the null block or freed pages."""
+    batch = Batch([100, 63, 50, 200], [1, 1, 20, 1], dtype, seed=7, pad_tokens=3)
+    out, _, _, sinks = run_step(vb, batch, WINDOW, seed=7, drop_outside_window=True)
+    assert (batch.block_table[:, 0] == 0).all()  # pages were dropped
+    check_against_oracle(batch, out, sinks, WINDOW, f"sliding-dropped/{dtype}")
+
+
+def test_call_plan(vb):
+    """One call per run of equal query lengths; padding requests (no query) are left out."""
+    Run = vb.Run
+    plan = vb.plan_runs
+    assert plan(torch.tensor([0, 1, 2, 3, 23, 46], dtype=torch.int32), 5) == (Run(0, 3, 0, 1), Run(3, 4, 3, 20),
+                                                                                Run(4, 5, 23, 23))
+    assert plan(torch.tensor([0, 4, 8, 12, 12, 12]), 5) == (Run(0, 3, 0, 4),)  # padded uniform batch: one call
+    assert plan(torch.tensor([0, 4, 6, 10]), 3) == (Run(0, 1, 0, 4), Run(1, 2, 4, 2), Run(2, 3, 6, 4))
+    assert plan(torch.tensor([0]), 0) == ()
+
+
+def test_cudagraph_capture_metadata_is_the_uniform_plan(vb):
+    """vLLM builds capture metadata through build_for_cudagraph_capture; a uniform speculative batch must be
+    one call over views of vLLM's persistent buffers (what a replay re-reads), and compute the right thing."""
+    batch = Batch([12, 30, 47, 3], [4, 4, 4, 4], torch.float32, seed=9, pad_reqs=2, pad_tokens=8)
+    out, md, builder, sinks = run_step(vb, batch, WINDOW, num_spec=3, capture=True)
+    assert md.runs == (vb.Run(0, 4, 0, 4),)
+    assert md.seq_lens.data_ptr() == batch.seq_lens.data_ptr()
+    assert md.block_table.data_ptr() == batch.block_table.data_ptr()
+    assert builder.get_cudagraph_support(None, None).name == "UNIFORM_BATCH"
+    check_against_oracle(batch, out, sinks, WINDOW, "capture")
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records every tensor-to-host read (what a CUDA graph cannot capture) made at the Python level."""
+    READS = {"item", "tolist", "__bool__", "__int__", "__index__", "__float__", "numpy", "cpu", "nonzero",
+             "any", "all", "equal", "allclose"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in self.READS:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_forward_and_cache_update_read_nothing_on_the_host(vb, monkeypatch):
+    """The graph-captured part (do_kv_cache_update + forward) must not read device values; sinkattn's op is
+    replaced by a recorder so that only the backend's own code is observed (the op's CUDA path has its own
+    capture guards, sinkattn.dispatch.check_values)."""
+    batch = Batch([12, 30, 47], [4, 4, 4], torch.float32, seed=3, pad_reqs=1, pad_tokens=4)
+    impl = _layer(vb, _sinks(0), WINDOW, torch.float32)
+    builder = vb.SinkattnMetadataBuilder(_spec(WINDOW, torch.float32), ["l"], _config(3), torch.device("cpu"))
+    md = builder.build(0, batch.common_metadata())
+    calls = []
+
+    def op(q, k_cache, v_cache, sinks, **kw):
+        calls.append((q.shape, kw["cache_seqlens"].data_ptr(), kw["block_table"].data_ptr(), kw["window_size"]))
+        return torch.zeros(q.shape, dtype=q.dtype)
+
+    from sinkattn.integrations import vllm_paged
+    monkeypatch.setattr(vllm_paged, "flash_attn_with_kvcache", op)
+    key, value, slot_mapping = batch.step_kv()
+    q = batch.query.float()
+    output = torch.empty(batch.num_tokens, H, D)
+    with _HostReads() as mode:
+        impl.do_kv_cache_update(None, key.float(), value.float(), batch.kv_cache, slot_mapping)
+        impl.forward(None, q, key.float(), value.float(), batch.kv_cache, md, output)
+    assert mode.seen == []
+    assert calls == [(torch.Size([3, 4, H, D]), batch.seq_lens.data_ptr(), batch.block_table.data_ptr(),
+                      (WINDOW - 1, 0))]
+
+
+def test_cache_update_writes_only_its_slots(vb):
+    batch = Batch([0, 0], [5, 18], torch.float32, seed=4, pad_tokens=3)
+    impl = _layer(vb, None, None, torch.float32)
+    key, value, slot_mapping = batch.step_kv()
+    impl.do_kv_cache_update(None, key.float(), value.float(), batch.kv_cache, slot_mapping)
+    k_cache, v_cache = batch.kv_cache.transpose(1, 2).split(D, dim=-1)
+    for r, n in enumerate(batch.q):
+        s = batch.slots(r, range(n))
+        torch.testing.assert_close(k_cache[s // BLOCK, s % BLOCK].double(), batch.k[r].float().double())
+        torch.testing.assert_close(v_cache[s // BLOCK, s % BLOCK].double(), batch.v[r].float().double())
+    written = ~torch.isnan(k_cache).all(-1).all(-1)  # (blocks, slots) touched
+    expected = torch.zeros_like(written)
+    for r, n in enumerate(batch.q):
+        s = batch.slots(r, range(n))
+        expected[s // BLOCK, s % BLOCK] = True
+    expected[0, 0] = True  # padding tokens (slot -1) land in vLLM's null block, as zeros
+    assert torch.equal(written, expected)
+    assert (k_cache[0, 0] == 0).all() and (v_cache[0, 0] == 0).all()
+
+
+def test_no_sinks_layer_is_plain_attention(vb):
+    batch = Batch([20, 0], [1, 9], torch.float32, seed=5)
+    impl = _layer(vb, None, None, torch.float32)
+    builder = vb.SinkattnMetadataBuilder(_spec(None, torch.float32), ["l"], _config(), torch.device("cpu"))
+    key, value, slot_mapping = batch.step_kv()
+    impl.do_kv_cache_update(None, batch.k[0][:20].float(), batch.v[0][:20].float(), batch.kv_cache,
+                            batch.slots(0, range(20)))
+    impl.do_kv_cache_update(None, key.float(), value.float(), batch.kv_cache, slot_mapping)
+    out = torch.empty(batch.num_tokens, H, D)
+    impl.forward(None, batch.query.float(), key.float(), value.float(), batch.kv_cache,
+                 builder.build(0, batch.common_metadata()), out)
+    starts = batch.qsl.tolist()
+    for r in range(2):
+        ref, _ = attention_oracle(batch.query.float()[None, starts[r]:starts[r + 1]], batch.k[r].float()[None],
+                                  batch.v[r].float()[None], None, causal=True)
+        torch.testing.assert_close(out[starts[r]:starts[r + 1]].double(), ref[0], rtol=0, atol=2e-5)
+
+
+def test_profiling_run_and_refusals(vb):
+    from sinkattn import SinkattnValueError
+    from vllm.v1.attention.backend import AttentionType
+    impl = _layer(vb, None, None, torch.float32)
+    out = torch.full((3, H, D), 7.0)
+    assert impl.forward(None, out, None, None, None, None, out) is out and (out == 0).all()
+    with pytest.raises(SinkattnValueError, match="kv_cache_dtype='fp8'"):
+        vb.SinkattnImpl(H, D, 0.1, HK, None, None, "fp8", None, AttentionType.DECODER, None)
+    with pytest.raises(SinkattnValueError, match="attn_type"):
+        vb.SinkattnImpl(H, D, 0.1, HK, None, None, "auto", None, AttentionType.ENCODER_DECODER, None)
+    with pytest.raises(SinkattnValueError, match=r"sinks has shape \(4,\)"):
+        vb.SinkattnImpl(H, D, 0.1, HK, None, None, "auto", None, AttentionType.DECODER, None, sinks=torch.zeros(4))
+
+
+# ---- selection, through vLLM's CudaPlatform.get_attn_backend_cls and registry ----------------------------
+def _selector(**kw):
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+    base = dict(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None, has_sink=True,
+                has_sliding_window=True)
+    return AttentionSelectorConfig(**{**base, **kw})
+
+
+@pytest.fixture
+def platform(vb):
+    from sinkattn import compat
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    AttentionBackendEnum.CUSTOM.clear_override()
+    compat.vllm_plugin()
+    yield current_platform
+    AttentionBackendEnum.CUSTOM.clear_override()
+    vllm_stubs.Platform.capability = (8, 0)
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9), (9, 0)])
+def test_selected_when_asked(platform, vb, monkeypatch, cap):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    monkeypatch.setattr(vb, "kernel_gap", lambda *a: None)  # as with a build that has the kernel
+    vllm_stubs.Platform.capability = cap
+    path = platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(), num_heads=64)
+    assert path == "sinkattn.integrations.vllm_backend.SinkattnBackend"
+    assert AttentionBackendEnum.CUSTOM.get_class().get_name() == "CUSTOM"
+
+
+def test_selection_needs_a_compiled_kernel(platform):
+    """Selecting the backend where only the PyTorch reference would run (slow, not graphable) is refused."""
+    from sinkattn import _ext
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    if _ext.loaded():  # CI's build holds head dim 64 bf16 for sm_80, which serves cc 8.0
+        path = platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(), num_heads=64)
+        assert path.endswith("SinkattnBackend")
+    else:
+        with pytest.raises(ValueError, match="no compiled sinkattn kernel .*compiled extension is not available"):
+            platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(), num_heads=64)
+
+
+@pytest.mark.parametrize("kw, text", [
+    (dict(dtype=torch.float32), "dtype=torch.float32"),
+    (dict(use_dcp=True), "decode context parallelism"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
+    (dict(attn_type="encoder_decoder"), "encoder or cross attention"),
+    (dict(attn_type="encoder_only"), "encoder or cross attention"),
+    (dict(use_adaptive_verification=True), "device-cpu query lens mismatch"),
+    (dict(head_size=72 + 4), "head_size=76"),
+])
+def test_refused_at_selection_with_a_reason(platform, kw, text):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    with pytest.raises(ValueError, match=f"Selected backend .*CUSTOM.* not valid.*{text}"):
+        platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(**kw), num_heads=64)
+
+
+def test_refused_below_sm80(platform):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    vllm_stubs.Platform.capability = (7, 5)
+    with pytest.raises(ValueError, match="compute capability 8.0 or newer"):
+        platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(), num_heads=64)
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)])
+def test_automatic_selection_never_considers_it(platform, cap):
+    """vLLM's own priority lists (every arch, MLA or not) hold no CUSTOM: registering it changes no choice."""
+    from vllm.platforms.cuda import _get_backend_priorities
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    for use_mla in (False, True):
+        prio = _get_backend_priorities(use_mla, DeviceCapability(*cap))
+        assert AttentionBackendEnum.CUSTOM not in prio and prio
+    vllm_stubs.Platform.capability = cap
+    _, rejected = platform.get_valid_backends(DeviceCapability(*cap), _selector(), 64)
+    assert AttentionBackendEnum.CUSTOM not in rejected
