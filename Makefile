@@ -18,7 +18,7 @@ STAMP := build/.installed
 STAMP_EMU := build/.installed-emulation
 GRID := build/.grid
 
-.PHONY: install deps cutlass run test report bench build-all build-times gpu-check gpu-prebuilt clean FORCE
+.PHONY: install deps cutlass run test report bench build-all build-times gpu-check gpu-prebuilt peer-vllm clean FORCE
 
 deps:
 	@mkdir -p build/logs
@@ -89,6 +89,11 @@ gpu-prebuilt: install
 	rm -rf .prebuilt && mkdir -p .prebuilt
 	cp build/kernels/*.cu.o build/kernels/build_info.cpp.o .prebuilt/
 	@echo "gpu-prebuilt: $$(ls .prebuilt | wc -l) kernel objects in .prebuilt/ ($$(du -sh .prebuilt | cut -f1))"
+
+# vLLM's Triton unified attention (the peer of the vLLM backend's GPU bench), extracted from the vllm wheel into
+# third_party/.cache/vllm-peer (git-ignored; carry it to a GPU machine, which has no network).
+peer-vllm:
+	$(PYTHON) -m bench.peer_vllm extract
 
 clean:
 	rm -rf build csrc/instantiations sinkattn/_C*.so *.egg-info

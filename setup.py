@@ -250,7 +250,8 @@ setup(
     cmdclass=cmdclass,
     entry_points={
         "console_scripts": ["sinkattn-report=sinkattn.report:main"],
-        # vLLM loads general plugins at start-up; ours does nothing unless SINKATTN_VLLM=1 (sinkattn/compat.py).
+        # vLLM loads general plugins at start-up; ours registers sinkattn's backend as vLLM's CUSTOM attention
+        # backend, used only with --attention-backend CUSTOM (sinkattn/compat.py).
         "vllm.general_plugins": ["sinkattn = sinkattn.compat:vllm_plugin"],
     },
 )
