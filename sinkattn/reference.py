@@ -209,7 +209,8 @@ def _finalize(row_max, row_sum, acc, sink, hk, g, r):
     sink_w = torch.exp(sink_rows - top).masked_fill(torch.isposinf(sink_rows), 1.0)
     total = row_sum * keys_w + sink_w
     lse = top + torch.log(total)  # total == 0 (nothing visible, no sink) -> -inf
-    factor = torch.where(total > 0, keys_w / total, torch.zeros_like(total))
+    # total == 0: nothing visible and no sink (out 0); a NaN sink makes total NaN and out NaN, not 0.
+    factor = torch.where(total != 0, keys_w / total, torch.zeros_like(total))
     return acc * factor[..., None], lse
 
 
