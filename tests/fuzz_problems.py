@@ -58,9 +58,10 @@ LIMITS = {
                       max_hk=3, max_group=4, grad=True),
     "sm80-emulated": dict(dtypes=("bf16", "fp16"), headdims=(40, 64), max_q=40, max_k=140, max_batch=2, max_hk=2,
                           max_group=4, grad=True),
-    "sm80": dict(dtypes=("bf16", "fp16"), headdims=(40, 64, 96, 128, 256), max_q=300, max_k=600, max_batch=4,
-                 max_hk=4, max_group=8, grad=True),
-    "sm90": dict(dtypes=("bf16", "fp16"), headdims=(64, 128, 256), max_q=300, max_k=600, max_batch=4, max_hk=4,
+    # GPU problems are bounded by the float64 oracle on the host's CPU (a few hundred ms at most each).
+    "sm80": dict(dtypes=("bf16", "fp16"), headdims=(40, 64, 96, 128, 256), max_q=160, max_k=300, max_batch=2,
+                 max_hk=2, max_group=8, grad=True),
+    "sm90": dict(dtypes=("bf16", "fp16"), headdims=(64, 128, 256), max_q=160, max_k=300, max_batch=2, max_hk=2,
                  max_group=8, grad=False),
 }
 SINK_VALUES = st.one_of(st.floats(-4, 4, allow_nan=False), st.sampled_from([30.0, -30.0, INF, -INF]))
