@@ -56,8 +56,9 @@ class FuzzProblem:
 LIMITS = {
     "reference": dict(dtypes=("fp32", "bf16", "fp16"), headdims=(8, 16, 24, 40, 64), max_q=48, max_k=80, max_batch=3,
                       max_hk=3, max_group=4, grad=True),
-    "sm80-emulated": dict(dtypes=("bf16", "fp16"), headdims=(40, 64), max_q=40, max_k=140, max_batch=2, max_hk=2,
-                          max_group=4, grad=True),
+    # Measured here: about 0.9 s per problem at max_q 40, max_k 140, 8 query heads; these bounds give about 0.35 s.
+    "sm80-emulated": dict(dtypes=("bf16", "fp16"), headdims=(40, 64), max_q=33, max_k=100, max_batch=2, max_hk=2,
+                          max_group=3, grad=True),
     # GPU problems are bounded by the float64 oracle on the host's CPU (a few hundred ms at most each).
     "sm80": dict(dtypes=("bf16", "fp16"), headdims=(40, 64, 96, 128, 256), max_q=160, max_k=300, max_batch=2,
                  max_hk=2, max_group=8, grad=True),
@@ -65,6 +66,9 @@ LIMITS = {
                  max_group=8, grad=False),
 }
 SINK_VALUES = st.one_of(st.floats(-4, 4, allow_nan=False), st.sampled_from([30.0, -30.0, INF, -INF]))
+# The kernels turn a +inf sink into NaN (csrc/common/softmax.h finalize_row: exp(inf - inf); tests/test_nonfinite.py
+# holds it as a strict xfail). Until that is fixed their problems draw every other sink value.
+KERNEL_SINK_VALUES = st.one_of(st.floats(-4, 4, allow_nan=False), st.sampled_from([30.0, -30.0, -INF]))
 
 
 @st.composite
@@ -94,8 +98,9 @@ def problems(draw, backend: str = "reference", modes=("batched", "varlen", "kvca
     left = draw(st.one_of(st.just(-1), st.integers(0, 50)))
     right = 0 if causal else draw(st.one_of(st.just(-1), st.integers(0, 20)))
     sink_tokens = draw(st.sampled_from([0, 0, 1, 4, 9]))
-    sinks = draw(st.one_of(st.none(), st.lists(SINK_VALUES, min_size=nheads, max_size=nheads).map(tuple)))
-    grad = mode != "kvcache" and lim["grad"] and draw(st.integers(0, 3)) == 0
+    values = SINK_VALUES if backend == "reference" else KERNEL_SINK_VALUES
+    sinks = draw(st.one_of(st.none(), st.lists(values, min_size=nheads, max_size=nheads).map(tuple)))
+    grad = mode != "kvcache" and lim["grad"] and draw(st.integers(0, 3 if backend == "reference" else 5)) == 0
     if grad and sinks is not None and any(s == INF for s in sinks):
         grad = False  # the oracle's own autograd is NaN through a +inf logit
     return FuzzProblem(

@@ -251,15 +251,41 @@ def test_kernel_masked_nonfinite_v_stays_in_its_key_block(bk):
 
 
 # ------------------------------------------------------------------------------------------------ sinks
+# Found here: the kernels' finalize (csrc/common/softmax.h, finalize_row, shared by the sm80 and sm90 forward and
+# decode) takes max(row_max, sink) = +inf and then exp(sink - max) = exp(inf - inf) = NaN. The reference and the
+# oracle give the contract's answer (all weight on the sink: out 0, lse +inf). Strict: remove when fixed.
+PLUS_INF_SINK = "kernel finalize_row: exp(+inf - +inf) = NaN for a +inf sink (csrc/common/softmax.h)"
+
+
+def _sink_run(backend, device, sinks):
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 20, 4, 64, generator=gen).to(torch.bfloat16).to(device)
+    k, v = (torch.randn(1, 30, 4, 64, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
+    return [t.cpu() for t in sinkattn.flash_attn_with_sinks(q, k, v, None if sinks is None else sinks.to(device),
+                                                             causal=True, return_lse=True, backend=backend)]
+
+
+@pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P])
+def test_plus_inf_sink_takes_all_the_weight(bk, request):
+    backend, device = bk
+    if backend != "reference":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=PLUS_INF_SINK))
+    out, lse = _sink_run(backend, device, torch.tensor([0.5, INF, 0.0, INF]))
+    assert torch.equal(out[:, :, 1::2], torch.zeros_like(out[:, :, 1::2]))
+    assert torch.isposinf(lse[:, 1::2]).all()
+    ref_out, ref_lse = _sink_run(backend, device, torch.tensor([0.5, 0.0, 0.0, 0.0]))
+    _assert_same(out[:, :, 0::2], ref_out[:, :, 0::2], "out of the finite-sink heads")
+
+
 @pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P])
 def test_nonfinite_sinks(bk):
-    """sinks per head: -inf is plain attention, +inf takes all the weight (out 0, lse +inf), NaN gives NaN
-    (out and lse) for that head only; finite heads are unchanged."""
+    """sinks per head: -inf is plain attention, NaN gives NaN (out and lse) for that head only; finite heads are
+    unchanged (+inf: the test above)."""
     backend, device = bk
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(1, 20, 4, 64, generator=gen).to(torch.bfloat16).to(device)
     k, v = (torch.randn(1, 30, 4, 64, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
-    sinks = torch.tensor([0.5, -INF, INF, NAN], device=device)
+    sinks = torch.tensor([0.5, -INF, 0.0, NAN], device=device)
     out, lse = (t.cpu() for t in sinkattn.flash_attn_with_sinks(q, k, v, sinks, causal=True, return_lse=True,
                                                                 backend=backend))
     ref_out, ref_lse = (t.cpu() for t in sinkattn.flash_attn_with_sinks(
@@ -269,7 +295,5 @@ def test_nonfinite_sinks(bk):
     _assert_same(out[:, :, :2], ref_out[:, :, :2], "out of the finite-sink and -inf-sink heads")
     _assert_same(lse[:, :2], ref_lse[:, :2], "lse of the finite-sink and -inf-sink heads")
     _assert_same(out[:, :, 1], plain_out[:, :, 1], "-inf sink vs no sink")
-    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
-    assert torch.isposinf(lse[:, 2]).all()
     assert torch.isnan(out[:, :, 3].float()).all() and torch.isnan(lse[:, 3]).all()
     assert torch.equal(plain_lse[:, 1], lse[:, 1])
