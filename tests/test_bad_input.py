@@ -154,3 +154,18 @@ def test_kvcache_writes_only_the_appended_slots(backend, paged):
     assert torch.equal(kc[~written], kc0[~written]) and torch.equal(vc[~written], vc0[~written])
     for a, t in zip(inputs, (q, kn, vn, seqlens, bt)):
         assert torch.equal(a, t)
+
+
+@pytest.mark.parametrize("checks", ["1", "0"], ids=["value-checks", "no-host-reads"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_rows_past_the_last_sequence(backend, checks, monkeypatch):
+    """q holds 9 rows more than cu_seqlens_q covers: they get out 0 and lse -inf on every backend (the kernels never
+    write them; found here: they were left as torch.empty garbage). With SINKATTN_VALUE_CHECKS=0 (as under CUDA-graph
+    capture) the bridge clears them without reading cu_seqlens on the host."""
+    monkeypatch.setenv("SINKATTN_VALUE_CHECKS", checks)
+    dt = torch.bfloat16 if backend != "reference" else torch.float32
+    q, k = torch.randn(30, 4, 64).to(dt), torch.randn(25, 2, 64).to(dt)
+    out, lse = VL(q, k, k, i32(0, 12, 21), i32(0, 10, 25), 12, 15, torch.zeros(4), causal=True, return_lse=True,
+                  backend=backend)
+    assert (out[21:] == 0).all() and torch.isneginf(lse[:, 21:]).all()
+    assert out[:21].isfinite().all() and lse[:, :21].isfinite().all()
