@@ -312,14 +312,14 @@ def check_writable_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Appending writes into the caches: each element must own its memory and the two caches must not share
     any, or one write lands in several places (a broadcast cache, k_cache is v_cache)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())) or \
-                torch._debug_has_internal_overlap(t) == 1:
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
             raise SinkattnValueError(
                 f"sinkattn: {name} (strides {tuple(t.stride())}, shape {_shape(t)}) has elements sharing memory "
                 f"(a broadcast/expanded view); new k/v cannot be appended into it; accepted: a cache whose "
                 f"elements own their memory (.contiguous() or a real allocation)")
     # Interleaved views of one allocation (kv[:, :, 0], kv[:, :, 1]) are fine; the same first element is not.
-    if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+    # (Data pointers do not exist while torch.compile traces: the check runs eagerly only.)
+    if not torch.compiler.is_compiling() and k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
         raise SinkattnValueError(
             "sinkattn: k_cache and v_cache start at the same memory (the same tensor passed twice?); appending "
             "k/v would write one over the other; accepted: separate k and v caches")
