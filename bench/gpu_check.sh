@@ -4,7 +4,9 @@
 #   1. build only what this GPU needs, with every core (SINKATTN_CUDA_ARCHS from the GPU's compute
 #      capability: 90a on cc 9.0, which holds the sm90 kernels and the sm80 kernels as sm_90 SASS;
 #      no host-emulated kernels), in place: python setup.py build_ext --inplace
-#   2. the capability report, then pytest -m gpu
+#   2. the capability report, then pytest -m gpu (incl. the GPU fuzz mode: tests/test_fuzz.py, SINKATTN_FUZZ_SCALE),
+#      then compute-sanitizer's four tools over bench/sanitize.py's cases (GPU_CHECK_SANITIZE=0 skips; cap
+#      GPU_CHECK_SANITIZE_CAP, default 120 s; verdicts PASS / FAIL / NOT RUN in the summary)
 #   3. a short benchmark grid (python -m bench --grid check)
 #   and writes everything into one folder: $OUT when set, else bench/results/gpucheck-<timestamp>.
 #
@@ -21,7 +23,7 @@
 # (build grid; defaults: by GPU, all head dims, bf16+fp16, no emulation), GPU_CHECK_JOBS (default: nproc;
 # the Makefile's MAX_JOBS=2 is for the shared dev box and is ignored here), GPU_CHECK_GRID (check),
 # GPU_CHECK_TOTAL, GPU_CHECK_BUILD_CAP (300), GPU_CHECK_SM90_CAP (100: the sm90 tests, first), GPU_CHECK_TEST_CAP (200),
-# GPU_CHECK_BENCH_CAP (150), GPU_CHECK_TESTS (the test paths of the second test step; default: tests),
+# GPU_CHECK_BENCH_CAP (150), GPU_CHECK_SANITIZE (1; 0 skips the sanitizers), GPU_CHECK_SANITIZE_CAP (120), GPU_CHECK_TESTS (the test paths of the second test step; default: tests),
 # GPU_CHECK_BENCH_ARGS (extra bench arguments; default "--budget-ms 300 --max-reps 100"),
 # GPU_CHECK_SKIP_BUILD=1 (use the extension as it is; also how the script is exercised on a CPU),
 # PYTHON (python3).
@@ -111,6 +113,8 @@ TEST_CAP=${GPU_CHECK_TEST_CAP:-200}  # ~300 GPU-marked tests (forward, decode in
 BENCH_CAP=${GPU_CHECK_BENCH_CAP:-150}
 TEST_MIN=60   # what the later steps keep for themselves when an earlier one runs long
 BENCH_MIN=90
+SAN_MIN=0     # what the tests leave for the sanitizers (bench/sanitize.py): 60 s unless GPU_CHECK_SANITIZE=0
+[ "${GPU_CHECK_SANITIZE:-1}" = "0" ] || SAN_MIN=60
 if [ "${GPU_CHECK_SKIP_BUILD:-0}" = "1" ]; then
   say "build: skipped (GPU_CHECK_SKIP_BUILD=1)"
   STEPS+=("build: skipped by request")
@@ -139,7 +143,7 @@ PYTEST_EXTRA=()
 # the remaining tests and the bench to the sm80 kernels, so the run still measures something.
 HAS_SM90=$("$PY" -c "from sinkattn import _ext; print(int(any(k['family'] == 'sm90' for k in _ext.registry())))" 2>/dev/null)
 if [ "$GPU_CC" = "9.0" ] && [ "$HAS_SM90" = "1" ]; then
-  step sm90-tests "$OUT/tests.log" "$(min "${GPU_CHECK_SM90_CAP:-100}" $(($(left) - TEST_MIN - BENCH_MIN)))" \
+  step sm90-tests "$OUT/tests.log" "$(min "${GPU_CHECK_SM90_CAP:-100}" $(($(left) - TEST_MIN - SAN_MIN - BENCH_MIN)))" \
     "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" tests/test_gpu_sm90.py
   rc=$?
   tail -15 "$OUT/tests.log" >>"$SUMMARY"
@@ -149,7 +153,7 @@ if [ "$GPU_CC" = "9.0" ] && [ "$HAS_SM90" = "1" ]; then
     say "sm90-tests failed (exit $rc): SINKATTN_DISABLE_SM90=1 for the rest of the run"
   fi
 fi
-step tests "$OUT/tests.log" "$(min "$TEST_CAP" $(($(left) - BENCH_MIN)))" \
+step tests "$OUT/tests.log" "$(min "$TEST_CAP" $(($(left) - SAN_MIN - BENCH_MIN)))" \
   "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" --ignore=tests/test_gpu_sm90.py ${GPU_CHECK_TESTS:-tests}
 rc=$?
 if [ "$rc" -eq 5 ]; then
@@ -158,6 +162,40 @@ elif [ "$rc" -ne 0 ]; then
   FAILED=1
 fi
 tail -15 "$OUT/tests.log" >>"$SUMMARY"
+
+# ---------------------------------------------------------------------------------------------- 2b. sanitizers
+# compute-sanitizer (memcheck with padding, racecheck, synccheck, initcheck) over a small case of every kernel
+# family (bench/sanitize.py), time-boxed. Its full output goes into tests.log (the device tool returns 8 files);
+# the verdicts into the summary. A tool that could not run (no sanitizer, runtime refused it, out of time) is
+# reported NOT RUN, never as passed.
+SANITIZE_NOTE=""
+if [ "${GPU_CHECK_SANITIZE:-1}" = "0" ]; then
+  say "sanitize: NOT RUN (GPU_CHECK_SANITIZE=0)"
+  STEPS+=("sanitize: NOT RUN (disabled by GPU_CHECK_SANITIZE=0)")
+  SANITIZE_NOTE="sanitizers NOT RUN"
+else
+  SAN_LIMIT=$(min "${GPU_CHECK_SANITIZE_CAP:-120}" $(($(left) - BENCH_MIN)))
+  if [ "$SAN_LIMIT" -lt 30 ]; then
+    say "sanitize: NOT RUN (only ${SAN_LIMIT}s left before the bench's share of the deadline)"
+    STEPS+=("sanitize: NOT RUN (no time left)")
+    SANITIZE_NOTE="sanitizers NOT RUN"
+  else
+    say "sanitize: start (time box ${SAN_LIMIT}s): compute-sanitizer over bench/sanitize.py cases (output in tests.log)"
+    echo "== sanitize: bench/sanitize.py run --budget $SAN_LIMIT" >>"$OUT/tests.log"
+    t0=$(now)
+    timeout -k 15 $((SAN_LIMIT + 30)) "$PY" bench/sanitize.py run --budget "$SAN_LIMIT" --log "$OUT/tests.log" \
+      2>&1 | tee -a "$SUMMARY"
+    rc=${PIPESTATUS[0]}
+    case "$rc" in
+      0) STEPS+=("sanitize: PASS (every tool ran, 0 errors), $(($(now) - t0))s") ;;
+      1) FAILED=1; STEPS+=("sanitize: FAIL (errors found; see summary and tests.log), $(($(now) - t0))s") ;;
+      3) SANITIZE_NOTE="some sanitizers NOT RUN"
+         STEPS+=("sanitize: NOT RUN for some tools (see the summary for why), $(($(now) - t0))s") ;;
+      *) FAILED=1; SANITIZE_NOTE="sanitizer step broke"
+         STEPS+=("sanitize: exit $rc (124/137: stopped by its time box), $(($(now) - t0))s") ;;
+    esac
+  fi
+fi
 
 # ---------------------------------------------------------------------------------------------- 3. bench
 BENCH_LIMIT=$(min "$BENCH_CAP" "$(left)")
@@ -178,5 +216,5 @@ tail -40 "$OUT/bench.log" 2>/dev/null
 echo "---------------------------------------------------------------- gpu-check summary"
 for s in "${STEPS[@]}"; do echo "  $s"; done | tee -a "$SUMMARY"
 TOTAL_S=$(($(now) - START))
-say "done in ${TOTAL_S}s; results in $OUT; $([ $FAILED -eq 0 ] && echo OK || echo 'SOME STEPS FAILED')"
+say "done in ${TOTAL_S}s; results in $OUT; $([ $FAILED -eq 0 ] && echo OK || echo 'SOME STEPS FAILED')${SANITIZE_NOTE:+ ($SANITIZE_NOTE)}"
 exit $FAILED

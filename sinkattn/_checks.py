@@ -19,6 +19,7 @@ SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # The kernels load rows of 16 bytes (8 half elements) and instantiate head dims up to 256; the
 # contract is the same on every backend so code that runs on the CPU also runs on a GPU.
 HEADDIM_MAX = 256
+INT32_MAX = 2**31 - 1
 HEADDIM_MULTIPLE = 8
 BACKENDS = ("auto", "sm90", "sm80", "reference", "sm80-emulated")
 
@@ -130,6 +131,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     check_same_device("q", q, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
     for name, mx in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         check_int(name, mx, minimum=0)
+        if mx > INT32_MAX:  # the kernels size their grids from it, in int32 like cu_seqlens
+            raise SinkattnValueError(f"sinkattn: {name} is {mx}; accepted: an int from 0 to {INT32_MAX} "
+                                     f"(cu_seqlens are int32)")
 
 
 def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
@@ -185,6 +189,11 @@ def check_int(name: str, value, minimum: int) -> None:
         raise SinkattnValueError(f"sinkattn: {name} is {value}; accepted: an int >= {minimum}")
 
 
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise SinkattnTypeError(f"sinkattn: {name} must be a bool; got {type(value).__name__} {value!r}")
+
+
 def check_backend(backend) -> None:
     if backend not in BACKENDS:
         raise SinkattnValueError(
@@ -208,6 +217,9 @@ def normalize_mask(headdim: int, softmax_scale, causal, window_size, sink_tokens
                 f"accepted: right in (-1, 0) with causal, or causal=False with window_size=({left}, {right})")
         right = 0
     check_int("sink_tokens", sink_tokens, minimum=0)
+    # The kernels take int32 bounds. Positions are int32 too (cu_seqlens, cache_seqlens), so a bound past
+    # INT32_MAX reaches past every key and clamping it changes nothing.
+    left, right, sink_tokens = (min(x, INT32_MAX) for x in (left, right, sink_tokens))
     softcap = _check_float("softcap", softcap)
     if softcap < 0:
         raise SinkattnValueError(f"sinkattn: softcap is {softcap}; accepted: 0 (off) or a positive float")
@@ -265,6 +277,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_
                 raise SinkattnValueError(
                     f"sinkattn: {name} has shape {_shape(t)}; accepted: {want} (batch, seqlen_new, "
                     f"nheads_k, headdim of the cache)")
+    if k is not None:
+        check_writable_caches(k_cache, v_cache)
     check_tensor("cache_seqlens", cache_seqlens, 1, "(batch,) int32")
     if cache_seqlens.dtype != torch.int32:
         raise SinkattnTypeError(f"sinkattn: cache_seqlens has dtype {cache_seqlens.dtype}; accepted: torch.int32")
@@ -292,6 +306,23 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_
                 f"sinkattn: rotary_cos has {rotary_cos.shape[1]} columns, a rotary dim of {rotary_dim}; "
                 f"accepted: 1 to headdim / 2 = {q.shape[-1] // 2} columns")
     check_int("num_splits", num_splits, minimum=0)
+
+
+def check_writable_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Appending writes into the caches: each element must own its memory and the two caches must not share
+    any, or one write lands in several places (a broadcast cache, k_cache is v_cache)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            raise SinkattnValueError(
+                f"sinkattn: {name} (strides {tuple(t.stride())}, shape {_shape(t)}) has elements sharing memory "
+                f"(a broadcast/expanded view); new k/v cannot be appended into it; accepted: a cache whose "
+                f"elements own their memory (.contiguous() or a real allocation)")
+    # Interleaved views of one allocation (kv[:, :, 0], kv[:, :, 1]) are fine; the same first element is not.
+    # (Data pointers do not exist while torch.compile traces: the check runs eagerly only.)
+    if not torch.compiler.is_compiling() and k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+        raise SinkattnValueError(
+            "sinkattn: k_cache and v_cache start at the same memory (the same tensor passed twice?); appending "
+            "k/v would write one over the other; accepted: separate k and v caches")
 
 
 def check_kvcache_values(cache_seqlens, seqlen_new: int, seqlen_q: int, capacity: int, block_table,

@@ -215,6 +215,7 @@ def forward(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, win
     tma = backend == "sm90"
     q, k, v = (t if _aligned(t) and not (tma and _broadcast(t)) else t.contiguous() for t in (q, k, v))
     target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    cu_seqlens_q, cu_seqlens_k = _dense_index(cu_seqlens_q), _dense_index(cu_seqlens_k)
     C.fwd(backend, q, k, v, sinks, target, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
           float(softmax_scale), int(window_left), int(window_right), int(sink_tokens), float(softcap), int(max_smem))
     if target is not out:
@@ -241,7 +242,8 @@ def backward(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsi
         ds = dsinks if (dsinks is not None and dsinks.dtype == torch.float32 and dsinks.is_contiguous()) else \
             torch.empty((q.shape[-2],), dtype=torch.float32, device=q.device)
     C.bwd(backend, dout, q, k, v, sinks, out, lse.contiguous(), None if dlse is None else dlse.float().contiguous(),
-          *targets, ds, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
+          *targets, ds, _dense_index(cu_seqlens_q), _dense_index(cu_seqlens_k), int(max_seqlen_q), int(max_seqlen_k),
+          float(softmax_scale),
           int(window_left), int(window_right), int(sink_tokens), float(softcap), bool(deterministic), int(max_smem))
     for t, dst in zip(targets, (dq, dk, dv)):
         if t is not dst:
@@ -267,10 +269,16 @@ def kvcache_forward(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache
     q = q if _aligned(q) else q.contiguous()
     target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     C.fwd_kvcache(backend, q, k_cache, v_cache, sinks, target, lse, cache_seqlens.to(torch.int32).contiguous(),
-                  None if block_table is None else block_table.to(torch.int32), float(softmax_scale),
+                  _dense_index(block_table), float(softmax_scale),
                   int(window_left), int(window_right), int(sink_tokens), float(softcap), int(num_splits), int(max_smem))
     if target is not out:
         out.copy_(target)
+
+
+def _dense_index(t):
+    """Index tensors (cu_seqlens, block tables) as the kernels read them: contiguous int32. The API accepts any
+    strides (a view such as cu[::2] is a valid argument), so the bridge makes them dense."""
+    return None if t is None else t.to(torch.int32).contiguous()
 
 
 def _broadcast(t) -> bool:

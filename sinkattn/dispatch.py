@@ -164,7 +164,24 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                      window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                      max_seqlen_k=max_seqlen_k)
+    if varlen:
+        _clear_tail_rows(out, lse, cu_seqlens_q)
     return out, lse
+
+
+def _clear_tail_rows(out, lse, cu_seqlens_q) -> None:
+    """Rows past cu_seqlens_q[-1] belong to no sequence: the kernels never write them, the contract says out 0 and
+    lse -inf (as the reference gives). Read the end on the host when that is allowed (the value checks read
+    cu_seqlens already); under CUDA-graph capture, a device-side mask instead (no host read)."""
+    if check_values(cu_seqlens_q):
+        end = int(cu_seqlens_q[-1])
+        if end < out.shape[0]:
+            out[end:].zero_()
+            lse[:, end:] = float("-inf")
+        return
+    tail = torch.arange(out.shape[0], device=out.device) >= cu_seqlens_q[-1]
+    out.masked_fill_(tail[:, None, None], 0)
+    lse.masked_fill_(tail[None, :], float("-inf"))
 
 
 def backward(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

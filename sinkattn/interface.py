@@ -38,9 +38,11 @@ from .errors import SinkattnTypeError, SinkattnValueError
 _CONVENTIONS = (__doc__ or "").partition("(appended at import, so help() shows them).\n")[2]
 
 
-def _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend):
+def _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend, **flags):
     sinks = _checks.resolve_sinks(sinks, s_aux)
     _checks.check_backend(backend)
+    for name, value in flags.items():  # return_lse, deterministic: a truthy string is a mistake, not a yes
+        _checks.check_bool(name, value)
     mask = _checks.normalize_mask(q.shape[-1], softmax_scale, causal, window_size, sink_tokens, softcap)
     return sinks, mask
 
@@ -57,7 +59,8 @@ def flash_attn_with_sinks(q, k, v, sinks=None, *, softmax_scale=None, causal=Fal
     """
     _checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     sinks, (scale, left, right, n, cap) = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size,
-                                                    sink_tokens, softcap, backend)
+                                                    sink_tokens, softcap, backend, return_lse=return_lse,
+                                                    deterministic=deterministic)
     _checks.check_batched(q, k, v)
     _checks.check_sinks(sinks, q)
     out, lse = torch.ops.sinkattn.fwd(q, k, v, sinks, None, None, 0, 0, scale, left, right, n, cap,
@@ -77,7 +80,8 @@ def flash_attn_varlen_with_sinks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
     """
     _checks.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
     sinks, (scale, left, right, n, cap) = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size,
-                                                    sink_tokens, softcap, backend)
+                                                    sink_tokens, softcap, backend, return_lse=return_lse,
+                                                    deterministic=deterministic)
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _checks.check_sinks(sinks, q)
     out, lse = torch.ops.sinkattn.fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -107,7 +111,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
     _checks.check_tensor("k_cache", k_cache, 4, "(batch, capacity, nheads_k, headdim) or paged "
                                                 "(num_pages, page_size, nheads_k, headdim)")
     sinks, (scale, left, right, n, cap) = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size,
-                                                    sink_tokens, softcap, backend)
+                                                    sink_tokens, softcap, backend, return_lse=return_lse)
     if block_table is not None:
         _checks.check_tensor("block_table", block_table, 2, "(batch, max_pages) int32")
     cache_seqlens = _cache_seqlens(q, k_cache, k, cache_seqlens, block_table)

@@ -70,10 +70,11 @@ def _fully_visible(i0: int, i1: int, t0: int, t1: int, off: int, m: Mask) -> boo
     return right_ok and left_ok
 
 
-def _visible(i0: int, i1: int, t0: int, t1: int, off: int, m: Mask, device) -> torch.Tensor:
+def _visible(i0: int, i1: int, t0: int, t1: int, off: int, m: Mask, device, keys=None) -> torch.Tensor:
+    """(rows, keys) visibility of rows [i0, i1) and keys [t0, t1) (or the key positions `keys`)."""
     i = torch.arange(i0, i1, device=device)[:, None]
-    j = torch.arange(t0, t1, device=device)[None, :]
-    ok = torch.ones(i1 - i0, t1 - t0, dtype=torch.bool, device=device)
+    j = (torch.arange(t0, t1, device=device) if keys is None else keys)[None, :]
+    ok = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool, device=device)
     if m.window_right >= 0:
         ok &= j <= i + off + m.window_right
     if m.window_left >= 0:
@@ -144,11 +145,49 @@ def forward_seq(q, fetch, seqlen_k: int, nheads_k: int, sink, out, lse, m: Mask)
             p = torch.exp(s - shift[..., None])
             alpha = torch.exp(row_max - shift)
             row_sum = row_sum * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + torch.bmm(p, vt.to(acc_t).transpose(0, 1))
+            acc = acc * alpha[..., None] + _pv(p, vt.to(acc_t), i0, i1, t0, t1, off, m, needs_mask, g)
             row_max = new_max
         out_c, lse_c = _finalize(row_max, row_sum, acc, sink, hk, g, r)
         out[i0:i1].copy_(_from_groups(out_c, r))
         lse[:, i0:i1].copy_(lse_c.reshape(h, r))
+
+
+def _pv(p, vt, i0, i1, t0, t1, off, m: Mask, needs_mask: bool, g: int) -> torch.Tensor:
+    """p @ v for one tile, (hk, g*rows, d), exact for masked keys whatever their values.
+
+    A masked key has p = 0, but 0 * inf = NaN inside a matmul, so a non-finite V row would leak into rows
+    that may not see it. Only tiles with masked pairs can have that problem, and only when V holds a
+    non-finite value (checked once per such tile): then the non-finite entries are added for the visible
+    pairs alone, so they still propagate to exactly the rows that see them (README, "Non-finite values").
+    """
+    pv = torch.bmm(p, vt.transpose(0, 1))
+    if not needs_mask or bool(torch.isfinite(vt).all()):
+        return pv
+    bad = ~torch.isfinite(vt)                                   # (t, hk, d)
+    keys = bad.flatten(1).any(1).nonzero().flatten()            # the tile's keys holding a non-finite value
+    pv = torch.bmm(p, vt.masked_fill(bad, 0.0).transpose(0, 1))
+    vis = _visible(i0, i1, 0, 0, off, m, p.device, keys=t0 + keys)  # (rows, nbad)
+    hk, gr, _ = p.shape
+    pk = p[..., keys].view(hk, g, i1 - i0, -1)                   # (hk, g, rows, nbad)
+    vk = torch.where(bad[keys], vt[keys], 0.0).transpose(0, 1)  # (hk, nbad, d): the non-finite part only
+    term = pk[..., None] * vk[:, None, None]                    # (hk, g, rows, nbad, d)
+    term = torch.where(vis[None, None, :, :, None], term, 0.0).sum(3)
+    return pv + term.reshape(hk, gr, -1)
+
+
+def _masked_nonfinite_grad(ds, kt, vt, i0, i1, t0, t1, off, m: Mask, needs_mask: bool, g: int):
+    """(ds, k for dq) of one backward tile, with masked pairs exact whatever the masked keys hold.
+
+    dP = dO . v is non-finite at a masked key with a non-finite V, and p = 0 there makes ds NaN; dq then sums
+    ds * k, where a masked non-finite K meets ds = 0. Zero ds at masked pairs and take k's non-finite entries
+    out of the dq product: a row that sees such a key already has a NaN ds there, so it still propagates.
+    """
+    if not needs_mask or (bool(torch.isfinite(vt).all()) and bool(torch.isfinite(kt).all())):
+        return ds, kt
+    hk, gr, t = ds.shape
+    vis = _visible(i0, i1, t0, t1, off, m, ds.device)
+    ds = torch.where(vis[None, None], ds.view(hk, g, i1 - i0, t), 0.0).view(hk, gr, t)
+    return ds, torch.nan_to_num(kt, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _sink_rows(sink, hk: int, g: int, r: int) -> torch.Tensor:
@@ -170,7 +209,8 @@ def _finalize(row_max, row_sum, acc, sink, hk, g, r):
     sink_w = torch.exp(sink_rows - top).masked_fill(torch.isposinf(sink_rows), 1.0)
     total = row_sum * keys_w + sink_w
     lse = top + torch.log(total)  # total == 0 (nothing visible, no sink) -> -inf
-    factor = torch.where(total > 0, keys_w / total, torch.zeros_like(total))
+    # total == 0: nothing visible and no sink (out 0); a NaN sink makes total NaN and out NaN, not 0.
+    factor = torch.where(total != 0, keys_w / total, torch.zeros_like(total))
     return acc * factor[..., None], lse
 
 
@@ -213,6 +253,7 @@ def backward_seq(dout, dlse, q, fetch, seqlen_k: int, sink, out, lse, dq, dk_acc
             ds = p * (dp - delta[..., None])
             if th is not None:
                 ds = ds * (1 - th * th)  # d(c*tanh(u/c))/du
+            ds, kt = _masked_nonfinite_grad(ds, kt, vt, i0, i1, t0, t1, off, m, needs_mask, g)
             dqc += torch.bmm(ds, kt.transpose(0, 1))
             dk_acc[:, t0:t1] += torch.bmm(ds.transpose(1, 2), qs)
         dq[i0:i1].copy_(_from_groups(dqc * m.scale, r))

@@ -72,9 +72,9 @@ def attention_oracle(q, k, v, sinks=None, *, softmax_scale=None, causal=False, w
     sink_col = (torch.full((h,), float("-inf"), dtype=compute_dtype, device=q.device) if sinks is None
                 else sinks.to(compute_dtype))
     logits = torch.cat([s, sink_col.view(1, h, 1, 1).expand(b, h, sq, 1)], dim=-1)
-    # A row with nothing finite (no visible key, no sink) has lse -inf and out 0. Compute those rows on
+    # A row with nothing above -inf (no visible key, no sink) has lse -inf and out 0. Compute those rows on
     # zeros and select them away with where(): where's backward sends them no gradient, so no NaN leaks.
-    live = torch.isfinite(logits).any(-1).detach()
+    live = (logits != -math.inf).any(-1).detach()  # a +inf sink alone is an answer too: lse +inf, out 0
     safe = torch.where(live[..., None], logits, torch.zeros_like(logits))
     lse_safe = torch.logsumexp(safe, dim=-1)
     p = torch.exp(safe - lse_safe[..., None])[..., :sk]

@@ -1,0 +1,299 @@
+"""Non-finite values (README, Semantics, "Non-finite values").
+
+Masked keys never leak: a K/V row a query may not see because of its sequence's extent (the next varlen
+sequence, a padded page, a cache slot past cache_seqlens, rows past seqlen_k of a strided view) can hold
+inf or NaN and the query's out and lse are bit for bit those of a run where the row holds 0. The check is
+backend-agnostic (same backend, same tiling, only the poisoned values differ), so it runs unchanged on the
+reference, on the sm80 kernel under host emulation and (marked gpu) on the real sm80 and sm90 kernels.
+
+Inside a sequence's own key range (keys hidden by causal / window), a masked non-finite K is exact
+everywhere (scores are replaced by -inf, not added to); a masked non-finite V is exact on the reference
+only: the kernels multiply P = 0 by it inside the tile's P.V matmul (0 * inf = NaN).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sinkattn
+from sinkattn import _ext
+
+INF, NAN = float("inf"), float("nan")
+POISONS = [INF, -INF, NAN]
+EMU = any(k["family"] == "sm80-emulated" and k["headdim"] == 64 and k["dtype"] == "bf16" for k in _ext.registry())
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+REF = pytest.param(("reference", "cpu"), id="reference")
+EMULATED = pytest.param(("sm80-emulated", "cpu"), id="sm80-emulated",
+                        marks=pytest.mark.skipif(not EMU, reason="no emulated hd64 bf16 kernel in this build"))
+SM80 = pytest.param(("sm80", "cuda"), id="sm80", marks=pytest.mark.gpu)
+SM90_P = pytest.param(("sm90", "cuda"), id="sm90", marks=[pytest.mark.gpu, pytest.mark.skipif(not SM90, reason="cc 9.0")])
+# The sm90 forward loads K/V for varlen through one TMA box over the packed tensor: a key block that runs past its
+# sequence's end holds the next sequence's rows (masked to p = 0), and a non-finite V there makes P.V NaN
+# (csrc/sm90/fwd_launch.cuh: rows = total_k for varlen). Known in issue 19; FlashAttention-3 does the same.
+SM90_VARLEN_V = "sm90 varlen reads the next sequence's V rows in a key block; 0 * inf = NaN"
+
+
+def _poison(t, idx, value):
+    t = t.clone()
+    t[idx] = value
+    return t
+
+
+def _assert_same(got, want, what):
+    assert torch.equal(got, want), f"{what}: differs from the run with finite values there " \
+                                   f"({(got != want).sum().item()} elements, non-finite: {(~torch.isfinite(got)).sum().item()})"
+
+
+# ------------------------------------------------------------------------------------------------ varlen
+LQ, LK = [17, 9, 30], [30, 23, 45]   # sequence 1 is poisoned; 0 and 2 must not notice
+
+
+def _varlen(backend, device, k, v, sinks, grad=False, lq=LQ, **kw):
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(LK).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(sum(lq), 4, 64, generator=gen).to(torch.bfloat16).to(device)
+    k, v = k.to(device), v.to(device)
+    if grad:
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = sinkattn.flash_attn_varlen_with_sinks(q, k, v, cu_q, cu_k, max(lq), max(LK), sinks.to(device),
+                                                     return_lse=True, backend=backend, **kw)
+    if not grad:
+        return out.cpu(), lse.cpu()
+    do = torch.randn(out.shape, generator=gen).to(out.dtype).to(device)
+    torch.autograd.backward([out, lse], [do, torch.ones_like(lse)])
+    return out.cpu(), lse.cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()
+
+
+def _kv(total):
+    gen = torch.Generator().manual_seed(2)
+    return (torch.randn(total, 2, 64, generator=gen).to(torch.bfloat16),
+            torch.randn(total, 2, 64, generator=gen).to(torch.bfloat16))
+
+
+MASKS = [dict(), dict(causal=True, window_size=(6, 0), sink_tokens=2)]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=["full", "causal-window-sinktok"])
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("poison", POISONS, ids=str)
+@pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P])
+def test_varlen_next_sequence_never_leaks(bk, poison, which, mask, request):
+    backend, device = bk
+    if backend == "sm90" and which == "v":
+        request.applymarker(pytest.mark.xfail(strict=False, reason=SM90_VARLEN_V))
+    k, v = _kv(sum(LK))
+    sinks = torch.randn(4)
+    rows = slice(LK[0], LK[0] + LK[1])
+    clean = _varlen(backend, device, k, v, sinks, **mask)
+    bad = _varlen(backend, device, *((_poison(k, rows, poison), v) if which == "k" else (k, _poison(v, rows, poison))),
+                  sinks, **mask)
+    for s, (q0, q1) in ((0, (0, LQ[0])), (2, (LQ[0] + LQ[1], sum(LQ)))):
+        _assert_same(bad[0][q0:q1], clean[0][q0:q1], f"out of sequence {s}")
+        _assert_same(bad[1][:, q0:q1], clean[1][:, q0:q1], f"lse of sequence {s}")
+
+
+@pytest.mark.parametrize("poison", POISONS, ids=str)
+@pytest.mark.parametrize("bk", [REF, EMULATED, SM80])
+def test_varlen_backward_never_reads_an_unseen_sequence(bk, poison):
+    """Sequence 1 has keys but no queries: nothing sees it, so every gradient (and dsinks) stays exact."""
+    backend, device = bk
+    lq = [17, 0, 30]
+    k, v = _kv(sum(LK))
+    rows = slice(LK[0], LK[0] + LK[1])
+    sinks = torch.randn(4)
+    got = []
+    for kk, vv in ((k, v), (_poison(k, rows, poison), _poison(v, rows, poison))):
+        s = sinks.clone().requires_grad_()
+        res = _varlen(backend, device, kk, vv, s, grad=True, lq=lq, causal=True, window_size=(9, 0))
+        got.append((*res, s.grad))
+    names = ["out", "lse", "dq", "dk", "dv", "dsinks"]
+    keep = torch.ones(sum(LK), dtype=torch.bool)
+    keep[rows] = False
+    for name, a, b in zip(names, got[0], got[1]):
+        if name in ("dk", "dv"):
+            a, b = a[keep], b[keep]
+        _assert_same(b, a, name)
+
+
+# ------------------------------------------------------------------------------------------------ KV cache
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("poison", POISONS, ids=str)
+@pytest.mark.parametrize("bk", [REF, EMULATED, SM80])
+def test_cache_slots_past_seqlens_never_leak(bk, poison, paged):
+    """Slots past cache_seqlens + new tokens, padded slots of a sequence's last page, pages no sequence uses,
+    and block-table columns past a sequence's pages (pointing at a poisoned page) hold `poison`."""
+    backend, device = bk
+    b, hk, h, d, cap, page = 3, 2, 8, 64, 96, 16
+    lens, sn = [5, 40, 0], 1
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(b, 1, h, d, generator=gen).to(torch.bfloat16)
+    kn, vn = (torch.randn(b, sn, hk, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    dense_k, dense_v = (torch.randn(b, cap, hk, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    results = []
+    for value in (0.0, poison):
+        if not paged:
+            kc, vc, bt = dense_k.clone(), dense_v.clone(), None
+            for bi, n in enumerate(lens):
+                kc[bi, n + sn:] = value
+                vc[bi, n + sn:] = value
+        else:
+            per = cap // page
+            kc = torch.full((b * per + 1, page, hk, d), value).to(torch.bfloat16)
+            vc = kc.clone()
+            bt = torch.full((b, per), b * per, dtype=torch.int32)  # unused columns: the all-poison spare page
+            for bi, n in enumerate(lens):
+                for p in range((n + sn + page - 1) // page):
+                    dst = bi * per + (per - 1 - p)  # pages in reverse order, so neighbours are not the next page
+                    bt[bi, p] = dst
+                    kc[dst] = dense_k[bi, p * page:(p + 1) * page]
+                    vc[dst] = dense_v[bi, p * page:(p + 1) * page]
+                    used = min(page, n + sn - p * page)
+                    kc[dst, used:] = value
+                    vc[dst, used:] = value
+        dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+        out, lse = sinkattn.flash_attn_with_kvcache(
+            dev(q), dev(kc), dev(vc), dev(torch.linspace(-1, 1, h)), k=dev(kn), v=dev(vn),
+            cache_seqlens=dev(torch.tensor(lens, dtype=torch.int32)), block_table=dev(bt), causal=True,
+            return_lse=True, num_splits=2, backend=backend)
+        results.append((out.cpu(), lse.cpu()))
+    _assert_same(results[1][0], results[0][0], "out")
+    _assert_same(results[1][1], results[0][1], "lse")
+
+
+# ------------------------------------------------------------------------------------------------ tails
+@pytest.mark.parametrize("poison", POISONS, ids=str)
+@pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P])
+def test_rows_past_seqlen_k_of_a_view_never_leak(bk, poison):
+    """k, v are views of the first 70 of 128 rows: a key block's tail lies inside the allocation."""
+    backend, device = bk
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 50, 4, 64, generator=gen).to(torch.bfloat16).to(device)
+    big_k, big_v = (torch.randn(2, 128, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    res = []
+    for value in (0.0, poison):
+        bk_, bv_ = big_k.clone(), big_v.clone()
+        bk_[:, 70:] = value
+        bv_[:, 70:] = value
+        bk_, bv_ = bk_.to(device), bv_.to(device)
+        out, lse = sinkattn.flash_attn_with_sinks(q, bk_[:, :70], bv_[:, :70], torch.zeros(4, device=device),
+                                                  causal=True, return_lse=True, backend=backend)
+        res.append((out.cpu(), lse.cpu()))
+    _assert_same(res[1][0], res[0][0], "out")
+    _assert_same(res[1][1], res[0][1], "lse")
+
+
+# ------------------------------------------------------------------------------------------------ inside the sequence
+def _causal_pair(backend, device, k, v, grad=False):
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 40, 4, 64, generator=gen).to(torch.bfloat16).to(device)
+    k, v = k.to(device), v.to(device)
+    if grad:
+        q.requires_grad_()
+    out, lse = sinkattn.flash_attn_with_sinks(q, k, v, torch.zeros(4, device=device), causal=True,
+                                              return_lse=True, backend=backend)
+    if not grad:
+        return out.cpu(), lse.cpu()
+    out.backward(torch.ones_like(out))
+    return out.cpu(), lse.cpu(), q.grad.cpu()
+
+
+@pytest.mark.parametrize("poison", POISONS, ids=str)
+@pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P])
+def test_causally_masked_nonfinite_k_is_exact(bk, poison):
+    """Key 30 holds `poison` in K: rows 0..29 (which may not see it) are exact, rows 30.. see it."""
+    backend, device = bk
+    gen = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(1, 40, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    clean = _causal_pair(backend, device, k, v)
+    bad = _causal_pair(backend, device, _poison(k, (0, 30), poison), v)
+    _assert_same(bad[0][:, :30], clean[0][:, :30], "out of rows 0..29")
+    _assert_same(bad[1][..., :30], clean[1][..., :30], "lse of rows 0..29")
+
+
+@pytest.mark.parametrize("poison", POISONS, ids=str)
+def test_reference_masked_nonfinite_v_is_exact_and_visible_ones_propagate(poison):
+    """The reference backend: a non-finite V entry reaches exactly the (row, head, dim) entries that see it,
+    forward and dq; rows that may not see it are bit for bit unchanged."""
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(1, 40, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    clean = _causal_pair("reference", "cpu", k, v, grad=True)
+    bad = _causal_pair("reference", "cpu", k, _poison(v, (0, 30, 1, 5), poison), grad=True)
+    for name, a, b in zip(("out", "lse", "dq"), clean, bad):
+        sl = (slice(None), slice(0, 30)) if name != "lse" else (Ellipsis, slice(0, 30))
+        _assert_same(b[sl], a[sl], f"{name} of rows 0..29")
+    # KV head 1 serves query heads 2 and 3: only their dim 5 turns non-finite, in every row that sees key 30.
+    nonfinite = ~torch.isfinite(bad[0].float())
+    want = torch.zeros_like(nonfinite)
+    want[0, 30:, 2:, 5] = True
+    assert torch.equal(nonfinite, want)
+    assert torch.equal(bad[1], clean[1])  # lse does not read V
+
+
+@pytest.mark.parametrize("bk", [EMULATED, SM80, SM90_P])
+def test_kernel_masked_nonfinite_v_stays_in_its_key_block(bk):
+    """The kernels' documented limit: a masked inf in V can reach (as NaN) rows whose key blocks include it
+    (P = 0 times inf inside P.V), never rows whose visited blocks do not. With window (5, 0) and 300 keys,
+    rows >= 200 visit only key blocks from 192 on; key 10's V is poisoned."""
+    backend, device = bk
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 300, 2, 64, generator=gen).to(torch.bfloat16).to(device)
+    k, v = (torch.randn(1, 300, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    res = []
+    for vv in (v, _poison(v, (0, 10), INF)):
+        out, lse = sinkattn.flash_attn_with_sinks(q, k.to(device), vv.to(device), causal=True, window_size=(5, 0),
+                                                  return_lse=True, backend=backend)
+        res.append((out.cpu(), lse.cpu()))
+    _assert_same(res[1][0][:, 200:], res[0][0][:, 200:], "out of rows whose blocks exclude key 10")
+    assert torch.equal(res[1][1], res[0][1])  # lse never reads V
+    assert not torch.isfinite(res[1][0][:, 10:16].float()).all()  # the rows that see key 10
+
+
+# ------------------------------------------------------------------------------------------------ sinks
+# Found here: the kernels' finalize (csrc/common/softmax.h, finalize_row, shared by the sm80 and sm90 forward and
+# decode) takes max(row_max, sink) = +inf and then exp(sink - max) = exp(inf - inf) = NaN. The reference and the
+# oracle give the contract's answer (all weight on the sink: out 0, lse +inf). Strict: remove when fixed.
+PLUS_INF_SINK = "kernel finalize_row: exp(+inf - +inf) = NaN for a +inf sink (csrc/common/softmax.h)"
+
+
+def _sink_run(backend, device, sinks):
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 20, 4, 64, generator=gen).to(torch.bfloat16).to(device)
+    k, v = (torch.randn(1, 30, 4, 64, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
+    return [t.cpu() for t in sinkattn.flash_attn_with_sinks(q, k, v, None if sinks is None else sinks.to(device),
+                                                             causal=True, return_lse=True, backend=backend)]
+
+
+@pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P])
+def test_plus_inf_sink_takes_all_the_weight(bk, request):
+    backend, device = bk
+    if backend != "reference":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=PLUS_INF_SINK))
+    out, lse = _sink_run(backend, device, torch.tensor([0.5, INF, 0.0, INF]))
+    assert torch.equal(out[:, :, 1::2], torch.zeros_like(out[:, :, 1::2]))
+    assert torch.isposinf(lse[:, 1::2]).all()
+    ref_out, ref_lse = _sink_run(backend, device, torch.tensor([0.5, 0.0, 0.0, 0.0]))
+    _assert_same(out[:, :, 0::2], ref_out[:, :, 0::2], "out of the finite-sink heads")
+
+
+@pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P])
+def test_nonfinite_sinks(bk):
+    """sinks per head: -inf is plain attention, NaN gives NaN (out and lse) for that head only; finite heads are
+    unchanged (+inf: the test above)."""
+    backend, device = bk
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 20, 4, 64, generator=gen).to(torch.bfloat16).to(device)
+    k, v = (torch.randn(1, 30, 4, 64, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
+    sinks = torch.tensor([0.5, -INF, 0.0, NAN], device=device)
+    out, lse = (t.cpu() for t in sinkattn.flash_attn_with_sinks(q, k, v, sinks, causal=True, return_lse=True,
+                                                                backend=backend))
+    ref_out, ref_lse = (t.cpu() for t in sinkattn.flash_attn_with_sinks(
+        q, k, v, torch.tensor([0.5, -INF, 0.0, 0.0], device=device), causal=True, return_lse=True, backend=backend))
+    plain_out, plain_lse = (t.cpu() for t in sinkattn.flash_attn_with_sinks(q, k, v, causal=True, return_lse=True,
+                                                                            backend=backend))
+    _assert_same(out[:, :, :2], ref_out[:, :, :2], "out of the finite-sink and -inf-sink heads")
+    _assert_same(lse[:, :2], ref_lse[:, :2], "lse of the finite-sink and -inf-sink heads")
+    _assert_same(out[:, :, 1], plain_out[:, :, 1], "-inf sink vs no sink")
+    assert torch.isnan(out[:, :, 3].float()).all() and torch.isnan(lse[:, 3]).all()
+    assert torch.equal(plain_lse[:, 1], lse[:, 1])
