@@ -66,9 +66,6 @@ LIMITS = {
                  max_group=8, grad=False),
 }
 SINK_VALUES = st.one_of(st.floats(-4, 4, allow_nan=False), st.sampled_from([30.0, -30.0, INF, -INF]))
-# The kernels turn a +inf sink into NaN (csrc/common/softmax.h finalize_row: exp(inf - inf); tests/test_nonfinite.py
-# holds it as a strict xfail). Until that is fixed their problems draw every other sink value.
-KERNEL_SINK_VALUES = st.one_of(st.floats(-4, 4, allow_nan=False), st.sampled_from([30.0, -30.0, -INF]))
 
 
 @st.composite
@@ -98,8 +95,7 @@ def problems(draw, backend: str = "reference", modes=("batched", "varlen", "kvca
     left = draw(st.one_of(st.just(-1), st.integers(0, 50)))
     right = 0 if causal else draw(st.one_of(st.just(-1), st.integers(0, 20)))
     sink_tokens = draw(st.sampled_from([0, 0, 1, 4, 9]))
-    values = SINK_VALUES if backend == "reference" else KERNEL_SINK_VALUES
-    sinks = draw(st.one_of(st.none(), st.lists(values, min_size=nheads, max_size=nheads).map(tuple)))
+    sinks = draw(st.one_of(st.none(), st.lists(SINK_VALUES, min_size=nheads, max_size=nheads).map(tuple)))
     grad = mode != "kvcache" and lim["grad"] and draw(st.integers(0, 3 if backend == "reference" else 5)) == 0
     if grad and sinks is not None and any(s == INF for s in sinks):
         grad = False  # the oracle's own autograd is NaN through a +inf logit

@@ -251,10 +251,10 @@ def test_kernel_masked_nonfinite_v_stays_in_its_key_block(bk):
 
 
 # ------------------------------------------------------------------------------------------------ sinks
-# Found here: the kernels' finalize (csrc/common/softmax.h, finalize_row, shared by the sm80 and sm90 forward and
-# decode) takes max(row_max, sink) = +inf and then exp(sink - max) = exp(inf - inf) = NaN. The reference and the
-# oracle give the contract's answer (all weight on the sink: out 0, lse +inf). Strict: remove when fixed.
-PLUS_INF_SINK = "kernel finalize_row: exp(+inf - +inf) = NaN for a +inf sink (csrc/common/softmax.h)"
+# Found by these tests: the kernels' finalize (csrc/common/softmax.h finalize_row, shared by the sm80 and sm90
+# forward and decode), the split-KV combine (split.h combine_lse) and the backward's sink probability
+# (bwd_prepost.h) took exp(sink - max) = exp(inf - inf) = NaN. Now all three give the contract's answer: all the
+# weight on the sink, out 0, lse +inf, and the row's dsinks term dlse_i - D_i.
 
 
 def _sink_run(backend, device, sinks):
@@ -266,15 +266,54 @@ def _sink_run(backend, device, sinks):
 
 
 @pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P])
-def test_plus_inf_sink_takes_all_the_weight(bk, request):
+def test_plus_inf_sink_takes_all_the_weight(bk):
     backend, device = bk
-    if backend != "reference":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=PLUS_INF_SINK))
     out, lse = _sink_run(backend, device, torch.tensor([0.5, INF, 0.0, INF]))
     assert torch.equal(out[:, :, 1::2], torch.zeros_like(out[:, :, 1::2]))
     assert torch.isposinf(lse[:, 1::2]).all()
     ref_out, ref_lse = _sink_run(backend, device, torch.tensor([0.5, 0.0, 0.0, 0.0]))
     _assert_same(out[:, :, 0::2], ref_out[:, :, 0::2], "out of the finite-sink heads")
+
+
+@pytest.mark.parametrize("bk", [REF, EMULATED, SM80])
+def test_plus_inf_sink_through_split_decode(bk):
+    """The split-KV combine adds the sink once: a +inf sink there gives out 0 and lse +inf, not inf - inf."""
+    backend, device = bk
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 1, 4, 64, generator=gen).to(torch.bfloat16).to(device)
+    kc, vc = (torch.randn(2, 200, 2, 64, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
+    lens = torch.tensor([200, 57], dtype=torch.int32, device=device)
+
+    def run(sinks, splits):
+        return [t.cpu() for t in sinkattn.flash_attn_with_kvcache(
+            q, kc, vc, torch.tensor(sinks, device=device), cache_seqlens=lens, num_splits=splits, return_lse=True,
+            backend=backend)]
+    out, lse = run([INF, 0.5, INF, -1.0], 3)
+    assert torch.equal(out[:, :, 0::2], torch.zeros_like(out[:, :, 0::2])) and torch.isposinf(lse[:, 0::2]).all()
+    ref_out, ref_lse = run([0.0, 0.5, 0.0, -1.0], 3)
+    _assert_same(out[:, :, 1::2], ref_out[:, :, 1::2], "out of the finite-sink heads")
+    _assert_same(lse[:, 1::2], ref_lse[:, 1::2], "lse of the finite-sink heads")
+
+
+@pytest.mark.parametrize("bk", [REF, EMULATED, SM80])
+def test_plus_inf_sink_gradients(bk):
+    """A +inf sink head passes no gradient to q, k, v (every p is 0) and its dsinks is the sum of the rows'
+    dlse (p_sink = 1, D = 0 since out = 0); the finite head is unaffected."""
+    backend, device = bk
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 24, 2, 64, generator=gen).to(torch.bfloat16).to(device).requires_grad_()
+               for _ in range(3))
+    sinks = torch.tensor([INF, 0.5], device=device, requires_grad=True)
+    out, lse = sinkattn.flash_attn_with_sinks(q, k, v, sinks, causal=True, return_lse=True, backend=backend)
+    g = torch.randn(out.shape, generator=gen).to(out.dtype).to(device)
+    w = torch.randn(lse.shape, generator=gen).to(device)
+    torch.autograd.backward([out, lse], [g, w])
+    for name, t in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert torch.equal(t[:, :, 0], torch.zeros_like(t[:, :, 0])), f"{name} of the +inf-sink head is not 0"
+        assert torch.isfinite(t).all() and t[:, :, 1].abs().sum() > 0, name
+    want = w[0, 0].sum()
+    assert torch.isfinite(sinks.grad).all()
+    assert abs(sinks.grad[0].item() - want.item()) <= 1e-4 * (1 + abs(want.item())), (sinks.grad, want)
 
 
 @pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P])

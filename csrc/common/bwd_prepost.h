@@ -39,7 +39,8 @@ SA_HOST_DEVICE void bwd_preprocess_row(BwdParams const& p, int b, int h, int i) 
   p.delta[li] = delta;
   if (p.sinks) {
     float const sink = p.sinks[h], lse = p.lse[li];
-    float const prob = (sink == -INFINITY || lse == -INFINITY) ? 0.f : expf(sink - lse);
+    // A +inf sink holds all of the row's weight (lse is +inf too, and expf(inf - inf) would be NaN).
+    float const prob = (sink == -INFINITY || lse == -INFINITY) ? 0.f : sink == INFINITY ? 1.f : expf(sink - lse);
     p.dsink_rows[li] = -prob * delta;
   }
 }

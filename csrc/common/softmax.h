@@ -22,6 +22,9 @@ SA_HOST_DEVICE RowFinal finalize_row(float row_max, float row_sum, float sink) {
   if (row_max == -INFINITY || !(row_sum > 0.f)) {
     return RowFinal{0.f, sink};  // no visible key: out = 0, lse = sink (-inf without one)
   }
+  if (sink == INFINITY) {  // the sink takes all the weight: out = 0, lse = +inf (the rebase below would be inf - inf)
+    return RowFinal{0.f, INFINITY};
+  }
   if (sink == -INFINITY) {  // bit for bit the plain-attention math
     return RowFinal{1.f / row_sum, row_max + logf(row_sum)};
   }

@@ -44,6 +44,7 @@ SA_HOST_DEVICE float combine_lse(float const* lse_parts, int64_t stride, int n, 
   float m = sink;
   for (int s = 0; s < n; ++s) m = fmaxf(m, lse_parts[s * stride]);
   if (m == -INFINITY) return -INFINITY;
+  if (sink == INFINITY) return INFINITY;  // all the weight on the sink (expf(sink - m) would be inf - inf)
   float sum = expf(sink - m);
   for (int s = 0; s < n; ++s) sum += expf(lse_parts[s * stride] - m);
   return m + logf(sum);
