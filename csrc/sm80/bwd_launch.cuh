@@ -53,6 +53,10 @@ template <class Kt>
 void launch_bwd_tile(BwdParams const& p, cudaStream_t stream) {
   BwdGrid const grid = bwd_grid<Kt::kBlockN>(p);
   if (grid.size(p.batch) == 0) return;
+  if (grid.size(p.batch) > 0x7fffffff) {  // gridDim.x's limit (2^31 - 1 CTAs)
+    throw std::runtime_error("sinkattn bwd: the problem needs " + std::to_string(grid.size(p.batch)) +
+                             " CTAs, past the 2^31 - 1 a grid holds; split the batch");
+  }
   if (Kt::kSmemBytes > p.max_smem_per_block) {  // head dim 256 on a 99 KB device (dispatch declines it first)
     throw std::runtime_error("sinkattn bwd: the sm80 backward for head dim " + std::to_string(Kt::kHeadDim) +
                              " needs " + std::to_string(Kt::kSmemBytes / 1024) +

@@ -2,6 +2,8 @@
 // the split-KV combine (nvcc only, no torch). Which tile runs is fwd_launch.cuh's choice.
 #pragma once
 #include <cuda_runtime.h>
+#include <stdexcept>
+#include <string>
 
 #include "common/combine.h"
 #include "params.h"
@@ -38,6 +40,10 @@ template <class Kt>
 void launch_fwd_tile(FwdParams const& p, cudaStream_t stream) {
   FwdGrid const grid = fwd_grid<Kt::kBlockM>(p);
   if (grid.size(p.batch) == 0) return;
+  if (grid.size(p.batch) > 0x7fffffff) {  // gridDim.x's limit (2^31 - 1 CTAs)
+    throw std::runtime_error("sinkattn fwd: the problem needs " + std::to_string(grid.size(p.batch)) +
+                             " CTAs, past the 2^31 - 1 a grid holds; split the batch");
+  }
   auto kernel = fwd_kernel<Kt>;
   if (Kt::kSmemBytes > 48 * 1024) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
