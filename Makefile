@@ -45,13 +45,16 @@ define build_extension
 	  --show "sinkattn build" -- $(PYTHON) -m pip install -v --no-build-isolation --no-deps -e .
 endef
 
+# The stamps take the time the build started, so a source edited during a build is seen by the next make.
 $(STAMP): $(SOURCES) $(GRID)
+	@mkdir -p build && touch build/.build-started
 	$(call build_extension,$(or $(SINKATTN_EMULATION),0))
-	@touch $(STAMP)
+	@touch -r build/.build-started $(STAMP)
 
 $(STAMP_EMU): $(SOURCES) $(GRID)
+	@mkdir -p build && touch build/.build-started
 	$(call build_extension,1)
-	@touch $(STAMP) $(STAMP_EMU)
+	@touch -r build/.build-started $(STAMP) $(STAMP_EMU)
 
 install: $(STAMP)
 
