@@ -239,10 +239,41 @@ def _seq_bounds(cu_seqlens_q, cu_seqlens_k):
     return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
+# Decode-sized problems (a few query rows over all keys at once) skip the tiling and the per-row Python loop:
+# the per-op overhead of the tiled path, not arithmetic, is what a single-token step costs on a CPU.
+DIRECT_MAX_ROWS = 16
+
+
+def _forward_direct(q, k, v, sink, m: Mask):
+    """The whole batch in one pass: q (b, sq, h, d), k/v (b, sk, hk, d) -> (out, lse), same math as forward_seq
+    (one key tile, the same _finalize)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    acc_t = acc_dtype(q.dtype)
+    qs = (q.to(acc_t) * m.scale).view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b * hk, g * sq, d)
+    kt = k.to(acc_t).permute(0, 2, 3, 1).reshape(b * hk, d, sk)
+    vt = v.to(acc_t).transpose(1, 2).reshape(b * hk, sk, d)
+    s = torch.bmm(qs, kt)
+    if m.softcap > 0:
+        s = torch.tanh(s / m.softcap) * m.softcap
+    if not _fully_visible(0, sq, 0, sk, sk - sq, m):
+        s.view(b * hk, g, sq, sk).masked_fill_(~_visible(0, sq, 0, sk, sk - sq, m, s.device), float("-inf"))
+    row_max = s.amax(-1)
+    shift = row_max.masked_fill(row_max == float("-inf"), 0.0)
+    p = torch.exp(s - shift[..., None])
+    out, lse = _finalize(row_max, p.sum(-1), torch.bmm(p, vt), sink.repeat(b), b * hk, g, sq)
+    out = out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).to(q.dtype)
+    return out, lse.view(b, h, sq)
+
+
 def forward(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
     """Batched (q (b, sq, h, d)) or varlen (q (total_q, h, d) + cu_seqlens) forward -> (out, lse)."""
     acc_t = acc_dtype(q.dtype)
     sink = sink_vector(sinks, q.shape[-2], acc_t, q.device)
+    if cu_seqlens_q is None and 0 < q.shape[1] <= DIRECT_MAX_ROWS and 0 < k.shape[1] <= KEY_TILE * 16 \
+            and q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] <= SCORE_BUDGET:
+        return _forward_direct(q, k, v, sink, mask)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     bounds = _seq_bounds(cu_seqlens_q, cu_seqlens_k)
     if bounds is None:
