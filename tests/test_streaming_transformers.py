@@ -192,3 +192,27 @@ def test_set_streaming_rejects_bad_values():
         sat.set_streaming(model, sink_tokens=4, window=0)
     with pytest.raises(SinkattnValueError, match="sink_tokens"):
         sat.set_streaming(model, sink_tokens=-1, window=8)
+
+
+@pytest.mark.parametrize("sq,sk,window,sink_tokens,softcap,sinks", [
+    (1, 300, (-1, 0), 0, 0.0, "randn"), (1, 300, (63, 0), 4, 0.0, "randn"), (3, 40, (7, 0), 2, 5.0, None),
+    (16, 16, (-1, 0), 0, 0.0, "-inf"), (2, 9, (0, 0), 0, 0.0, "+30"), (4, 20, (2, 1), 1, 0.0, "randn")])
+def test_reference_direct_decode_path_equals_oracle(monkeypatch, sq, sk, window, sink_tokens, softcap, sinks):
+    """Decode-sized calls take the reference backend's direct path (one pass over the batch); it computes
+    the contract: windows, sink tokens, softcap, GQA, learnable sinks incl. -inf and +30."""
+    from sinkattn import flash_attn_with_sinks, reference
+    taken = []
+    real = reference._forward_direct
+    monkeypatch.setattr(reference, "_forward_direct", lambda *a: taken.append(1) or real(*a))
+    g = torch.Generator().manual_seed(sq * 1000 + sk)
+    q = torch.randn(3, sq, 6, 32, generator=g)
+    k, v = (torch.randn(3, sk, 2, 32, generator=g) for _ in range(2))
+    s = {None: None, "randn": torch.randn(6, generator=g), "-inf": torch.full((6,), float("-inf")),
+         "+30": torch.full((6,), 30.0)}[sinks]
+    out, lse = flash_attn_with_sinks(q, k, v, s, window_size=window, sink_tokens=sink_tokens, softcap=softcap,
+                                     return_lse=True)
+    want, want_lse = attention_oracle(q.double(), k.double(), v.double(), None if s is None else s.double(),
+                                      window_size=window, sink_tokens=sink_tokens, softcap=softcap)
+    assert taken
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
