@@ -39,6 +39,7 @@ except ImportError as _e:  # pragma: no cover - exercised only without transform
     raise ImportError("sinkattn.integrations.transformers needs Hugging Face transformers >= 5: "
                       "pip install 'transformers>=5,<6'") from _e
 
+from .. import reference
 from ..distributed import _rectangle
 from ..errors import SinkattnValueError
 from ..interface import flash_attn_varlen_with_sinks, flash_attn_with_sinks
@@ -239,6 +240,18 @@ def _streaming_dense(q, k, v, s_aux, mask, left, right, n_sink, scale, cap):
     return _dense(q, k, v, s_aux, mask.masked_fill(~near[:, None], torch.finfo(mask.dtype).min), scale, cap)
 
 
+def _attend(q, k, v, s_aux, kw):
+    """flash_attn_with_sinks, except that CPU inference calls of decode size go straight to the reference
+    backend (its direct path): CPU tensors run that backend anyway, and at one query the op wrapper's checks
+    and dispatch cost as much as the attention itself (measured: bench/cpu_decode.py)."""
+    if q.device.type == "cpu" and q.shape[1] <= reference.DIRECT_MAX_ROWS and not torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling():
+        left, right = kw["window_size"]
+        mask = reference.Mask(kw["softmax_scale"], left, right, kw.get("sink_tokens", 0), kw["softcap"])
+        return reference.forward(q, k, v, s_aux, mask)[0]
+    return flash_attn_with_sinks(q, k, v, s_aux, **kw)
+
+
 def sinkattn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                sliding_window=None, softcap=None, s_aux=None, is_causal=None, **kwargs):
     """transformers attention interface: query (b, h, sq, d), key/value (b, hk, sk, d) ->
@@ -270,10 +283,10 @@ def sinkattn_attention_forward(module, query, key, value, attention_mask, dropou
     if n_sink:
         kw["sink_tokens"] = n_sink
     if attention_mask is None:
-        return flash_attn_with_sinks(q, k, v, s_aux, **kw), None
+        return _attend(q, k, v, s_aux, kw), None
     plan = _plan(attention_mask, b, sq, sk, left, right, h)
     if plan[0] == "full":
-        return flash_attn_with_sinks(q, k, v, s_aux, **kw), None
+        return _attend(q, k, v, s_aux, kw), None
     if plan[0] == "varlen" and not n_sink:
         return _run_ranges(q, k, v, s_aux, plan[1], s_left, right, kw), None
     if plan[0] == "dense":

@@ -68,6 +68,8 @@ class SinkCacheLayer(CacheLayerMixin):
         self.seen = 0
         self.step = None  # (seen before, old tokens presented, new tokens) of the last update
         self._memo = {} if memo is None else memo  # rotation tables, shared by the layers (same positions)
+        self.full_attention = True  # no window of the model's own on this layer (set by from_model)
+        self.unordered = False  # key order may be anything (a full-attention layer, no set_streaming window)
 
     def lazy_initialization(self, key_states, value_states):
         b, hk, _, d = key_states.shape
@@ -89,19 +91,34 @@ class SinkCacheLayer(CacheLayerMixin):
         n_s = min(self.seen, self.sink_tokens)
         return n_s + min(self.seen - n_s, self.window - 1), n_s
 
-    def _rotation(self, delta: torch.Tensor):
-        key = (delta.device, delta.numel(), self.seen)
+    def _cos_sin(self, delta: torch.Tensor, kind: str):
+        """cos/sin (len, d) of delta * inv_freq in the halves layout, computed once per step and shared by the
+        layers (they see the same positions in lockstep; the deltas are compared to be sure)."""
+        key = (kind, self.seen, delta.numel(), delta.device)
         hit = self._memo.get("rot")
         if hit is not None and hit[0] == key and torch.equal(hit[1], delta):
             return hit[2]
         angle = delta.to(torch.float64)[:, None] * self._angles[None, :]
-        self._memo["rot"] = (key, delta, angle)
-        return angle
+        acc = torch.float64 if self.dtype == torch.float64 else torch.float32
+        c, sn = angle.cos().to(acc), angle.sin().to(acc)
+        table = (torch.cat([c, c], -1), torch.cat([-sn, sn], -1))
+        self._memo["rot"] = (key, delta, table)
+        return table
+
+    def _rotated(self, x, table):
+        """x (b, hk, len, d) rotated by the table's angles: x * cos + swap_halves(x) * sin (in place on the
+        one new tensor: this pass runs on every layer of every decode step)."""
+        half = x.shape[-1] // 2
+        xa = x.to(table[0].dtype)
+        out = torch.cat([xa[..., half:], xa[..., :half]], -1).mul_(table[1]).addcmul_(xa, table[0])
+        return out.to(x.dtype)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         s = key_states.shape[-2]
+        if s == 1 and self.unordered and self.seen >= self.capacity:
+            return self._decode_in_place(key_states, value_states)
         kept, n_s = self.presented(s)
         w = kept - n_s
         dev = self.device
@@ -110,7 +127,7 @@ class SinkCacheLayer(CacheLayerMixin):
         keys_old = self.keys.index_select(2, slots)
         delta = torch.arange(kept, device=dev) - self.arrival.index_select(0, slots)  # in-cache place now - then
         if kept and bool(delta.any()):
-            keys_old = rotate_halves(keys_old, self._rotation(delta))
+            keys_old = self._rotated(keys_old, self._cos_sin(delta, "gather"))
         out_k = torch.cat([keys_old, key_states], dim=2)
         out_v = torch.cat([self.values.index_select(2, slots), value_states], dim=2)
         # store the new tokens that stay: the sink tokens among them and the last `window` of the rest
@@ -125,6 +142,27 @@ class SinkCacheLayer(CacheLayerMixin):
         self.step = (self.seen, kept, s)
         self.seen += s
         return out_k, out_v
+
+    def _decode_in_place(self, key_states, value_states):
+        """One token into a full cache, where one query sees every held key so their order does not matter: the
+        new token takes the evicted token's slot and the ring is presented as it lies (no gather, values
+        zero-copy), keys rotated slot by slot to their in-cache positions."""
+        n, W, C, seen = self.sink_tokens, self.window, self.capacity, self.seen
+        slot = n + (seen - n) % W
+        self.keys[:, :, slot] = key_states[:, :, 0]
+        self.values[:, :, slot] = value_states[:, :, 0]
+        self.arrival[slot] = C - 1  # the hook's position for it: kept = C - 1
+        hit = self._memo.get("ring")
+        if hit is None or hit[0] != (seen, self.device):
+            # in-cache position of each slot's token: sinks 0..n-1, window token u at n + W - 1 - (seen - u);
+            # every layer holds the same positions (they advance in lockstep), so once per step
+            r = torch.arange(W, device=self.device)
+            target = torch.cat([torch.arange(n, device=self.device), n + W - 1 - (seen - n - r) % W])
+            hit = self._memo["ring"] = ((seen, self.device), self._cos_sin(target - self.arrival, "ring"))
+        out_k = self._rotated(self.keys, hit[1])
+        self.step = (seen, C - 1, 1)
+        self.seen += 1
+        return out_k, self.values
 
     def fast_forward(self, tokens: int) -> None:
         """Count `tokens` more tokens as streamed and evicted before the next step, keeping what is held (the
@@ -197,7 +235,11 @@ class SinkCache(Cache):
                                      f"yarn, llama3)")
         install_stream_hook(model)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        return cls(capacity, sink_tokens, num_layers=config.num_hidden_layers, inv_freq=rotary.inv_freq)
+        cache = cls(capacity, sink_tokens, num_layers=config.num_hidden_layers, inv_freq=rotary.inv_freq)
+        types = getattr(config, "layer_types", None)
+        for i, layer in enumerate(cache.layers):
+            layer.full_attention = types[i] == "full_attention" if types else not getattr(config, "sliding_window", None)
+        return cache
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not self.positioned:
@@ -248,6 +290,9 @@ def _stream_pre_hook(module, args, kwargs):
             f"StreamingLLM windows, which only attn_implementation='sinkattn' computes (this model uses {impl!r}); "
             f"call model.set_attn_implementation('sinkattn') after sinkattn.integrations.transformers.register(), "
             f"or feed such chunks token by token")
+    ordered = bool(getattr(module.config, "sinkattn_window", None))  # set_streaming's window reads key order
+    for each in cache.layers:
+        each.unordered = each.full_attention and not ordered
     kept, _ = layer.presented(s)
     kwargs["position_ids"] = torch.arange(kept, kept + s, device=x.device).expand(b, s)
     kwargs[STREAM_KWARG] = cache
