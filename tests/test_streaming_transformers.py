@@ -108,6 +108,17 @@ def test_output_does_not_depend_on_how_long_the_stream_has_run(kind):
     assert torch.equal(la, lb)
 
 
+def test_reset_cache_streams_like_a_new_one():
+    model = _model("llama")
+    ids = _ids(50, 12)
+    cache = sat.SinkCache.from_model(model, CAP, SINKS)
+    _stream(model, cache, ids, [1] * 50)  # arrivals of decode steps
+    cache.reset()
+    got = _stream(model, cache, ids, [49, 1])  # other arrivals, first in-place step at the same count
+    want = _stream(model, sat.SinkCache.from_model(model, CAP, SINKS), ids, [49, 1])
+    assert torch.equal(got, want)
+
+
 def test_cache_without_the_hook_is_refused():
     model = _model("llama")
     rot = model.model.rotary_emb

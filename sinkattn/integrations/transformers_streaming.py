@@ -193,6 +193,7 @@ class SinkCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         super().reset()
         self.seen, self.step = 0, None
+        self._memo.clear()  # the per-step tables are keyed by tokens seen, which a reset repeats
 
     def crop(self, tokens_to_remove: int) -> None:
         raise SinkattnRuntimeError("SinkCache cannot be cropped (evicted tokens are gone); assisted decoding and "
