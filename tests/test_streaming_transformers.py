@@ -227,3 +227,24 @@ def test_reference_direct_decode_path_equals_oracle(monkeypatch, sq, sk, window,
     assert taken
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_set_streaming_left_padded_batch_equals_each_row_alone():
+    """Padding takes the dense path with the sink tokens moved to each row's first real tokens."""
+    model = _model("llama")
+    sat.set_streaming(model, sink_tokens=2, window=5)
+    rows = [_ids(14, 13)[0], _ids(9, 14)[0]]
+    ids = torch.zeros(2, 14, dtype=torch.long)
+    mask = torch.zeros(2, 14, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, 14 - len(row):], mask[r, 14 - len(row):] = row, 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        both = model(ids, attention_mask=mask, position_ids=pos).logits
+        for r, row in enumerate(rows):
+            alone = model(row[None]).logits
+            torch.testing.assert_close(both[r, 14 - len(row):], alone[0], rtol=1e-9, atol=1e-9)
+    plain = _model("llama")  # without the window the padded row differs: the test sees the streaming mask
+    with torch.no_grad():
+        assert (plain(ids, attention_mask=mask, position_ids=pos).logits[0] - both[0]).abs().max() > 1e-3
+
