@@ -44,8 +44,7 @@ from ..distributed import _rectangle
 from ..errors import SinkattnValueError
 from ..interface import flash_attn_varlen_with_sinks, flash_attn_with_sinks
 from .transformers_streaming import (STREAM_KWARG, SinkCache, SinkCacheLayer, chunk_attention,  # noqa: F401
-                                     rotate_halves,
-                                     needs_chunk_path)
+                                     needs_chunk_path, rotate_halves)
 
 NAME = "sinkattn"
 __all__ = ["NAME", "register", "set_streaming", "sinkattn_attention_forward", "SinkCache", "SinkCacheLayer",
