@@ -143,6 +143,10 @@ def plot(path, results, budget):
     ax.axvline(budget, color="gray", ls=":", lw=1)
     ax.text(budget, ax.get_ylim()[1] * 0.9, f" KV budget {budget}", color="gray", fontsize=8, va="top")
     ax.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.0f"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.0f"))
+    ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_xlabel("token position")
     ax.set_ylabel(f"perplexity (bins of {results['bin']} tokens)")
     ax.set_title(f"{results['model']}: StreamingLLM ({results['device']})", fontsize=9)
