@@ -280,9 +280,65 @@ def _seq_bounds(cu_seqlens_q, cu_seqlens_k):
     return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
+# Decode-sized problems (a few query rows over all keys at once) skip the tiling and the per-row Python loop:
+# the per-op overhead of the tiled path, not arithmetic, is what a single-token step costs on a CPU.
+DIRECT_MAX_ROWS = 16
+
+
+def _forward_direct(q, k, v, sink, m: Mask):
+    """The whole batch in one pass: q (b, sq, h, d), k/v (b, sk, hk, d), sink (h,) or None -> (out, lse). The
+    same math as forward_seq with one key tile, in fewer ops: lse = logaddexp(logsumexp(scores), sink)
+    (stable for any sink, -inf and +inf included), p = exp(s - lse), out = p @ v."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    if q.device.type == "cpu" and q.dtype == torch.float32 and m.softcap == 0 and \
+            _fully_visible(0, sq, 0, sk, sk - sq, m):
+        return _direct_flash_cpu(q, k, v, sink, m.scale)
+    acc_t = acc_dtype(q.dtype)
+    qs = q.to(acc_t).view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b * hk, g * sq, d)
+    kt = k.to(acc_t).permute(0, 2, 3, 1).reshape(b * hk, d, sk)
+    vt = v.to(acc_t).transpose(1, 2).reshape(b * hk, sk, d)
+    s = torch.bmm(qs, kt).mul_(m.scale)
+    if m.softcap > 0:
+        s = torch.tanh(s / m.softcap) * m.softcap
+    if not _fully_visible(0, sq, 0, sk, sk - sq, m):
+        s.view(b * hk, g, sq, sk).masked_fill_(~_visible(0, sq, 0, sk, sk - sq, m, s.device), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    if sink is not None:
+        lse = torch.logaddexp(lse, _sink_rows(sink, hk, g, sq).repeat(b, 1))
+    # nothing visible and no sink: lse = -inf, weights 0 (exp(-inf - 0)); a +inf sink: weights exp(s - inf) = 0
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+    out = torch.bmm(p, vt).view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).to(q.dtype)
+    return out.contiguous(), lse.view(b, h, sq)
+
+
+def _direct_flash_cpu(q, k, v, sink, scale):
+    """Every query sees every key, so a KV head's query heads and rows are one block of g * sq rows over its keys:
+    PyTorch's fused CPU attention (the kernel SDPA runs) gives out and lse (natural log) for them, and the sink
+    joins afterwards: lse' = logaddexp(lse, sink), out' = out * exp(lse - lse')."""
+    b, sq, h, d = q.shape
+    hk = k.shape[2]
+    g = h // hk
+    qs = q.view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * sq, d)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, k.transpose(1, 2), v.transpose(1, 2),
+                                                                         scale=scale)
+    lse = lse.reshape(b, h, sq)
+    if sink is not None:
+        total = torch.logaddexp(lse, sink.view(1, h, 1))
+        # a +inf sink takes all the weight: exp(lse - inf) = 0
+        out = out * torch.exp(lse - total).view(b, hk, g * sq, 1)
+        lse = total
+    # contiguous like the op's fake (meta) outputs (free at one query: size-1 dims do not count)
+    return out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous(), lse.contiguous()
+
+
 def forward(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
     """Batched (q (b, sq, h, d)) or varlen (q (total_q, h, d) + cu_seqlens) forward -> (out, lse)."""
     acc_t = acc_dtype(q.dtype)
+    if cu_seqlens_q is None and 0 < q.shape[1] <= DIRECT_MAX_ROWS and 0 < k.shape[1] <= KEY_TILE * 16 \
+            and q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] <= SCORE_BUDGET:
+        return _forward_direct(q, k, v, None if sinks is None else sinks.to(acc_t), mask)
     sink = sink_vector(sinks, q.shape[-2], acc_t, q.device)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     bounds = _seq_bounds(cu_seqlens_q, cu_seqlens_k)

@@ -67,6 +67,13 @@ def _check_int(name, value, minimum):
         raise SinkattnValueError(f"SinkKVCache: {name} is {value}; accepted: an int >= {minimum}")
 
 
+def ring_slots(tokens: torch.Tensor, sink_tokens: int, window: int) -> torch.Tensor:
+    """Storage slot of each stream token index (tokens currently held): sink token u < n in slot u,
+    window token u in ring slot n + (u - n) mod window. Shared with the transformers SinkCache."""
+    n = sink_tokens
+    return torch.where(tokens < n, tokens, n + (tokens - n) % window)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
            interleaved: bool) -> torch.Tensor:
     """RoPE: rotate the first 2*cos.shape[1] dims of x (b, s, h, d) at positions (s,) (fp32 math,
@@ -196,9 +203,7 @@ class SinkKVCache:
     # ---- slots ----------------------------------------------------------------------------------
     def _slots(self, first: int, count: int) -> torch.Tensor:
         """Storage slots of the stream tokens first .. first+count-1 (all currently held)."""
-        u = torch.arange(first, first + count, device=self.device)
-        n = self.sink_tokens
-        return torch.where(u < n, u, n + (u - n) % self.window)
+        return ring_slots(torch.arange(first, first + count, device=self.device), self.sink_tokens, self.window)
 
     def _write(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store tokens first.. (pre-RoPE) in their slots: O(s), nothing else moves."""

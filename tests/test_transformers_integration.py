@@ -14,8 +14,6 @@ from transformers import DynamicCache, GptOssConfig, GptOssForCausalLM, LlamaCon
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gptoss_eager  # noqa: E402
 
 import sinkattn.integrations.transformers as sat  # noqa: E402
-from sinkattn.streaming import SinkKVCache  # noqa: E402
-from sinkattn import flash_attn_with_sinks  # noqa: E402
 
 sat.register()
 VOCAB = 128
@@ -254,31 +252,4 @@ def test_sink_cache_generate_past_capacity():
     assert torch.equal(ge, gf) and gf.shape[1] == 35
     assert cache.stats()["length"] == 12
 
-
-def test_sink_cache_layer_has_streamingllm_positions():
-    """Through SinkCacheLayer, q.k scores equal those of pre-RoPE q/k rotated at StreamingLLM's in-cache
-    positions, and attention over what it returns equals SinkKVCache on the pre-RoPE stream."""
-    _, fused = pair("llama")
-    rot = fused.model.rotary_emb
-    cap, n, hk, h, d = 10, 3, 2, 4, 16
-    layer = sat.SinkCacheLayer(cap, n, rot.inv_freq)
-    ref = SinkKVCache(cap, n, num_layers=1, batch_size=1, num_kv_heads=hk, head_dim=d, dtype=torch.float64,
-                      rotary_cos=None, rotary_sin=None)
-    inv = rot.inv_freq.double()
-    ang = torch.arange(64, dtype=torch.float64)[:, None] * inv[None]
-    cos, sin = ang.cos(), ang.sin()
-    ref.rotary_cos, ref.rotary_sin, ref.rotary_interleaved = cos, sin, False
-    g = torch.Generator().manual_seed(11)
-    sinks = torch.randn(h, generator=g, dtype=torch.float64)
-    seen = 0
-    for s in (4, 1, 1, 3, 1, 1, 1, 5, 1, 1, 1, 1, 2):
-        q, k, v = (torch.randn(1, s, nh, d, generator=g, dtype=torch.float64) for nh in (h, hk, hk))
-        pos = torch.arange(seen, seen + s)
-        rq = sat._rotate_halves(q, pos[None, :, None, None] * inv)  # what the model does: original positions
-        rk = sat._rotate_halves(k, pos[None, :, None, None] * inv)
-        keys, vals = layer.update(rk.transpose(1, 2), v.transpose(1, 2))
-        out = flash_attn_with_sinks(rq, keys.transpose(1, 2), vals.transpose(1, 2), sinks, causal=True)
-        want = ref.attend(0, q, k, v, sinks)
-        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)  # kvcache rotates q in fp32
-        seen += s
-    assert layer.seen == ref.tokens_seen() == seen
+# SinkCache's positions, per-token chunks and equality with SinkKVCache: tests/test_streaming_transformers.py

@@ -9,6 +9,9 @@
     cache = sat.SinkCache.from_model(model, capacity=1024, sink_tokens=4)
     model.generate(input_ids, past_key_values=cache, max_new_tokens=20_000)
 
+    # StreamingLLM's mask (first 4 tokens + a 508-token window) on any model, no cache needed
+    sat.set_streaming(model, sink_tokens=4, window=508)
+
 The attention function reads what transformers' attention modules pass: `s_aux` (gpt-oss's learnable
 sinks, a parameter: its gradient flows), `sliding_window`, `scaling`, `softcap`, the causality
 (`is_causal` or `module.is_causal`) and the attention mask. Masks are built by transformers' SDPA
@@ -30,19 +33,24 @@ import torch.nn.functional as F
 
 try:
     import transformers  # noqa: F401
-    from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 except ImportError as _e:  # pragma: no cover - exercised only without transformers
     raise ImportError("sinkattn.integrations.transformers needs Hugging Face transformers >= 5: "
                       "pip install 'transformers>=5,<6'") from _e
 
+from .. import reference
 from ..distributed import _rectangle
-from ..errors import SinkattnRuntimeError, SinkattnValueError
+from ..errors import SinkattnValueError
 from ..interface import flash_attn_varlen_with_sinks, flash_attn_with_sinks
+from .transformers_streaming import (STREAM_KWARG, SinkCache, SinkCacheLayer, chunk_attention,  # noqa: F401
+                                     needs_chunk_path, rotate_halves)
 
 NAME = "sinkattn"
-__all__ = ["NAME", "register", "sinkattn_attention_forward", "SinkCache", "SinkCacheLayer", "MaskFallbackWarning"]
+__all__ = ["NAME", "register", "set_streaming", "sinkattn_attention_forward", "SinkCache", "SinkCacheLayer",
+           "MaskFallbackWarning"]
+# Config attributes read by the attention function (any model): StreamingLLM's mask without a cache.
+SINK_TOKENS_ATTR, WINDOW_ATTR = "sinkattn_sink_tokens", "sinkattn_window"
 
 
 class MaskFallbackWarning(UserWarning):
@@ -197,10 +205,57 @@ def _dense(q, k, v, sinks, mask, scale, softcap):
     return torch.einsum("bhij,bjhd->bihd", p, vv).to(q.dtype)
 
 
+def set_streaming(model, sink_tokens: int = 4, window: int | None = None):
+    """StreamingLLM's attention pattern for any model (Llama passes no window of its own), for prefill and
+    generation: each query sees the first `sink_tokens` tokens and the `window` most recent ones up to itself
+    (sinkattn's window_size=(window - 1, 0), sink_tokens), at the model's own positions (section 1 of the
+    design). Stored on the config (so save_pretrained keeps it) as `sinkattn_sink_tokens` / `sinkattn_window`,
+    which the "sinkattn" attention function reads; this also registers and selects that function. A model
+    with its own sliding window keeps the narrower of the two. For a bounded cache with positions inside it,
+    use SinkCache instead (or as well). Returns the model."""
+    for name, val, low in (("sink_tokens", sink_tokens, 0), ("window", 1 if window is None else window, 1)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < low:
+            raise SinkattnValueError(f"set_streaming: {name} must be an int >= {low}; got {val!r}")
+    register()
+    configs = [model.config] + ([model.config.get_text_config()] if hasattr(model.config, "get_text_config") else [])
+    for cfg in configs:
+        setattr(cfg, SINK_TOKENS_ATTR, sink_tokens)
+        setattr(cfg, WINDOW_ATTR, window)
+    model.set_attn_implementation(NAME)
+    return model
+
+
+def _streaming_dense(q, k, v, s_aux, mask, left, right, n_sink, scale, cap):
+    """A padded or custom mask intersected with the sink-token window: each row's sink tokens are its first
+    n_sink valid keys (left padding moves them), the window is counted in key indices (bottom-right)."""
+    sq, sk = q.shape[1], k.shape[1]
+    m = _as_bool(mask, q.shape[2])
+    valid = (m if m is not None else mask[:, 0] > torch.finfo(mask.dtype).min / 2).expand(q.shape[0], sq, sk).any(1)
+    sink_col = valid & (valid.long().cumsum(-1) <= n_sink)
+    band = _visible(sq, sk, left, right, q.device)
+    near = band[None] | (sink_col[:, None, :] & _visible(sq, sk, -1, right, q.device)[None])
+    if m is not None:
+        return _dense(q, k, v, s_aux, (m & near)[:, None], scale, cap)
+    return _dense(q, k, v, s_aux, mask.masked_fill(~near[:, None], torch.finfo(mask.dtype).min), scale, cap)
+
+
+def _attend(q, k, v, s_aux, kw):
+    """flash_attn_with_sinks, except that CPU inference calls of decode size go straight to the reference
+    backend (its direct path): CPU tensors run that backend anyway, and at one query the op wrapper's checks
+    and dispatch cost as much as the attention itself (measured: bench/cpu_decode.py)."""
+    if q.device.type == "cpu" and q.shape[1] <= reference.DIRECT_MAX_ROWS and not torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling():
+        left, right = kw["window_size"]
+        mask = reference.Mask(kw["softmax_scale"], left, right, kw.get("sink_tokens", 0), kw["softcap"])
+        return reference.forward(q, k, v, s_aux, mask)[0]
+    return flash_attn_with_sinks(q, k, v, s_aux, **kw)
+
+
 def sinkattn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                sliding_window=None, softcap=None, s_aux=None, is_causal=None, **kwargs):
     """transformers attention interface: query (b, h, sq, d), key/value (b, hk, sk, d) ->
-    (attn_output (b, sq, h, d), None)."""
+    (attn_output (b, sq, h, d), None). Also reads the config's sinkattn_sink_tokens / sinkattn_window
+    (set_streaming) and, for a chunk through a SinkCache past its capacity, computes per-token StreamingLLM."""
     if dropout:
         raise SinkattnValueError(f"sinkattn (transformers): attention dropout ({dropout}) is not supported; set "
                                  f"config.attention_dropout = 0.0")
@@ -214,158 +269,28 @@ def sinkattn_attention_forward(module, query, key, value, attention_mask, dropou
         left, right = (-1, 0) if causal else (-1, -1)
     cap = float(softcap) if softcap else 0.0
     scale = float(scaling) if scaling is not None else d ** -0.5
-    kw = dict(softmax_scale=scale, window_size=(left, right), softcap=cap)
+    stream = kwargs.get(STREAM_KWARG)
+    if stream is not None and needs_chunk_path(stream, module.layer_idx):
+        # (SinkCache streams equal-length rows without padding, so the mask is the causal band: not read)
+        return chunk_attention(q, k, v, s_aux, stream, module.layer_idx, scale, cap, left), None
+    # StreamingLLM's mask from the config (set_streaming), on top of the model's own pattern
+    config = getattr(module, "config", None)
+    window = getattr(config, WINDOW_ATTR, None)
+    n_sink = int(getattr(config, SINK_TOKENS_ATTR, 0) or 0) if window else 0
+    s_left = left if not window else (window - 1 if left < 0 else min(left, window - 1))
+    kw = dict(softmax_scale=scale, window_size=(s_left, right), softcap=cap)
+    if n_sink:
+        kw["sink_tokens"] = n_sink
     if attention_mask is None:
-        return flash_attn_with_sinks(q, k, v, s_aux, **kw), None
+        return _attend(q, k, v, s_aux, kw), None
     plan = _plan(attention_mask, b, sq, sk, left, right, h)
     if plan[0] == "full":
-        return flash_attn_with_sinks(q, k, v, s_aux, **kw), None
-    if plan[0] == "varlen":
-        return _run_ranges(q, k, v, s_aux, plan[1], left, right, kw), None
-    _warn_once("the attention mask is not the causal/sliding-window pattern over (left- or right-) padded "
-               "sequences (an additive bias, a per-head mask, packed sequences or a custom pattern)")
+        return _attend(q, k, v, s_aux, kw), None
+    if plan[0] == "varlen" and not n_sink:
+        return _run_ranges(q, k, v, s_aux, plan[1], s_left, right, kw), None
+    if plan[0] == "dense":
+        _warn_once("the attention mask is not the causal/sliding-window pattern over (left- or right-) padded "
+                   "sequences (an additive bias, a per-head mask, packed sequences or a custom pattern)")
+    if window:
+        return _streaming_dense(q, k, v, s_aux, attention_mask, s_left, right, n_sink, scale, cap), None
     return _dense(q, k, v, s_aux, attention_mask, scale, cap), None
-
-
-# ---- StreamingLLM cache ------------------------------------------------------------------------------------
-def _rotate_halves(x, angle):
-    """Rotate x (..., d) by `angle` (d/2,) in the GPT-NeoX (halves) layout transformers' RoPE uses."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    c, s = angle.cos().to(acc), angle.sin().to(acc)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].to(acc), x[..., half:].to(acc)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
-class SinkCacheLayer(CacheLayerMixin):
-    """One layer of SinkCache: `sink_tokens` first tokens kept forever plus a ring of the most recent
-    `capacity - sink_tokens` (O(1) work per appended token, the window never shifted).
-
-    transformers rotates keys before they reach the cache, at the original positions p (the cache
-    reports all tokens seen, so `generate` and the model number them 0, 1, 2, ...). StreamingLLM wants
-    positions inside the cache instead. Attention with RoPE depends only on query-key distances, and
-    for the window those are the original ones (the window is contiguous and the query follows it),
-    so window keys are used as stored. Only the sink keys must look closer than they are: each read
-    rotates them forward by the number of evicted tokens, which puts them right before the window."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, capacity: int, sink_tokens: int, inv_freq: torch.Tensor):
-        super().__init__()
-        if capacity <= sink_tokens:
-            raise SinkattnValueError(f"SinkCache: capacity ({capacity}) must exceed sink_tokens ({sink_tokens})")
-        self.capacity, self.sink_tokens, self.window = capacity, sink_tokens, capacity - sink_tokens
-        self.inv_freq = inv_freq.detach().to(torch.float64).cpu()
-        self.seen = 0
-
-    def lazy_initialization(self, key_states, value_states):
-        b, hk, _, d = key_states.shape
-        if 2 * self.inv_freq.numel() != d:
-            raise SinkattnValueError(
-                f"SinkCache: the rotary embedding rotates {2 * self.inv_freq.numel()} of {d} key dims; only full "
-                f"rotary (the Llama / gpt-oss layout) is supported")
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.keys = torch.zeros(b, hk, self.capacity, d, dtype=key_states.dtype, device=self.device)
-        self.values = torch.zeros(b, hk, self.capacity, value_states.shape[-1], dtype=value_states.dtype,
-                                  device=self.device)
-        self._angles = self.inv_freq.to(self.device)
-        self.is_initialized = True
-
-    def _sizes(self, s):
-        old = min(self.seen, self.capacity)
-        n_s = min(self.seen, self.sink_tokens)
-        evict = min(old - n_s, max(0, old + s - self.capacity))
-        return old - evict, n_s  # tokens kept before the new ones, of which sink tokens
-
-    def _slots(self, tokens):
-        n = self.sink_tokens
-        return torch.where(tokens < n, tokens, n + (tokens - n) % self.window)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        s = key_states.shape[-2]
-        kept, n_s = self._sizes(s)
-        shift = self.seen - kept  # tokens evicted so far, this step's included
-        w = kept - n_s
-        dev = self.device
-        old = torch.cat([torch.arange(n_s, device=dev), torch.arange(self.seen - w, self.seen, device=dev)])
-        slots = self._slots(old)
-        keys_old = self.keys.index_select(2, slots)
-        if shift and n_s:
-            keys_old = torch.cat([_rotate_halves(keys_old[:, :, :n_s], shift * self._angles), keys_old[:, :, n_s:]], 2)
-        out_k = torch.cat([keys_old, key_states], dim=2)
-        out_v = torch.cat([self.values.index_select(2, slots), value_states], dim=2)
-        # store the new tokens that stay: the sink tokens among them and the last `window` of the rest
-        new = torch.arange(self.seen, self.seen + s, device=dev)
-        stay = (new < self.sink_tokens) | (new >= max(self.sink_tokens, self.seen + s - self.window))
-        if bool(stay.any()):
-            idx = stay.nonzero().flatten()
-            self.keys.index_copy_(2, self._slots(new[idx]), key_states.index_select(2, idx))
-            self.values.index_copy_(2, self._slots(new[idx]), value_states.index_select(2, idx))
-        self.seen += s
-        return out_k, out_v
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kept, _ = self._sizes(query_length)
-        return kept + query_length, self.seen - kept
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return self.capacity
-
-    def reset(self) -> None:
-        super().reset()
-        self.seen = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise SinkattnRuntimeError("SinkCache cannot be cropped (evicted tokens are gone); assisted decoding and "
-                                   "other rollbacks need a DynamicCache")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self.keys = self.keys.repeat_interleave(repeats, dim=0)
-            self.values = self.values.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.keys, self.values = self.keys[indices], self.values[indices]
-
-
-class SinkCache(Cache):
-    """StreamingLLM for transformers: every layer holds the first `sink_tokens` tokens and the most recent
-    `capacity - sink_tokens`, memory fixed, positions inside the cache (see SinkCacheLayer).
-
-    A step of s tokens first evicts the oldest window tokens to make room (s <= capacity - sink_tokens),
-    then attends causally over what is kept plus the new tokens. A longer chunk (a long prompt) attends
-    over the kept tokens and causally over the whole chunk, and only its last tokens are kept. For
-    batches of equal-length streams without padding (positions must be 0, 1, 2, ... per row)."""
-
-    def __init__(self, capacity: int, sink_tokens: int = 4, *, num_layers: int, inv_freq: torch.Tensor):
-        super().__init__(layers=[SinkCacheLayer(capacity, sink_tokens, inv_freq) for _ in range(num_layers)])
-        self.capacity, self.sink_tokens = capacity, sink_tokens
-
-    @classmethod
-    def from_model(cls, model, capacity: int, sink_tokens: int = 4) -> "SinkCache":
-        """Size the cache for `model` (a transformers causal LM with RoPE)."""
-        rotary = next((m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)), None)
-        if rotary is None:
-            raise SinkattnValueError("SinkCache.from_model: no rotary embedding (a module with `inv_freq`) in this "
-                                     "model; SinkCache needs RoPE")
-        rope_type = getattr(rotary, "rope_type", "default")
-        if rope_type in ("dynamic", "longrope"):
-            raise SinkattnValueError(f"SinkCache.from_model: rope_type {rope_type!r} changes its frequencies with the "
-                                     f"sequence length; SinkCache supports fixed-frequency RoPE (default, linear, "
-                                     f"yarn, llama3)")
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        return cls(capacity, sink_tokens, num_layers=config.num_hidden_layers, inv_freq=rotary.inv_freq)
-
-    def stats(self) -> dict:
-        layer = self.layers[0]
-        held = min(layer.seen, layer.capacity)
-        return {"tokens_seen": layer.seen, "evicted": layer.seen - held, "length": held, "capacity": layer.capacity,
-                "occupancy": held / layer.capacity}
