@@ -288,7 +288,8 @@ DIRECT_MAX_ROWS = 16
 def _forward_direct(q, k, v, sink, m: Mask):
     """The whole batch in one pass: q (b, sq, h, d), k/v (b, sk, hk, d), sink (h,) or None -> (out, lse). The
     same math as forward_seq with one key tile, in fewer ops: lse = logaddexp(logsumexp(scores), sink)
-    (stable for any sink, -inf and +inf included), p = exp(s - lse), out = p @ v."""
+    (stable for any sink, -inf and +inf included), p = exp(s - lse), out = p @ v. None when a masked key holds
+    a non-finite V (the caller takes the tiled path, which is exact there)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -303,6 +304,8 @@ def _forward_direct(q, k, v, sink, m: Mask):
     if m.softcap > 0:
         s = torch.tanh(s / m.softcap) * m.softcap
     if not _fully_visible(0, sq, 0, sk, sk - sq, m):
+        if not bool(torch.isfinite(vt).all()):
+            return None  # a masked non-finite V would reach p @ v as 0 * inf: the tiled path keeps it out (_pv)
         s.view(b * hk, g, sq, sk).masked_fill_(~_visible(0, sq, 0, sk, sk - sq, m, s.device), float("-inf"))
     lse = torch.logsumexp(s, -1)
     if sink is not None:
@@ -338,7 +341,9 @@ def forward(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
     acc_t = acc_dtype(q.dtype)
     if cu_seqlens_q is None and 0 < q.shape[1] <= DIRECT_MAX_ROWS and 0 < k.shape[1] <= KEY_TILE * 16 \
             and q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] <= SCORE_BUDGET:
-        return _forward_direct(q, k, v, None if sinks is None else sinks.to(acc_t), mask)
+        direct = _forward_direct(q, k, v, None if sinks is None else sinks.to(acc_t), mask)
+        if direct is not None:
+            return direct
     sink = sink_vector(sinks, q.shape[-2], acc_t, q.device)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     bounds = _seq_bounds(cu_seqlens_q, cu_seqlens_k)

@@ -336,3 +336,25 @@ def test_nonfinite_sinks(bk):
     _assert_same(out[:, :, 1], plain_out[:, :, 1], "-inf sink vs no sink")
     assert torch.isnan(out[:, :, 3].float()).all() and torch.isnan(lse[:, 3]).all()
     assert torch.equal(plain_lse[:, 1], lse[:, 1])
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_decode_sized_calls_keep_masked_v_out(poison):
+    """Calls of at most 16 query rows take the reference backend's direct path (one pass, no tiles): a masked V
+    row holding inf/NaN must not reach the rows that do not see it there either (found by merging the decode
+    fast path with these tests: p @ v multiplied p = 0 by inf). Keys past the window's right edge (causal) and
+    left of its left edge (window) are poisoned; only the last query sees key 9. Reference only: inside a
+    sequence's key range the kernels may turn a block's rows into NaN (README, "Non-finite values")."""
+    backend, device = "reference", "cpu"
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(1, 3, 2, 64, generator=gen).to(torch.bfloat16).to(device)
+    k, v = (torch.randn(1, 10, 2, 64, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
+    bad = _poison(v, (0, 9), poison)
+    bad = _poison(bad, (0, 0), poison)  # left of every row's window (4 keys)
+    kw = dict(causal=True, window_size=(3, 0), return_lse=True, backend=backend)
+    out, lse = (t.cpu() for t in sinkattn.flash_attn_with_sinks(q, k, bad, **kw))
+    ref_out, ref_lse = (t.cpu() for t in sinkattn.flash_attn_with_sinks(q, k, _poison(_poison(v, (0, 9), 0.0),
+                                                                                        (0, 0), 0.0), **kw))
+    _assert_same(out[:, :2], ref_out[:, :2], "out of the rows that do not see key 9")
+    _assert_same(lse, ref_lse, "lse")
+    assert not torch.isfinite(out[:, 2].float()).all()  # the row that sees it
