@@ -91,20 +91,9 @@ def cutlass_version(include_dir):
     return ".".join(p.group(1) if p else "?" for p in parts)
 
 
-def targets_per_kind(units, grid):
-    """Unit kind -> the number of SASS targets its family compiles (what its compile time scales with)."""
-    out = {}
-    for src, fam in units:
-        kind = build_progress.unit_kind(os.path.basename(src))
-        out[kind] = 1 if fam == "emu" else max(1, len(gen.family_targets(fam, grid.archs)))
-    return out
-
-
-def expected_cost(unit, grid):
-    src, fam = unit
-    kind = build_progress.unit_kind(os.path.basename(src))
-    n = 1 if fam == "emu" else max(1, len(gen.family_targets(fam, grid.archs)))
-    return build_progress.UNIT_COST_S.get(kind, build_progress.DEFAULT_COST_S) * n
+def expected_cost(unit):
+    kind = build_progress.unit_kind(os.path.basename(unit[0]))
+    return build_progress.UNIT_COST_S.get(kind, build_progress.DEFAULT_COST_S)
 
 
 def native_gpus():
@@ -152,7 +141,7 @@ def write_ninja(build_dir, units, cuda_home, cutlass_inc, grid, cxx_flags_extra)
     # so with ninja's in-order scheduling the long ones start early and the short ones fill the gaps.
     for src, fam in units:
         objects.append(os.path.join(build_dir, os.path.basename(src) + ".o"))
-    for src, fam in sorted(units, key=lambda u: -expected_cost(u, grid)):
+    for src, fam in sorted(units, key=lambda u: -expected_cost(u)):
         unit = os.path.basename(src)
         lines += [f"build {os.path.join(build_dir, unit + '.o')}: cc_{fam} {src}", f"  unit = {unit}"]
     with open(os.path.join(build_dir, "build.ninja"), "w") as f:
@@ -216,7 +205,7 @@ def cuda_extension():
             if prebuilt:
                 print(f"sinkattn build: linking the prebuilt kernel objects in {prebuilt}")
             else:
-                build_progress.run_ninja(build_dir, int(jobs), targets_per_kind(units, grid))
+                build_progress.run_ninja(build_dir, int(jobs))
             print("sinkattn build: compiling api.cpp against torch's headers and linking sinkattn._C "
                   "(about a minute on 2 cores)", flush=True)
             super().build_extensions()
