@@ -189,10 +189,10 @@ def run_ninja(build_dir: str, jobs: int) -> None:
                 done[name] = took or 0.0
                 if took and took > slowest[1]:
                     slowest = (name, took)
-                # Rescale the expected costs by the pace of the units finished so far.
-                fin = [(n, s) for n, s in done.items() if s > 1.0]
-                if fin:
-                    state["scale"] = sum(s for _, s in fin) / sum(expected(n) for n, _ in fin)
+                # Rescale the expected costs by the pace of the units finished so far (ccache hits included:
+                # a build that hits the cache keeps hitting it, and the estimate should say so).
+                fin = list(done.items())
+                state["scale"] = max(0.01, sum(s for _, s in fin) / sum(expected(n) for n, _ in fin))
                 out.line(status(f"done {name}" + (f" in {fmt_s(took)}" if took else "") + "; "))
                 state["last"] = time.time()
         elif line.strip() and not line.startswith("ninja: Entering directory") and "no work to do" not in line:
