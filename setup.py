@@ -6,10 +6,10 @@ ccache can serve rebuilds; api.cpp (the only file that sees torch) is compiled b
 BuildExtension and linked with those objects into sinkattn._C.
 
 Environment:
-    SINKATTN_CUDA_ARCHS   default "80;90a"
+    SINKATTN_CUDA_ARCHS   default "80;90a"; "native": the archs of the GPUs torch sees at build time
     SINKATTN_HEADDIMS     default "64,128,256"
     SINKATTN_DTYPES       default "bf16,fp16"
-    SINKATTN_EMULATION    "0" skips the host-emulated kernels (default "1")
+    SINKATTN_EMULATION    "1" also builds the host-emulated kernels the CPU tests run (default "0"; make test: "1")
     SINKATTN_SKIP_CUDA    "1" builds a pure-Python package (reference backend only)
     SINKATTN_CUTLASS_DIR  a CUTLASS include dir (holding cute/ and cutlass/)
     SINKATTN_PTXAS_VERBOSE "1" prints ptxas resource usage per kernel

@@ -59,7 +59,9 @@ def arch_of_capability(major: int, minor: int) -> str | None:
 
 def native_string(grid: Grid) -> str:
     """What build_info records of a native build: the GPUs the archs came from ("" for named archs)."""
-    return ", ".join(f"{name} (cc {cc[0]}.{cc[1]}: {arch})" for name, cc, arch in grid.native)
+    # (a C string literal in a -D define: no double quotes or backslashes from a device name)
+    return ", ".join(f"{name} (cc {cc[0]}.{cc[1]}: {arch})".replace('"', "'").replace("\\", "/")
+                     for name, cc, arch in grid.native)
 
 
 def parse_grid(env=os.environ, native=None) -> Grid:
