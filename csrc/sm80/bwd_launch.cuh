@@ -9,6 +9,7 @@
 #include "params.h"
 #include "sm80/bwd_config.h"
 #include "sm80/bwd_kernel.h"
+#include "sm80/launch_tile.cuh"
 #include "sm80/prims_gpu.cuh"
 
 namespace sinkattn {
@@ -53,21 +54,13 @@ template <class Kt>
 void launch_bwd_tile(BwdParams const& p, cudaStream_t stream) {
   BwdGrid const grid = bwd_grid<Kt::kBlockN>(p);
   if (grid.size(p.batch) == 0) return;
-  if (grid.size(p.batch) > 0x7fffffff) {  // gridDim.x's limit (2^31 - 1 CTAs)
-    throw std::runtime_error("sinkattn bwd: the problem needs " + std::to_string(grid.size(p.batch)) +
-                             " CTAs, past the 2^31 - 1 a grid holds; split the batch");
-  }
   if (Kt::kSmemBytes > p.max_smem_per_block) {  // head dim 256 on a 99 KB device (dispatch declines it first)
     throw std::runtime_error("sinkattn bwd: the sm80 backward for head dim " + std::to_string(Kt::kHeadDim) +
                              " needs " + std::to_string(Kt::kSmemBytes / 1024) +
                              " KB of shared memory per block; this device has " +
                              std::to_string(p.max_smem_per_block / 1024) + " KB");
   }
-  auto kernel = bwd_kernel<Kt>;
-  if (Kt::kSmemBytes > 48 * 1024) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
-  }
-  kernel<<<dim3(unsigned(grid.size(p.batch))), dim3(Kt::kNThreads), Kt::kSmemBytes, stream>>>(p, grid);
+  launch_tile_kernel("bwd", bwd_kernel<Kt>, grid.size(p.batch), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
 }
 
 // The tiles of `kUnit` for this problem. As in the forward (fwd_launch.cuh), the generator compiles each part

@@ -2,14 +2,13 @@
 // the split-KV combine (nvcc only, no torch). Which tile runs is fwd_launch.cuh's choice.
 #pragma once
 #include <cuda_runtime.h>
-#include <stdexcept>
-#include <string>
 
 #include "common/combine.h"
 #include "params.h"
 #include "sm80/fwd_config.h"
 #include "sm80/fwd_grid.h"
 #include "sm80/fwd_kernel.h"
+#include "sm80/launch_tile.cuh"
 #include "sm80/prims_gpu.cuh"
 
 namespace sinkattn {
@@ -35,20 +34,11 @@ __global__ void combine_kernel(__grid_constant__ const FwdParams p) {
   }
 }
 
-// One tile configuration's launch: grid, shared-memory opt-in, kernel.
+// One tile configuration's launch.
 template <class Kt>
 void launch_fwd_tile(FwdParams const& p, cudaStream_t stream) {
   FwdGrid const grid = fwd_grid<Kt::kBlockM>(p);
-  if (grid.size(p.batch) == 0) return;
-  if (grid.size(p.batch) > 0x7fffffff) {  // gridDim.x's limit (2^31 - 1 CTAs)
-    throw std::runtime_error("sinkattn fwd: the problem needs " + std::to_string(grid.size(p.batch)) +
-                             " CTAs, past the 2^31 - 1 a grid holds; split the batch");
-  }
-  auto kernel = fwd_kernel<Kt>;
-  if (Kt::kSmemBytes > 48 * 1024) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
-  }
-  kernel<<<dim3(unsigned(grid.size(p.batch))), dim3(Kt::kNThreads), Kt::kSmemBytes, stream>>>(p, grid);
+  launch_tile_kernel("fwd", fwd_kernel<Kt>, grid.size(p.batch), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
 }
 
 template <class Element>
