@@ -19,3 +19,12 @@ def rng_seed():
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (tiny models' ops are too small to share; the transformers tests use it)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -184,18 +184,21 @@ def _run_grad(out, lse, leaves, gen):
     return (gout, glse), grads
 
 
+def _leaves(p: FuzzProblem, q, k, v, sinks):
+    """(q, k, v, sinks, leaves): the inputs, made leaves that require grad when the problem checks gradients."""
+    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
+    if p.grad:
+        leaves = [t.detach().requires_grad_() for t in leaves]
+    return (*leaves[:3], leaves[3] if sinks is not None else None, leaves)
+
+
 def _check_batched(p: FuzzProblem, backend: str, device: str):
     gen = torch.Generator().manual_seed(p.seed)
     b, (sq, sk) = len(p.lens), p.lens[0]
     q = _rand(gen, (b, sq, p.nheads, p.headdim), p, device, p.strided)
     k = _rand(gen, (b, sk, p.nheads_k, p.headdim), p, device, p.strided)
     v = _rand(gen, (b, sk, p.nheads_k, p.headdim), p, device, p.strided)
-    sinks = _sinks(p, device)
-    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
-    if p.grad:
-        leaves = [t.detach().requires_grad_() for t in leaves]
-        q, k, v = leaves[:3]
-        sinks = leaves[3] if sinks is not None else None
+    q, k, v, sinks, leaves = _leaves(p, q, k, v, _sinks(p, device))
     out, lse = sinkattn.flash_attn_with_sinks(q, k, v, sinks, return_lse=True, backend=backend, **_kw(p))
     got = (out, lse)
     if p.grad:
@@ -213,12 +216,7 @@ def _check_varlen(p: FuzzProblem, backend: str, device: str):
     q = _rand(gen, (sum(lq), p.nheads, p.headdim), p, device, p.strided)
     k = _rand(gen, (sum(lk), p.nheads_k, p.headdim), p, device, p.strided)
     v = _rand(gen, (sum(lk), p.nheads_k, p.headdim), p, device, p.strided)
-    sinks = _sinks(p, device)
-    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
-    if p.grad:
-        leaves = [t.detach().requires_grad_() for t in leaves]
-        q, k, v = leaves[:3]
-        sinks = leaves[3] if sinks is not None else None
+    q, k, v, sinks, leaves = _leaves(p, q, k, v, _sinks(p, device))
     out, lse = sinkattn.flash_attn_varlen_with_sinks(q, k, v, cu_q, cu_k, max(lq), max(lk), sinks, return_lse=True,
                                                      backend=backend, **_kw(p))
     got = (out, lse)

@@ -17,19 +17,12 @@ from sinkattn.streaming import SinkKVCache  # noqa: E402
 from tests.oracle import attention_oracle  # noqa: E402
 from tests.test_transformers_integration import VOCAB, pair  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+              pytest.mark.usefixtures("one_thread")]
 CAP, SINKS = 16, 4  # gpt-oss's sliding layers use a window of 8 < capacity: both paths of the chunk code run
 # transformers computes RoPE angles in fp32 even for a float64 model, and a kept key is re-rotated by the
 # exact (float64) difference of positions: the two paths agree to fp32 angle rounding, not float64
 CLOSE = dict(rtol=1e-6, atol=1e-6)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _model(kind, impl=sat.NAME):

@@ -18,15 +18,8 @@ import sinkattn.integrations.transformers as sat  # noqa: E402
 sat.register()
 VOCAB = 128
 # transformers 5.24 renames past_key_values= to cache=; the old name works across 5.x, so keep it.
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 def gptoss_config(**kw):
