@@ -8,19 +8,17 @@ cache_seqlens, block_table contents) read tensor data and run inside the op impl
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from .errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
+from .layout import HEADDIM_MAX, HEADDIM_MULTIPLE, headdim_supported
 
 # float64 is served by the reference backend only; it exists so gradcheck can run.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# The kernels load rows of 16 bytes (8 half elements) and instantiate head dims up to 256; the
-# contract is the same on every backend so code that runs on the CPU also runs on a GPU.
-HEADDIM_MAX = 256
 INT32_MAX = 2**31 - 1
-HEADDIM_MULTIPLE = 8
 BACKENDS = ("auto", "sm90", "sm80", "reference", "sm80-emulated")
 
 _DTYPE_NAMES = "float16, bfloat16, float32 (float64: reference backend only)"
@@ -66,7 +64,7 @@ def check_last_dim_contiguous(tensors: dict) -> None:
 
 
 def check_headdim(name: str, d: int) -> None:
-    if d <= 0 or d > HEADDIM_MAX or d % HEADDIM_MULTIPLE != 0:
+    if not headdim_supported(d):
         raise SinkattnValueError(
             f"sinkattn: {name} has head dim {d}; accepted: a multiple of {HEADDIM_MULTIPLE} from "
             f"{HEADDIM_MULTIPLE} to {HEADDIM_MAX} (pad the head dim to the next multiple of {HEADDIM_MULTIPLE})")
@@ -136,6 +134,15 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                                      f"(cu_seqlens are int32)")
 
 
+def value_checks_on(t: torch.Tensor) -> bool:
+    """Whether to read index tensors (cu_seqlens, cache_seqlens, block_table) to validate them. Each read
+    synchronises with a CUDA device (a host round trip on every eager decode step), so: not while a CUDA graph
+    is captured, and not with SINKATTN_VALUE_CHECKS=0 (then invalid values are not caught: the
+    kernels read and write where they point)."""
+    return os.environ.get("SINKATTN_VALUE_CHECKS", "1") != "0" and not (
+        t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
                             max_seqlen_q: int, max_seqlen_k: int) -> None:
     """Value checks (read the tensors): start at 0, non-decreasing, within the packed tensors."""
@@ -182,11 +189,12 @@ def resolve_sinks(sinks, s_aux):
     return sinks if sinks is not None else s_aux
 
 
-def check_int(name: str, value, minimum: int) -> None:
+def check_int(name: str, value, minimum: int, who: str = "sinkattn") -> None:
+    """`who` names the API in the message (SinkKVCache's arguments say "SinkKVCache")."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SinkattnTypeError(f"sinkattn: {name} must be an int; got {type(value).__name__} {value!r}")
+        raise SinkattnTypeError(f"{who}: {name} must be an int; got {type(value).__name__} {value!r}")
     if value < minimum:
-        raise SinkattnValueError(f"sinkattn: {name} is {value}; accepted: an int >= {minimum}")
+        raise SinkattnValueError(f"{who}: {name} is {value}; accepted: an int >= {minimum}")
 
 
 def check_bool(name: str, value) -> None:

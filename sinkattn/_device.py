@@ -69,3 +69,26 @@ def capability(index: int) -> tuple[int, int]:
         if d.index == index:
             return d.capability
     return device_info(index).capability
+
+
+# Shared memory one block may opt in to, in bytes, by compute capability (CUDA C++ Programming Guide,
+# "Technical Specifications per Compute Capability"). Device facts, not kernel facts (what each kernel needs
+# is in the binary's registry, `smem_bytes`): the table stands in for a device's own property when the
+# capability is pretended (tests, the capability report's rows, vLLM's selection).
+SMEM_PER_BLOCK_OPTIN = {(8, 0): 166912, (8, 7): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448}
+SMEM_PER_BLOCK_OPTIN_BY_MAJOR = {10: 232448, 12: 101376}
+
+
+@functools.lru_cache(maxsize=None)
+def smem_per_block_optin(cc: tuple[int, int], index: int | None = None) -> int | None:
+    """The opt-in shared memory per block (bytes) of a device of compute capability `cc`: the device's own
+    property when `index` is a visible CUDA device of that capability, else the table; None when unknown."""
+    import torch
+
+    cc = tuple(cc)
+    if index is not None and torch.cuda.is_available() and index < torch.cuda.device_count() \
+            and capability(index) == cc:
+        own = device_info(index).smem_per_block_optin
+        if own:
+            return own
+    return SMEM_PER_BLOCK_OPTIN.get(cc, SMEM_PER_BLOCK_OPTIN_BY_MAJOR.get(cc[0]))

@@ -2,7 +2,7 @@
 
 Everything about the build is read from the binary itself (its kernel registry and the versions the
 compiler baked in), never from environment variables or files that can drift. Which backend serves a
-feature on a device is answered by the same `why_not` that dispatch uses. Works with no GPU and with no
+feature on a device is answered by dispatch itself (`preferred_backends`, `why_not`). Works with no GPU and with no
 compiled extension.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import platform
 
 import torch
 
-from . import _device, _ext, _kernels
+from . import _device, _ext, dispatch, registry
 from ._problem import Problem
 
 # One representative problem per feature the report answers for (gpt-oss-like shapes).
@@ -40,6 +40,15 @@ def _runtime() -> dict:
     return {"cuda_runtime": None, "cuda_driver": None}
 
 
+def _served_by(backend: str, problem: Problem, capability: tuple[int, int] | None) -> str:
+    """Which compiled kernel serves `problem` on `backend` and how it runs."""
+    kernel = registry.kernel_for(backend, problem)
+    if kernel is None:
+        return backend
+    how = "host emulation" if capability is None else registry.how_it_runs(kernel["archs"], capability)
+    return f"{kernel['name']} ({how})"
+
+
 def serving_paths(device: _device.DeviceInfo) -> dict:
     """For each feature: the backend that serves it on `device`, and why each better one does not."""
     paths = {}
@@ -47,21 +56,21 @@ def serving_paths(device: _device.DeviceInfo) -> dict:
         problem = _problem(feature, device.index)
         declined = {}
         chosen = "reference"
-        ranked_lower = _kernels.preference_note(device.capability, problem)
-        for backend in _kernels.preferred_backends(device.capability, problem):
-            reason = _kernels.why_not(backend, problem, capability=device.capability)
+        ranked_lower = dispatch.preference_note(device.capability, problem)
+        for backend in dispatch.preferred_backends(device.capability, problem):
+            reason = dispatch.why_not(backend, problem, capability=device.capability)
             if reason is None:
                 chosen = backend
                 break
             declined[backend] = reason
         for backend, why in ranked_lower.items():  # ranked below the one chosen: say why it is not used
             if chosen != backend and backend not in declined:
-                declined = {backend: _kernels.why_not(backend, problem, capability=device.capability) or why,
+                declined = {backend: dispatch.why_not(backend, problem, capability=device.capability) or why,
                             **declined}
-        if not _kernels.preferred_backends(device.capability):
+        if not dispatch.preferred_backends(device.capability):
             declined["kernels"] = (f"sinkattn kernels need cc >= 8.0 (this GPU is cc "
                                    f"{device.capability[0]}.{device.capability[1]})")
-        served = _kernels.served_by(chosen, problem, device.capability) if chosen != "reference" else \
+        served = _served_by(chosen, problem, device.capability) if chosen != "reference" else \
             "PyTorch reference backend"
         paths[feature] = {"backend": chosen, "kernel": served, "declined": declined}
     return paths
@@ -116,7 +125,7 @@ def _mismatches(build: dict | None, runtime: dict, devices: list[dict]) -> list[
             out.append({"problem": f"GPU {d['index']} ({d['name']}, cc {d['capability']}) runs the kernels from "
                                    "embedded PTX, JIT-compiled by the driver at first use (slow first call, no "
                                    "tuning for this arch)",
-                        "fix": f"for native code, {_kernels._rebuild_hint(cc)}"})
+                        "fix": f"for native code, {registry.rebuild_hint(cc)}"})
             continue
         for feature, path in d["paths"].items():
             if path["backend"] == "reference" and feature in ("learnable_sinks", "sink_tokens"):

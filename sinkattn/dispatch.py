@@ -1,4 +1,11 @@
-"""Backend choice (DESIGN.md section 2) and the calls into the chosen backend.
+"""Backend choice (DESIGN.md section 2) and the call into the chosen backend: the third layer of
+
+    interface (validation) -> ops (torch.library custom ops, fake impls, autograd) -> dispatch (here)
+        -> kernels (the _C bridge) | reference (PyTorch)
+
+for every op: forward and varlen (`run_fwd`), backward (`run_bwd`) and KV cache (`run_kvcache`). Each run_*
+describes the call as a Problem, chooses its backend once (`choose`), allocates the outputs and calls
+kernels.launch_* or reference.attention_*.
 
 "auto": CUDA tensors go to sm90 on cc 9.0 when it serves, else sm80 on cc >= 8.0 when it serves,
 else the reference backend with a one-time warning per distinct reason; CPU tensors go to the
@@ -6,39 +13,36 @@ reference silently. A forced backend that cannot serve raises SinkattnRuntimeErr
 what would serve. "sm80-emulated" (the sm80 kernel body under host emulation) is never chosen by
 "auto"; it exists for tests on CPU tensors.
 
-Kernel extension points in sinkattn._kernels (each guarded: a missing one means "not served"):
-
-    forward(backend, q, k, v, sinks, out, lse, *, softmax_scale, window_left, window_right,
-            sink_tokens, softcap, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-            max_seqlen_k=0) -> None
-        Problem.kind == "fwd". Writes out (like q, contiguous) and lse (fp32, (b, h, sq) or
-        (h, total_q) for varlen) in place.
-    backward(backend, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, *, softmax_scale,
-             window_left, window_right, sink_tokens, softcap, deterministic, cu_seqlens_q=None,
-             cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0) -> None
-        Problem.kind == "bwd". dout/out/q/k/v contiguous; dlse fp32 like lse or None (lse unused);
-        writes dq, dk, dv (preallocated like q, k, v; dk/dv summed over the query-head group) and
-        dsinks (fp32 (nheads,), or None without sinks) in place.
-    kvcache_forward(backend, q, k_cache, v_cache, sinks, out, lse, *, cache_seqlens, block_table,
-                    softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits) -> None
-        Problem.kind == "kvcache". Attention over the cache only: q is already rotated and the new
-        k/v already appended by sinkattn.kvcache; cache_seqlens (int32) counts the keys to attend to.
+Whether a kernel serves a call is `why_not`, the one place that decides it (the capability report and the
+vLLM integration ask it too): it reads what each kernel serves from the binary's registry (registry.py:
+features, head dims, dtypes, shared memory, archs) and the device's facts from _device.py.
 """
 from __future__ import annotations
 
 import os
-
 import warnings
 
 import torch
 
-from . import _device, _kernels, reference
-from ._checks import check_cu_seqlens_values, forced_backend_error
+from . import _checks, _device, _ext, kernels, kvcache, reference, registry
 from ._problem import Problem
 from .errors import SinkattnValueError
+from .layout import KERNEL_HEADDIMS, acc_dtype, kernel_headdim, lse_shape
 
-_ENTRY_POINT = {"fwd": "forward", "bwd": "backward", "kvcache": "kvcache_forward"}
 _warned: set[str] = set()
+
+# Forward windows shorter than this many keys run faster on the sm80 kernel on cc 9.0: each sm90 tile then
+# visits 2 key blocks, and its per-tile latency (Q load, epilogue) dominates. Measured on an H200
+# (bench/RESULTS.md): gpt-oss window (127, 0), hd64, 64/8 heads, 2 x 8192: sm80 53.9 TFLOP/s, sm90 44.6; at
+# window 1024 (hd128) sm90 is 1.8x faster. The crossover between 128 and 1024 is not measured.
+SM90_MIN_WINDOW = 128
+
+# What a registry feature means to a user (the reason a kernel is refused names what the call needs).
+_FEATURE_WORDS = {"sinks": "learnable sinks", "sink_tokens": "sink tokens", "causal": "causal masks",
+                  "window": "sliding windows", "softcap": "softcap", "gqa": "GQA/MQA (fewer KV heads than query heads)",
+                  "varlen": "variable-length (varlen) batches", "kvcache": "decode over a KV cache",
+                  "paged": "a paged KV cache", "deterministic": "a deterministic backward"}
+_WHAT = {"fwd": "forward", "bwd": "backward", "kvcache": "decode (KV-cache)"}
 
 
 class ReferenceFallbackWarning(UserWarning):
@@ -60,24 +64,126 @@ def _capability(device_index) -> tuple[int, int]:
     return _device.capability(device_index or 0)
 
 
-def why_not(backend: str, problem: Problem) -> str | None:
-    """None when `backend` serves `problem`, else a reason a user can act on."""
+# ---- can this backend serve this call ----------------------------------------------------------------------
+def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None = None) -> str | None:
+    """None when `backend` serves `problem`, else a reason a user can act on.
+
+    `capability` overrides the device's (the report asks for each visible GPU, vLLM's selection for the one it
+    plans for). The device's shared-memory limit is its own when it is a visible GPU of that capability, else
+    _device's table for the capability."""
     if backend == "reference":
         return None
+    if backend not in registry.KERNEL_BACKENDS:
+        return f"unknown backend {backend!r}; kernel backends are {', '.join(registry.KERNEL_BACKENDS)}"
+    emulated = backend == "sm80-emulated"
     # Device type first: on a CPU "needs CUDA tensors" is the actionable answer, whatever the build holds.
-    if backend == "sm80-emulated" and problem.device_type != "cpu":
+    if emulated and problem.device_type != "cpu":
         return f"'sm80-emulated' runs on CPU tensors only; these are on {problem.device_type}"
-    if backend != "sm80-emulated" and problem.device_type != "cuda":
+    if not emulated and problem.device_type != "cuda":
         return f"{backend!r} needs CUDA tensors; these are on {problem.device_type}"
-    entry = _ENTRY_POINT[problem.kind]
-    if not hasattr(_kernels, entry):
-        return f"this build has no {problem.kind} kernel entry point (sinkattn._kernels.{entry})"
-    cap = _capability(problem.device_index) if problem.device_type == "cuda" else None
-    return _kernels.why_not(backend, problem, capability=cap)
+    if not _ext.loaded():
+        return f"the compiled extension is not available ({_ext.IMPORT_ERROR})"
+    if not emulated:
+        if capability is None:
+            capability = _capability(problem.device_index)
+        reason = _device_gap(backend, capability)
+        if reason is not None:
+            return reason
+    return _kernel_gap(backend, problem, None if emulated else capability)
+
+
+def _device_gap(backend: str, capability: tuple[int, int]) -> str | None:
+    cc = f"{capability[0]}.{capability[1]}"
+    if backend == "sm90" and capability != (9, 0):
+        return f"backend 'sm90' needs a cc 9.0 GPU (this one is cc {cc})"
+    if backend == "sm90" and os.environ.get("SINKATTN_DISABLE_SM90") == "1":
+        return "disabled by SINKATTN_DISABLE_SM90=1 (the sm80 kernels serve cc 9.0)"
+    if backend == "sm80" and capability[0] < 8:
+        return f"sinkattn kernels need cc >= 8.0 (this GPU is cc {cc})"
+    return None
+
+
+def _kb(nbytes: int) -> str:
+    return f"{round(nbytes / 1024, 1):g}"
+
+
+def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | None) -> str | None:
+    """Whether the registry holds a kernel of `backend` that serves `problem` and runs on `capability` (None:
+    host emulation, no device)."""
+    family, op, what = registry.BACKEND_FAMILY[backend], registry.op_of(problem), _WHAT.get(problem.kind)
+    if what is None:
+        return f"no {problem.kind} kernel is built yet for backend {backend!r}; the reference backend serves it"
+    siblings = registry.kernels(family, op)
+    if op == "bwd" and not siblings:
+        if backend == "sm90":
+            return "sinkattn has no sm90 backward kernels yet; the sm80 backward serves cc 9.0"
+        return f"no backward kernel is built yet for backend {backend!r}; the reference backend serves it"
+    dtype = registry.dtype_name(problem.dtype)
+    if dtype not in ("bf16", "fp16"):
+        return f"kernels take bf16 or fp16 (got {problem.dtype}); the reference backend serves fp32"
+    if problem.headdim != problem.headdim_v:
+        return f"kernels need equal q/k and v head dims (got {problem.headdim} and {problem.headdim_v})"
+    hd = kernel_headdim(problem.headdim)
+    if hd is None or problem.headdim % 8 != 0:
+        return (f"kernels serve head dims that are multiples of 8 up to {KERNEL_HEADDIMS[-1]} "
+                f"(got {problem.headdim})")
+    kernel = registry.find(family, op, hd, dtype)
+    # Features are the family's (one list per family and op): a sibling answers when this head dim is missing.
+    described = kernel or (siblings[0] if siblings else None)
+    if described is not None:
+        missing = [f for f in registry.needed_features(problem) if f not in registry.features(described)]
+        if missing:
+            return (f"the {backend} {what} kernels do not serve "
+                    + " or ".join(_FEATURE_WORDS.get(f, f) for f in missing)
+                    + f" (registry features of {described['name']}: {described['features']})")
+    if kernel is None:
+        if str(hd) in registry.requested("requested_headdims") and dtype in registry.requested("requested_dtypes"):
+            if backend == "sm80-emulated":
+                return "this build has no emulated kernels (it was built with SINKATTN_EMULATION=0)"
+            # The grid asked for it and the generator still made none: the family does not exist yet.
+            return (f"sinkattn has no {backend} {what} kernels yet"
+                    + ("; the sm80 kernels serve cc 9.0" if backend == "sm90" else ""))
+        compiled = sorted({(k["headdim"], k["dtype"]) for k in siblings})
+        return (f"no {backend} {what} kernel for head dim {hd} {dtype} in this build (compiled: "
+                f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
+                f"including {dtype}")
+    if capability is None:
+        return None
+    cc = f"{capability[0]}.{capability[1]}"
+    need, allowed = registry.smem_bytes(kernel), _device.smem_per_block_optin(capability, problem.device_index)
+    if allowed is not None and need > allowed:
+        return (f"the {backend} {what} for head dim {hd} needs {_kb(need)} KB of shared memory per block; cc {cc} "
+                f"allows {_kb(allowed)} KB; the reference backend serves it")
+    if registry.how_it_runs(kernel["archs"], capability) is None:
+        return (f"the {backend} kernels in this build are compiled for {kernel['archs']}, none of which runs on "
+                f"cc {cc}; {registry.rebuild_hint(capability)}")
+    return None
+
+
+# ---- which backend runs the call ---------------------------------------------------------------------------
+def preference_note(capability: tuple[int, int] | None, problem: Problem | None) -> dict[str, str]:
+    """Backends "auto" ranks below the usual order for this problem, with why (the report prints it)."""
+    if (capability == (9, 0) and problem is not None and problem.kind == "fwd"
+            and 0 <= problem.window_left < SM90_MIN_WINDOW):
+        return {"sm90": (f"windows under {SM90_MIN_WINDOW} keys run faster on the sm80 kernel on cc 9.0 "
+                         "(measured on an H200); backend='sm90' still forces it")}
+    return {}
+
+
+def preferred_backends(capability: tuple[int, int] | None, problem: Problem | None = None) -> tuple[str, ...]:
+    """The kernel backends "auto" tries, best first, for a CUDA device of this compute capability (and, when
+    given, this problem: see `preference_note`)."""
+    if capability is None:
+        return ()
+    if capability == (9, 0):
+        return ("sm80", "sm90") if preference_note(capability, problem) else ("sm90", "sm80")
+    if capability[0] >= 8:
+        return ("sm80",)
+    return ()
 
 
 def _what_would_serve(problem: Problem, refused: str) -> str:
-    others = [b for b in _kernels.KERNEL_BACKENDS if b != refused and why_not(b, problem) is None]
+    others = [b for b in registry.KERNEL_BACKENDS if b != refused and why_not(b, problem) is None]
     return "What would serve: " + ", ".join(f"backend={b!r}" for b in others + ["reference"]) + \
         (" (the reference backend is slow)" if not others else "")
 
@@ -95,17 +201,17 @@ def choose(problem: Problem, requested: str) -> str:
     if requested == "reference":
         return "reference"
     if requested != "auto":
-        if requested not in _kernels.KERNEL_BACKENDS:
+        if requested not in registry.KERNEL_BACKENDS:
             raise SinkattnValueError(f"sinkattn: backend={requested!r} is not a kernel backend; accepted: "
-                                     + ", ".join(repr(b) for b in ("auto", "reference", *_kernels.KERNEL_BACKENDS)))
+                                     + ", ".join(repr(b) for b in ("auto", "reference", *registry.KERNEL_BACKENDS)))
         reason = why_not(requested, problem)
         if reason is not None:
-            raise forced_backend_error(requested, reason, _what_would_serve(problem, requested))
+            raise _checks.forced_backend_error(requested, reason, _what_would_serve(problem, requested))
         return requested
     if problem.device_type != "cuda":
         return "reference"
     cap = _capability(problem.device_index)
-    candidates = _kernels.preferred_backends(cap, problem)
+    candidates = preferred_backends(cap, problem)
     reasons = [] if candidates else [f"no sinkattn kernel runs on compute capability {cap[0]}.{cap[1]} (needs >= 8.0)"]
     for backend in candidates:
         reason = why_not(backend, problem)
@@ -128,42 +234,28 @@ def choose_backward(problem: Problem, requested: str) -> str:
     return "reference"
 
 
-def _mask(softmax_scale, window_left, window_right, sink_tokens, softcap) -> reference.Mask:
-    return reference.Mask(softmax_scale, window_left, window_right, sink_tokens, softcap)
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def check_values(t: torch.Tensor) -> bool:
-    """Whether to read index tensors (cu_seqlens, cache_seqlens, block_table) to validate them. Each read
-    synchronises with a CUDA device (a host round trip on every eager decode step), so: not while a CUDA graph
-    is captured, and not with SINKATTN_VALUE_CHECKS=0 (then invalid values are not caught: the
-    kernels read and write where they point)."""
-    return os.environ.get("SINKATTN_VALUE_CHECKS", "1") != "0" and not _capturing(t)
-
-
-def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+# ---- the op bodies -------------------------------------------------------------------------------------------
+def run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             window_left, window_right, sink_tokens, softcap, deterministic, backend):
-    """Body of the sinkattn::fwd op -> (out, lse)."""
+    """Body of the sinkattn::fwd op (plain and varlen) -> (out, lse)."""
     varlen = cu_seqlens_q is not None
     problem = make_problem("fwd", q, k, sinks, window_left=window_left, window_right=window_right,
                            sink_tokens=sink_tokens, softcap=softcap, varlen=varlen,
                            deterministic=deterministic)
     chosen = choose(problem, backend)
-    if varlen and check_values(cu_seqlens_q):
-        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    if varlen and _checks.value_checks_on(cu_seqlens_q):
+        _checks.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                        max_seqlen_k)
     if chosen == "reference":
-        return reference.forward(q, k, v, sinks, _mask(softmax_scale, window_left, window_right, sink_tokens, softcap),
-                                 cu_seqlens_q, cu_seqlens_k)
+        return reference.attention_fwd(q, k, v, sinks,
+                                       reference.Mask(softmax_scale, window_left, window_right, sink_tokens, softcap),
+                                       cu_seqlens_q, cu_seqlens_k)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    _kernels.forward(chosen, q, k, v, sinks, out, lse, softmax_scale=softmax_scale, window_left=window_left,
-                     window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
-                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                     max_seqlen_k=max_seqlen_k)
+    lse = torch.empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    kernels.launch_fwd(chosen, q, k, v, sinks, out, lse, softmax_scale=softmax_scale, window_left=window_left,
+                       window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k)
     if varlen:
         _clear_tail_rows(out, lse, cu_seqlens_q)
     return out, lse
@@ -173,7 +265,7 @@ def _clear_tail_rows(out, lse, cu_seqlens_q) -> None:
     """Rows past cu_seqlens_q[-1] belong to no sequence: the kernels never write them, the contract says out 0 and
     lse -inf (as the reference gives). Read the end on the host when that is allowed (the value checks read
     cu_seqlens already); under CUDA-graph capture, a device-side mask instead (no host read)."""
-    if check_values(cu_seqlens_q):
+    if _checks.value_checks_on(cu_seqlens_q):
         end = int(cu_seqlens_q[-1])
         if end < out.shape[0]:
             out[end:].zero_()
@@ -184,27 +276,50 @@ def _clear_tail_rows(out, lse, cu_seqlens_q) -> None:
     lse.masked_fill_(tail[None, :], float("-inf"))
 
 
-def backward(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             softmax_scale, window_left, window_right, sink_tokens, softcap, deterministic, backend):
+def run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, window_left, window_right, sink_tokens, softcap, deterministic, backend):
     """Body of the sinkattn::bwd op -> (dq, dk, dv, dsinks); dsinks is zeros without sinks."""
     problem = make_problem("bwd", q, k, sinks, window_left=window_left, window_right=window_right,
                            sink_tokens=sink_tokens, softcap=softcap, varlen=cu_seqlens_q is not None,
                            deterministic=deterministic)
     chosen = choose_backward(problem, backend)
-    sink_dtype = sinks.dtype if sinks is not None else reference.acc_dtype(q.dtype)
+    sink_dtype = sinks.dtype if sinks is not None else acc_dtype(q.dtype)
     if chosen == "reference":
-        dq, dk, dv, dsinks = reference.backward(
+        dq, dk, dv, dsinks = reference.attention_bwd(
             dout, dlse, q, k, v, sinks, out, lse,
-            _mask(softmax_scale, window_left, window_right, sink_tokens, softcap), cu_seqlens_q, cu_seqlens_k)
+            reference.Mask(softmax_scale, window_left, window_right, sink_tokens, softcap), cu_seqlens_q, cu_seqlens_k)
         return dq, dk, dv, dsinks.to(sink_dtype)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dsinks = torch.empty((q.shape[-2],), dtype=torch.float32, device=q.device) if sinks is not None else None
-    _kernels.backward(chosen, dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), sinks,
-                      out.contiguous(), lse.contiguous(), None if dlse is None else dlse.contiguous(),
-                      dq, dk, dv, dsinks, softmax_scale=softmax_scale, window_left=window_left,
-                      window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
-                      deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    kernels.launch_bwd(chosen, dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), sinks,
+                       out.contiguous(), lse.contiguous(), None if dlse is None else dlse.contiguous(),
+                       dq, dk, dv, dsinks, softmax_scale=softmax_scale, window_left=window_left,
+                       window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
+                       deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if dsinks is None:
         dsinks = torch.zeros((q.shape[-2],), dtype=sink_dtype, device=q.device)
     return dq, dk, dv, dsinks.to(sink_dtype)
+
+
+def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                rotary_interleaved, softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits,
+                backend):
+    """Body of the sinkattn::kvcache_fwd op -> (out, lse): rotary and the append (kvcache.prepare), then
+    attention over the cache on the chosen backend."""
+    problem = make_problem("kvcache", q, k_cache, sinks, window_left=window_left, window_right=window_right,
+                           sink_tokens=sink_tokens, softcap=softcap, paged=block_table is not None)
+    chosen = choose(problem, backend)
+    q, seqlens_k = kvcache.prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                                   rotary_interleaved)
+    if chosen == "reference":
+        return reference.attention_kvcache(
+            q, k_cache, v_cache, sinks, seqlens_k, block_table,
+            reference.Mask(softmax_scale, window_left, window_right, sink_tokens, softcap))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_shape(q, False), dtype=torch.float32, device=q.device)
+    kernels.launch_kvcache(chosen, q.contiguous(), k_cache, v_cache, sinks, out, lse, cache_seqlens=seqlens_k,
+                           block_table=block_table, softmax_scale=softmax_scale, window_left=window_left,
+                           window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
+                           num_splits=num_splits)
+    return out, lse

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from .errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
 from .interface import flash_attn_with_sinks
+from .layout import acc_dtype
 
 _INF = float("inf")
 
@@ -46,15 +47,11 @@ def _merge(a, b, sinks=None):
         if sinks is None:
             return a
         b = (torch.zeros_like(a[0]), torch.full_like(a[1], -_INF))
-    return torch.ops.sinkattn.merge_attn_states(a[0], a[1].to(_lse_dtype(a[0])), b[0], b[1].to(_lse_dtype(a[0])),
-                                                sinks)
+    lse_dtype = acc_dtype(a[0].dtype)
+    return torch.ops.sinkattn.merge_attn_states(a[0], a[1].to(lse_dtype), b[0], b[1].to(lse_dtype), sinks)
 
 
-def _lse_dtype(out):
-    return torch.float64 if out.dtype == torch.float64 else torch.float32
-
-
-def _rectangle(sq: int, sk: int, d: int, left: int, right: int):
+def visible_rectangle(sq: int, sk: int, d: int, left: int, right: int):
     """Rows [r0, r1) and columns [c0, c1) of a chunk pair that can see anything, and the window
     (left', right') that expresses its mask bottom-right aligned, or None if nothing is visible.
 
@@ -89,7 +86,7 @@ def _pair(q, k, v, q_start, k_start, opts):
     for c_start, c_end, sub_left in ((0, n_b, -1), (n_b, sk, left)):
         if c_end <= c_start:
             continue
-        rect = _rectangle(sq, c_end - c_start, q_start - (k_start + c_start), sub_left, right)
+        rect = visible_rectangle(sq, c_end - c_start, q_start - (k_start + c_start), sub_left, right)
         if rect is None:
             continue
         r0, r1, c0, c1, wl, wr = rect
@@ -116,7 +113,7 @@ def attend_chunks(q, q_start, chunks, sinks=None, **opts):
             state = _merge(state, part)
     if state is None:  # no row sees any key: out 0, lse -inf before the sink
         b, sq, h, _ = q.shape
-        state = (torch.zeros_like(q), torch.full((b, h, sq), -_INF, dtype=_lse_dtype(q), device=q.device))
+        state = (torch.zeros_like(q), torch.full((b, h, sq), -_INF, dtype=acc_dtype(q.dtype), device=q.device))
     return _merge(state, None, sinks) if sinks is not None else state
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _ext, _kernels
+from . import _device, _ext, registry
 from .errors import SinkattnTypeError, SinkattnValueError
+from .layout import acc_dtype
 
 
 def check_merge_args(out_a, lse_a, out_b, lse_b, sinks):
@@ -47,14 +48,10 @@ def check_merge_args(out_a, lse_a, out_b, lse_b, sinks):
         raise SinkattnValueError("merge_attn_states: out_a/out_b need a contiguous last dimension")
 
 
-def _acc_dtype(out: torch.Tensor) -> torch.dtype:
-    return torch.float64 if out.dtype == torch.float64 else torch.float32
-
-
 def merge_reference(out_a, lse_a, out_b, lse_b, sinks=None):
     """The merge in PyTorch (fp32 math, float64 for float64 inputs); out (batch, seqlen, nheads, d),
     lse (batch, nheads, seqlen)."""
-    acc = _acc_dtype(out_a)
+    acc = acc_dtype(out_a.dtype)
     la, lb = lse_a.to(acc), lse_b.to(acc)
     if sinks is None:
         ls = torch.full_like(la, float("-inf"))
@@ -81,7 +78,8 @@ def merge_reference(out_a, lse_a, out_b, lse_b, sinks=None):
 @torch.library.custom_op("sinkattn::merge_attn_states", mutates_args=())
 def _merge_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
               sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if out_a.is_cuda and _ext.loaded() and _kernels.merge_kernel_runs(out_a.dtype, out_a.device.index or 0):
+    if out_a.is_cuda and _ext.loaded() and registry.merge_kernel_runs(out_a.dtype,
+                                                                      _device.capability(out_a.device.index or 0)):
         out, lse = _ext.require().merge_states(out_a, lse_a.float(), out_b, lse_b.float(), sinks)
         return out, lse
     out, lse = merge_reference(out_a, lse_a, out_b, lse_b, sinks)
@@ -91,7 +89,7 @@ def _merge_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse
 @_merge_op.register_fake
 def _(out_a, lse_a, out_b, lse_b, sinks):
     return torch.empty_like(out_a, memory_format=torch.contiguous_format), torch.empty_like(
-        lse_a, dtype=_acc_dtype(out_a), memory_format=torch.contiguous_format)
+        lse_a, dtype=acc_dtype(out_a.dtype), memory_format=torch.contiguous_format)
 
 
 # Autograd (context-parallel training backpropagates through the merges). With lse the merged lse,
@@ -109,7 +107,7 @@ def _merge_setup(ctx, inputs, output):
 
 def _merge_backward(ctx, dout, dlse):
     out_a, lse_a, out_b, lse_b, sinks, out, lse = ctx.saved_tensors
-    acc = _acc_dtype(out_a)
+    acc = acc_dtype(out_a.dtype)
     total = lse.to(acc)
     live = torch.isfinite(total)
     total_safe = torch.where(live, total, torch.zeros_like(total))

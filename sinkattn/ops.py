@@ -4,9 +4,10 @@
     sinkattn::bwd          -> (dq, dk, dv, dsinks)
     sinkattn::kvcache_fwd  KV-cache attention, appends k/v into k_cache/v_cache in place -> (out, lse)
 
-Each has a fake implementation (shapes and dtypes only), so torch.compile(fullgraph=True) traces
-through the calls; autograd is registered on the op, so compiled graphs get the same backward.
-Backend choice happens inside the real implementations, at run time, never while tracing.
+The second layer: interface (validation) -> ops (here) -> dispatch -> kernels | reference. Each op has a
+fake implementation (shapes and dtypes only), so torch.compile(fullgraph=True) traces through the calls;
+autograd is registered on the op, so compiled graphs get the same backward. The real implementations are
+dispatch.run_fwd / run_bwd / run_kvcache, which choose the backend at run time, never while tracing.
 Inputs arrive validated by sinkattn.interface; the ops trust their metadata.
 """
 # No `from __future__ import annotations`: custom_op reads the annotations to build the schema.
@@ -15,17 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import dispatch, kvcache
-
-_LSE_DTYPE = {torch.float64: torch.float64}  # everything else: float32
-
-
-def _lse_dtype(q: Tensor) -> torch.dtype:
-    return _LSE_DTYPE.get(q.dtype, torch.float32)
-
-
-def _lse_shape(q: Tensor, varlen: bool) -> tuple:
-    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+from . import dispatch
+from .layout import acc_dtype, lse_shape
 
 
 @torch.library.custom_op("sinkattn::fwd", mutates_args=())
@@ -33,17 +25,15 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_seqlens_q: 
         cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
         window_left: int, window_right: int, sink_tokens: int, softcap: float, deterministic: bool,
         backend: str) -> tuple[Tensor, Tensor]:
-    out, lse = dispatch.forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                softmax_scale, window_left, window_right, sink_tokens, softcap,
-                                deterministic, backend)
-    return out, lse.to(_lse_dtype(q))
+    return dispatch.run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                            window_left, window_right, sink_tokens, softcap, deterministic, backend)
 
 
 @fwd.register_fake
 def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
       window_right, sink_tokens, softcap, deterministic, backend):
     out = q.new_empty(q.shape)
-    lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
+    lse = q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=acc_dtype(q.dtype))
     return out, lse
 
 
@@ -53,20 +43,16 @@ def bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, s
         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
         sink_tokens: int, softcap: float, deterministic: bool,
         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return dispatch.backward(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                             max_seqlen_k, softmax_scale, window_left, window_right, sink_tokens, softcap,
-                             deterministic, backend)
-
-
-def _dsinks_dtype(q, sinks):
-    return sinks.dtype if sinks is not None else _lse_dtype(q)
+    return dispatch.run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, softmax_scale, window_left, window_right, sink_tokens, softcap,
+                            deterministic, backend)
 
 
 @bwd.register_fake
 def _(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, window_left, window_right, sink_tokens, softcap, deterministic, backend):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            q.new_empty((q.shape[-2],), dtype=_dsinks_dtype(q, sinks)))
+            q.new_empty((q.shape[-2],), dtype=sinks.dtype if sinks is not None else acc_dtype(q.dtype)))
 
 
 def _setup_fwd(ctx, inputs, output):
@@ -96,13 +82,12 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, sinks: Optional[Ten
                 rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], rotary_interleaved: bool,
                 softmax_scale: float, window_left: int, window_right: int, sink_tokens: int, softcap: float,
                 num_splits: int, backend: str) -> tuple[Tensor, Tensor]:
-    out, lse = kvcache.forward(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos,
-                               rotary_sin, rotary_interleaved, softmax_scale, window_left, window_right,
-                               sink_tokens, softcap, num_splits, backend)
-    return out, lse.to(_lse_dtype(q))
+    return dispatch.run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos,
+                                rotary_sin, rotary_interleaved, softmax_scale, window_left, window_right,
+                                sink_tokens, softcap, num_splits, backend)
 
 
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
       softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits, backend):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, False), dtype=_lse_dtype(q))
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q, False), dtype=acc_dtype(q.dtype))

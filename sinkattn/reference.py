@@ -10,15 +10,19 @@ The backward recomputes the probabilities from the saved lse (FlashAttention-2 s
 keeping the score matrix, and loops in a fixed order, so it is deterministic.
 
 Sequences are the unit of work here: a plain batch is a loop over its rows, varlen a loop over
-cu_seqlens, and the KV cache (sinkattn.kvcache) a loop that fetches key tiles from (paged) caches.
+cu_seqlens, and the KV cache (`attention_kvcache`) a loop that fetches key tiles from (paged) caches.
 Keys reach the core through a `fetch(t0, t1) -> (k_tile, v_tile)` callable, each (t1-t0, nheads_k, d),
 so the core never needs the whole key sequence in one tensor.
+
+Layer: dispatch calls `attention_fwd`, `attention_bwd` and `attention_kvcache` (beside the kernels' launch_*).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from .layout import acc_dtype
 
 # Tile sizes, read at call time (tests shrink them to exercise tiling on short sequences).
 KEY_TILE = 512
@@ -36,10 +40,6 @@ class Mask:
     window_right: int
     sink_tokens: int
     softcap: float
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def key_ranges(i0: int, i1: int, seqlen_k: int, off: int, m: Mask) -> list[tuple[int, int]]:
@@ -119,7 +119,7 @@ def _from_groups(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.reshape(hk * (gr // rows), rows, *x.shape[2:]).transpose(0, 1)
 
 
-def forward_seq(q, fetch, seqlen_k: int, nheads_k: int, sink, out, lse, m: Mask) -> None:
+def _forward_seq(q, fetch, seqlen_k: int, nheads_k: int, sink, out, lse, m: Mask) -> None:
     """One sequence: q (sq, h, d); sink (h,) in the accumulation dtype (-inf = none).
 
     Writes out (sq, h, d) and lse (h, sq) in place (they may be views into batched outputs).
@@ -214,8 +214,8 @@ def _finalize(row_max, row_sum, acc, sink, hk, g, r):
     return acc * factor[..., None], lse
 
 
-def backward_seq(dout, dlse, q, fetch, seqlen_k: int, sink, out, lse, dq, dk_acc, dv_acc,
-                 dsink_acc, m: Mask) -> None:
+def _backward_seq(dout, dlse, q, fetch, seqlen_k: int, sink, out, lse, dq, dk_acc, dv_acc,
+                  dsink_acc, m: Mask) -> None:
     """Gradients of one sequence by recomputation from lse.
 
     dq (sq, h, d) is written; dk_acc/dv_acc (hk, sk, d) and dsink_acc (h,) are accumulated (fp32/64).
@@ -262,11 +262,11 @@ def backward_seq(dout, dlse, q, fetch, seqlen_k: int, sink, out, lse, dq, dk_acc
         dsink_acc += (-p_sink * delta).view(hk * g, r).sum(-1)
 
 
-def slicer(k, v):
+def _slicer(k, v):
     return lambda t0, t1: (k[t0:t1], v[t0:t1])
 
 
-def sink_vector(sinks, nheads: int, acc_t, device) -> torch.Tensor:
+def _sink_vector(sinks, nheads: int, acc_t, device) -> torch.Tensor:
     if sinks is None:
         return torch.full((nheads,), float("-inf"), dtype=acc_t, device=device)
     return sinks.to(acc_t)
@@ -287,7 +287,7 @@ DIRECT_MAX_ROWS = 16
 
 def _forward_direct(q, k, v, sink, m: Mask):
     """The whole batch in one pass: q (b, sq, h, d), k/v (b, sk, hk, d), sink (h,) or None -> (out, lse). The
-    same math as forward_seq with one key tile, in fewer ops: lse = logaddexp(logsumexp(scores), sink)
+    same math as _forward_seq with one key tile, in fewer ops: lse = logaddexp(logsumexp(scores), sink)
     (stable for any sink, -inf and +inf included), p = exp(s - lse), out = p @ v. None when a masked key holds
     a non-finite V (the caller takes the tiled path, which is exact there)."""
     b, sq, h, d = q.shape
@@ -336,7 +336,7 @@ def _direct_flash_cpu(q, k, v, sink, scale):
     return out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous(), lse.contiguous()
 
 
-def forward(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
+def attention_fwd(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
     """Batched (q (b, sq, h, d)) or varlen (q (total_q, h, d) + cu_seqlens) forward -> (out, lse)."""
     acc_t = acc_dtype(q.dtype)
     if cu_seqlens_q is None and 0 < q.shape[1] <= DIRECT_MAX_ROWS and 0 < k.shape[1] <= KEY_TILE * 16 \
@@ -344,28 +344,28 @@ def forward(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
         direct = _forward_direct(q, k, v, None if sinks is None else sinks.to(acc_t), mask)
         if direct is not None:
             return direct
-    sink = sink_vector(sinks, q.shape[-2], acc_t, q.device)
+    sink = _sink_vector(sinks, q.shape[-2], acc_t, q.device)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     bounds = _seq_bounds(cu_seqlens_q, cu_seqlens_k)
     if bounds is None:
         b, sq, h, _ = q.shape
         lse = torch.empty((b, h, sq), dtype=acc_t, device=q.device)
         for bi in range(b):
-            forward_seq(q[bi], slicer(k[bi], v[bi]), k.shape[1], k.shape[2], sink, out[bi], lse[bi], mask)
+            _forward_seq(q[bi], _slicer(k[bi], v[bi]), k.shape[1], k.shape[2], sink, out[bi], lse[bi], mask)
         return out, lse
     # Rows past cu_seqlens_q[-1] belong to no sequence: they keep out = 0 and lse = -inf.
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_t, device=q.device)
     for q0, q1, k0, k1 in bounds:
-        forward_seq(q[q0:q1], slicer(k[k0:k1], v[k0:k1]), k1 - k0, k.shape[1], sink, out[q0:q1],
-                    lse[:, q0:q1], mask)
+        _forward_seq(q[q0:q1], _slicer(k[k0:k1], v[k0:k1]), k1 - k0, k.shape[1], sink, out[q0:q1],
+                     lse[:, q0:q1], mask)
     return out, lse
 
 
-def backward(dout, dlse, q, k, v, sinks, out, lse, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
+def attention_bwd(dout, dlse, q, k, v, sinks, out, lse, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
     """-> (dq, dk, dv, dsinks): dq/dk/dv in the dtype of q/k/v, dsinks in the accumulation dtype."""
     acc_t = acc_dtype(q.dtype)
     h = q.shape[-2]
-    sink = sink_vector(sinks, h, acc_t, q.device)
+    sink = _sink_vector(sinks, h, acc_t, q.device)
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
@@ -375,8 +375,7 @@ def backward(dout, dlse, q, k, v, sinks, out, lse, mask: Mask, cu_seqlens_q=None
         sk, hk, d = ks.shape
         dk_acc = torch.zeros((hk, sk, d), dtype=acc_t, device=q.device)
         dv_acc = torch.zeros((hk, sk, vs.shape[-1]), dtype=acc_t, device=q.device)
-        backward_seq(dout_, dlse_, qs_, slicer(ks, vs), sk, sink, o_, lse_,
-                     dq_, dk_acc, dv_acc, dsink, mask)
+        _backward_seq(dout_, dlse_, qs_, _slicer(ks, vs), sk, sink, o_, lse_, dq_, dk_acc, dv_acc, dsink, mask)
         dk_.copy_(dk_acc.transpose(0, 1))
         dv_.copy_(dv_acc.transpose(0, 1))
 
@@ -390,3 +389,28 @@ def backward(dout, dlse, q, k, v, sinks, out, lse, mask: Mask, cu_seqlens_q=None
             one(q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1], lse[:, q0:q1], dout[q0:q1],
                 None if dlse is None else dlse[:, q0:q1], dq[q0:q1], dk[k0:k1], dv[k0:k1])
     return dq, dk, dv, dsink
+
+
+def _paged_fetch(k_cache, v_cache, pages, page_size: int):
+    def fetch(t0: int, t1: int):
+        pos = torch.arange(t0, t1, device=pages.device)
+        page, slot = pages[pos // page_size], pos % page_size
+        return k_cache[page, slot], v_cache[page, slot]
+    return fetch
+
+
+def attention_kvcache(q, k_cache, v_cache, sinks, seqlens_k, block_table, mask: Mask):
+    """q (b, sq, h, d) over a contiguous (b, capacity, hk, d) or paged (pages, page_size, hk, d) cache holding
+    seqlens_k[b] keys per sequence (int32 (b,); read on the host) -> (out, lse (b, h, sq))."""
+    b, sq, h, _ = q.shape
+    acc_t = acc_dtype(q.dtype)
+    sink = _sink_vector(sinks, h, acc_t, q.device)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=acc_t, device=q.device)
+    for bi, n in enumerate(seqlens_k.tolist()):
+        if block_table is None:
+            fetch = _slicer(k_cache[bi], v_cache[bi])
+        else:
+            fetch = _paged_fetch(k_cache, v_cache, block_table[bi].long(), k_cache.shape[1])
+        _forward_seq(q[bi], fetch, n, k_cache.shape[2], sink, out[bi], lse[bi], mask)
+    return out, lse

@@ -41,8 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_int
 from .errors import SinkattnTypeError, SinkattnValueError
 from .interface import flash_attn_with_kvcache
+from .rotary import apply_rotary
 
 
 @dataclass(frozen=True)
@@ -60,39 +62,11 @@ class StreamStats:
         return self.length / self.capacity
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SinkattnTypeError(f"SinkKVCache: {name} must be an int; got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise SinkattnValueError(f"SinkKVCache: {name} is {value}; accepted: an int >= {minimum}")
-
-
 def ring_slots(tokens: torch.Tensor, sink_tokens: int, window: int) -> torch.Tensor:
     """Storage slot of each stream token index (tokens currently held): sink token u < n in slot u,
     window token u in ring slot n + (u - n) mod window. Shared with the transformers SinkCache."""
     n = sink_tokens
     return torch.where(tokens < n, tokens, n + (tokens - n) % window)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-           interleaved: bool) -> torch.Tensor:
-    """RoPE: rotate the first 2*cos.shape[1] dims of x (b, s, h, d) at positions (s,) (fp32 math,
-    float64 for float64 x); interleaved = GPT-J pairs, else GPT-NeoX halves. FlashAttention's tables:
-    cos/sin (max_position, rotary_dim / 2)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rd = 2 * cos.shape[1]
-    c = cos[positions].to(acc)[None, :, None, :]
-    s = sin[positions].to(acc)[None, :, None, :]
-    xr = x[..., :rd].to(acc)
-    if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        rot = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
-    else:
-        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
-        rot = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
-    if rd == x.shape[-1]:
-        return rot.to(x.dtype)
-    return torch.cat([rot.to(x.dtype), x[..., rd:]], dim=-1)
 
 
 class SinkKVCache:
@@ -120,7 +94,7 @@ class SinkKVCache:
         for name, value, minimum in (("capacity", capacity, 1), ("sink_tokens", sink_tokens, 0),
                                      ("num_layers", num_layers, 1), ("batch_size", batch_size, 1),
                                      ("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 1)):
-            _check_int(name, value, minimum)
+            check_int(name, value, minimum, who="SinkKVCache")
         if capacity <= sink_tokens:
             raise SinkattnValueError(
                 f"SinkKVCache: capacity ({capacity}) must exceed sink_tokens ({sink_tokens}): the cache keeps "
@@ -213,7 +187,7 @@ class SinkKVCache:
 
     # ---- the step -------------------------------------------------------------------------------
     def _check_step(self, layer, q, k, v):
-        _check_int("layer", layer, 0)
+        check_int("layer", layer, 0, who="SinkKVCache")
         if layer >= self.num_layers:
             raise SinkattnValueError(f"SinkKVCache: layer {layer} out of range; this cache was built for "
                                      f"num_layers={self.num_layers} (layers 0..{self.num_layers - 1})")
@@ -327,6 +301,6 @@ class SinkKVCache:
         keys = self.k[layer].index_select(1, slots)
         if self.rotary_cos is not None:
             pos = torch.arange(pos0, pos0 + count, device=self.device)
-            keys = rotate(keys, self.rotary_cos, self.rotary_sin, pos, self.rotary_interleaved)
+            keys = apply_rotary(keys, self.rotary_cos, self.rotary_sin, pos, self.rotary_interleaved)
         sk[:, pos0:pos0 + count].copy_(keys)
         sv[:, pos0:pos0 + count].copy_(self.v[layer].index_select(1, slots))

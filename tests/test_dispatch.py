@@ -1,6 +1,6 @@
-"""Backend choice (DESIGN.md section 2) without a GPU: the device's capability and the kernels'
-answers are faked, so every branch of "auto", forcing, the fallback warning and the kernel extension
-points runs on the CPU."""
+"""Backend choice (DESIGN.md section 2) without a GPU: the device's capability and the binary's registry are
+faked, so every branch of "auto", forcing, the fallback warning and the kernel launch points runs on the CPU,
+and every "can this kernel serve this call" answer is dispatch.why_not deciding from the registry."""
 import dataclasses
 import warnings
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sinkattn
-from sinkattn import _kernels, dispatch
+from sinkattn import _device, _ext, dispatch, kernels
 from sinkattn._problem import Problem
 from sinkattn.errors import SinkattnRuntimeError
 from oracle import single_thread  # noqa: F401  (autouse: one torch thread per test)
@@ -16,31 +16,63 @@ from oracle import single_thread  # noqa: F401  (autouse: one torch thread per t
 CUDA_PROBLEM = Problem(kind="fwd", device_type="cuda", dtype=torch.bfloat16, headdim=128, headdim_v=128, nheads=8,
                        nheads_k=8, window_left=-1, window_right=0, sink_tokens=0, softcap=0.0, has_sinks=True,
                        varlen=False, device_index=0)
+# The families' registry features as the binary lists them (csrc: SINKATTN_FWD_FEATURES and friends).
+FEATURES = {("sm80", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv",
+            ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen",
+            ("sm80", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic"}
+ARCHS = {"sm80": "sm_80,sm_90,compute_80", "sm90": "sm_90a", "sm80-emulated": "host"}
+
+
+def entry(family, op, headdim=128, dtype="bf16", **changes):
+    """One registry entry of a build; `changes` overrides its fields (features=, smem_bytes=, ...)."""
+    e = dict(name=f"{op}_{family}_hdim{headdim}_{dtype}", family=family, op=op, headdim=headdim, dtype=dtype,
+             features=FEATURES[(family.replace("-emulated", ""), op)], archs=ARCHS[family], smem_bytes=0)
+    e.update(changes)
+    return e
+
+
+def build(*families, ops=("fwd", "bwd")):
+    """The registry of a build holding every head dim and half dtype of these families' ops (sm90: fwd only)."""
+    return tuple(entry(f, op, h, d) for f in families for op in ops if (f, op) != ("sm90", "bwd")
+                 for h in (64, 128, 256) for d in ("bf16", "fp16"))
 
 
 @pytest.fixture
-def gpu(monkeypatch):
-    """Pretend to be a GPU of a given capability whose kernels serve what `served` lists."""
+def fake_registry(monkeypatch):
+    """Install a registry (a tuple of entries) as the binary's; returns the installer."""
+    def install(reg):
+        monkeypatch.setattr(_ext, "registry", lambda: reg)
+    monkeypatch.setattr(_ext, "loaded", lambda: True)
+    monkeypatch.setattr(_ext, "build_info", lambda: {})
+    install(())
+    return install
+
+
+@pytest.fixture
+def gpu(monkeypatch, fake_registry):
+    """Pretend to be a GPU of a given capability whose build holds the kernel families `served` lists."""
     monkeypatch.setattr(dispatch, "_warned", set())
-    state = {"cap": (9, 0), "served": set()}
+    state = {"cap": (9, 0)}
     monkeypatch.setattr(dispatch, "_capability", lambda index: state["cap"])
-    monkeypatch.setattr(_kernels, "why_not", lambda backend, problem, capability=None:
-                        None if backend in state["served"] else f"{backend} is not built for this test")
+
+    def serve(*families, ops=("fwd", "bwd")):
+        fake_registry(build(*families, ops=ops))
+    state["serve"] = serve
     return state
 
 
 def test_auto_prefers_sm90_on_hopper(gpu):
-    gpu["served"] = {"sm90", "sm80"}
+    gpu["serve"]("sm90", "sm80")
     assert dispatch.choose(CUDA_PROBLEM, "auto") == "sm90"
 
 
 def test_auto_uses_sm80_when_sm90_cannot(gpu):
-    gpu["served"] = {"sm80"}
+    gpu["serve"]("sm80")
     assert dispatch.choose(CUDA_PROBLEM, "auto") == "sm80"
 
 
 def test_auto_on_ampere_and_ada(gpu):
-    gpu["served"] = {"sm90", "sm80"}
+    gpu["serve"]("sm90", "sm80")
     for cap in [(8, 0), (8, 6), (8, 9)]:
         gpu["cap"] = cap
         assert dispatch.choose(CUDA_PROBLEM, "auto") == "sm80"
@@ -48,7 +80,7 @@ def test_auto_on_ampere_and_ada(gpu):
 
 def test_auto_falls_back_with_one_warning_per_reason(gpu):
     gpu["cap"] = (8, 6)
-    with pytest.warns(sinkattn.ReferenceFallbackWarning, match="sm80 is not built for this test"):
+    with pytest.warns(sinkattn.ReferenceFallbackWarning, match="sm80: no sm80 forward kernel for head dim 128 bf16"):
         assert dispatch.choose(CUDA_PROBLEM, "auto") == "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -60,11 +92,11 @@ def test_auto_falls_back_with_one_warning_per_reason(gpu):
 
 def test_forced_backend_that_cannot_serve_says_why_and_what_would(gpu):
     gpu["cap"] = (8, 6)
-    gpu["served"] = {"sm80"}
+    gpu["serve"]("sm80", "sm90")
     with pytest.raises(SinkattnRuntimeError) as info:
         dispatch.choose(CUDA_PROBLEM, "sm90")
     msg = str(info.value)
-    assert "sm90 is not built" in msg and "backend='sm80'" in msg and "reference" in msg
+    assert "needs a cc 9.0 GPU" in msg and "backend='sm80'" in msg and "reference" in msg
     assert dispatch.choose(CUDA_PROBLEM, "sm80") == "sm80"
     assert dispatch.choose(CUDA_PROBLEM, "reference") == "reference"
 
@@ -79,7 +111,7 @@ def test_cpu_auto_is_reference_and_silent():
 
 
 def test_emulated_is_never_auto_and_cpu_only(gpu):
-    gpu["served"] = {"sm80-emulated"}
+    gpu["serve"]("sm80-emulated")
     problem = dataclasses.replace(CUDA_PROBLEM, device_type="cpu", device_index=None)
     assert dispatch.choose(problem, "auto") == "reference"
     assert dispatch.choose(problem, "sm80-emulated") == "sm80-emulated"
@@ -89,16 +121,18 @@ def test_emulated_is_never_auto_and_cpu_only(gpu):
 
 def test_backward_of_a_forced_kernel_falls_back_with_warning(gpu):
     gpu["cap"] = (8, 0)
-    gpu["served"] = {"sm80"}
+    gpu["serve"]("sm80", ops=("fwd",))
     bwd = dataclasses.replace(CUDA_PROBLEM, kind="bwd")
-    if not hasattr(_kernels, "backward"):
-        with pytest.warns(sinkattn.ReferenceFallbackWarning, match="backward"):
-            assert dispatch.choose_backward(bwd, "sm80") == "reference"
+    assert dispatch.choose(CUDA_PROBLEM, "sm80") == "sm80"
+    with pytest.warns(sinkattn.ReferenceFallbackWarning, match="backward"):
+        assert dispatch.choose_backward(bwd, "sm80") == "reference"
+    gpu["serve"]("sm80")
+    assert dispatch.choose_backward(bwd, "sm80") == "sm80"
 
 
-def test_kernel_extension_points_are_called(gpu, monkeypatch):
-    """Forward and backward reach _kernels.forward / _kernels.backward with preallocated outputs."""
-    gpu["served"] = {"sm80-emulated"}
+def test_kernel_launch_points_are_called(gpu, monkeypatch):
+    """Forward and backward reach kernels.launch_fwd / kernels.launch_bwd with preallocated outputs."""
+    gpu["serve"]("sm80-emulated")
     calls = {}
 
     def fake_forward(backend, q, k, v, sinks, out, lse, **kw):
@@ -111,8 +145,8 @@ def test_kernel_extension_points_are_called(gpu, monkeypatch):
         for t in (dq, dk, dv, dsinks):
             t.fill_(3.0)
 
-    monkeypatch.setattr(_kernels, "forward", fake_forward)
-    monkeypatch.setattr(_kernels, "backward", fake_backward, raising=False)
+    monkeypatch.setattr(kernels, "launch_fwd", fake_forward)
+    monkeypatch.setattr(kernels, "launch_bwd", fake_backward)
     q = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 7, 2, 64, dtype=torch.bfloat16, requires_grad=True)
     s = torch.zeros(4, requires_grad=True)
@@ -125,3 +159,135 @@ def test_kernel_extension_points_are_called(gpu, monkeypatch):
     out.float().sum().backward()
     assert calls["bwd"] == ("sm80-emulated", False, True)
     assert (q.grad == 3).all() and (k.grad == 6).all() and (s.grad == 3).all()  # k used as k and v: 3 + 3
+
+
+# ---- why_not reads the registry: features, shared memory ----------------------------------------------------
+KVCACHE_PROBLEM = dataclasses.replace(CUDA_PROBLEM, kind="kvcache", nheads_k=2, window_left=127)
+BWD_256 = dataclasses.replace(CUDA_PROBLEM, kind="bwd", headdim=256, headdim_v=256)
+
+
+def test_kvcache_needs_the_kvcache_feature(gpu, fake_registry):
+    gpu["cap"] = (9, 0)
+    sm90, sm80 = entry("sm90", "fwd"), entry("sm80", "fwd")
+    fake_registry((sm90, sm80))
+    reason = dispatch.why_not("sm90", KVCACHE_PROBLEM)
+    assert "decode over a KV cache" in reason and sm90["features"] in reason and sm90["name"] in reason
+    assert dispatch.why_not("sm80", KVCACHE_PROBLEM) is None
+    assert dispatch.choose(KVCACHE_PROBLEM, "auto") == "sm80"
+    assert dispatch.why_not("sm90", CUDA_PROBLEM) is None  # the same kernel serves a plain forward
+    # The registry decides, not a rule about sm90: an sm90 kernel that lists kvcache serves it, an sm80 one that
+    # does not list it is refused.
+    fake_registry((entry("sm90", "fwd", features=sm90["features"] + ",kvcache"),
+                   entry("sm80", "fwd", features=sm80["features"].replace(",kvcache", ""))))
+    assert dispatch.why_not("sm90", KVCACHE_PROBLEM) is None
+    assert "decode over a KV cache" in dispatch.why_not("sm80", KVCACHE_PROBLEM)
+    assert dispatch.choose(KVCACHE_PROBLEM, "auto") == "sm90"
+
+
+def test_kvcache_refusal_without_the_head_dim_names_the_feature(gpu, fake_registry):
+    """A build without the call's head dim still says the family cannot serve decode (its siblings' features),
+    rather than advising a rebuild that would not help."""
+    fake_registry((entry("sm90", "fwd", headdim=64), entry("sm80", "fwd")))
+    assert "decode over a KV cache" in dispatch.why_not("sm90", KVCACHE_PROBLEM)
+    assert "SINKATTN_HEADDIMS including 128" in dispatch.why_not("sm90", CUDA_PROBLEM)
+
+
+def test_paged_cache_needs_the_paged_feature(gpu, fake_registry):
+    gpu["cap"] = (8, 0)
+    paged = dataclasses.replace(KVCACHE_PROBLEM, paged=True)
+    fake_registry((entry("sm80", "fwd", features="sinks,causal,window,gqa,kvcache"),))
+    assert dispatch.why_not("sm80", KVCACHE_PROBLEM) is None
+    reason = dispatch.why_not("sm80", paged)
+    assert "a paged KV cache" in reason and "sinks,causal,window,gqa,kvcache" in reason
+    with pytest.raises(SinkattnRuntimeError, match="paged KV cache.*What would serve: backend='reference'"):
+        dispatch.choose(paged, "sm80")
+    fake_registry((entry("sm80", "fwd"),))
+    assert dispatch.why_not("sm80", paged) is None
+
+
+def test_every_needed_feature_is_checked(gpu, fake_registry):
+    gpu["cap"] = (8, 0)
+    fake_registry((entry("sm80", "fwd", features="kvcache"),))
+    problem = dataclasses.replace(CUDA_PROBLEM, sink_tokens=4, window_left=7, softcap=30.0, nheads_k=2, varlen=True)
+    reason = dispatch.why_not("sm80", problem)
+    for words in ("learnable sinks", "sink tokens", "causal masks", "sliding windows", "softcap", "GQA/MQA",
+                  "varlen"):
+        assert words in reason, (words, reason)
+    plain = dataclasses.replace(CUDA_PROBLEM, has_sinks=False, window_right=-1)
+    assert dispatch.why_not("sm80", plain) is None
+
+
+def test_deterministic_backward_needs_the_deterministic_feature(gpu, fake_registry):
+    gpu["cap"] = (8, 0)
+    bwd = dataclasses.replace(CUDA_PROBLEM, kind="bwd")
+    det = dataclasses.replace(bwd, deterministic=True)
+    fake_registry((entry("sm80", "fwd"), entry("sm80", "bwd", features=FEATURES[("sm80", "bwd")].replace(
+        ",deterministic", ""))))
+    assert dispatch.why_not("sm80", bwd) is None
+    assert "a deterministic backward" in dispatch.why_not("sm80", det)
+    with pytest.warns(sinkattn.ReferenceFallbackWarning, match="deterministic backward"):
+        assert dispatch.choose_backward(det, "sm80") == "reference"
+    assert dispatch.why_not("sm80", dataclasses.replace(CUDA_PROBLEM, deterministic=True)) is None  # a forward
+    fake_registry((entry("sm80", "bwd"),))
+    assert dispatch.why_not("sm80", det) is None
+
+
+def test_shared_memory_of_the_kernel_against_the_device(gpu, fake_registry):
+    """The hd256 backward's shared memory (registry smem_bytes) against the device's opt-in limit per block."""
+    fake_registry((entry("sm80", "bwd", headdim=256, smem_bytes=144 * 1024),))
+    for cc, served in (((8, 0), True), ((8, 7), True), ((9, 0), True), ((10, 0), True), ((8, 6), False),
+                       ((8, 9), False), ((12, 0), False)):
+        gpu["cap"] = cc
+        reason = dispatch.why_not("sm80", BWD_256)
+        assert (reason is None) == served, (cc, reason)
+    gpu["cap"] = (8, 6)
+    assert dispatch.why_not("sm80", BWD_256) == ("the sm80 backward for head dim 256 needs 144 KB of shared memory "
+                                                 "per block; cc 8.6 allows 99 KB; the reference backend serves it")
+    with pytest.warns(sinkattn.ReferenceFallbackWarning, match="144 KB"):
+        assert dispatch.choose(BWD_256, "auto") == "reference"
+    # The numbers are the registry's: a kernel that fits in 99 KB runs on cc 8.6, one over 163 KB nowhere on cc 8.0.
+    fake_registry((entry("sm80", "bwd", headdim=256, smem_bytes=101376),))
+    assert dispatch.why_not("sm80", BWD_256) is None
+    fake_registry((entry("sm80", "bwd", headdim=256, smem_bytes=170000),))
+    gpu["cap"] = (8, 0)
+    assert "needs 166 KB" in dispatch.why_not("sm80", BWD_256) and "allows 163 KB" in dispatch.why_not("sm80", BWD_256)
+    # A registry from before smem_bytes existed: no shared-memory refusal (read as 0).
+    old = entry("sm80", "bwd", headdim=256)
+    del old["smem_bytes"]
+    fake_registry((old,))
+    gpu["cap"] = (8, 6)
+    assert dispatch.why_not("sm80", BWD_256) is None
+
+
+def test_emulated_kernels_have_no_device_limit(gpu, fake_registry):
+    fake_registry((entry("sm80-emulated", "bwd", headdim=256, smem_bytes=10 ** 6),))
+    cpu = dataclasses.replace(BWD_256, device_type="cpu", device_index=None)
+    assert dispatch.why_not("sm80-emulated", cpu) is None
+
+
+def test_pretended_capability_uses_the_table(gpu, fake_registry):
+    """The report and vLLM's selection pass a capability; its limit is the table's, whatever GPU this is."""
+    fake_registry((entry("sm80", "bwd", headdim=256, smem_bytes=144 * 1024),))
+    gpu["cap"] = (8, 0)
+    assert "cc 8.6 allows 99 KB" in dispatch.why_not("sm80", BWD_256, capability=(8, 6))
+    assert dispatch.why_not("sm80", BWD_256, capability=(9, 0)) is None
+
+
+def test_device_smem_table_and_own_property(monkeypatch):
+    table = {(8, 0): 166912, (8, 7): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448, (10, 0): 232448,
+             (10, 3): 232448, (12, 0): 101376, (7, 5): None}
+    _device.smem_per_block_optin.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cc, want in table.items():
+        assert _device.smem_per_block_optin(cc, 0) == want, cc
+    # A visible device of that capability answers with its own property (torch's shared_memory_per_block_optin).
+    _device.smem_per_block_optin.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(_device, "capability", lambda index: (8, 6))
+    monkeypatch.setattr(_device, "device_info",
+                        lambda index: _device.DeviceInfo(index, "fake", (8, 6), 80, smem_per_block_optin=12345))
+    assert _device.smem_per_block_optin((8, 6), 0) == 12345
+    assert _device.smem_per_block_optin((8, 0), 0) == 166912  # pretended: not this device's capability
+    assert _device.smem_per_block_optin((8, 6), 1) == 101376  # no such device
+    _device.smem_per_block_optin.cache_clear()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sinkattn import SinkattnRuntimeError
-from sinkattn.distributed import _rectangle, attend_chunks, ring_attention
+from sinkattn.distributed import attend_chunks, ring_attention, visible_rectangle
 from tests.oracle import attention_oracle, visible
 
 CASES = {
@@ -42,7 +42,7 @@ def test_rectangle_expresses_every_chunk_pair_mask():
     for sq, sk, d, left, right in itertools.product((1, 3, 5), (1, 4, 6), range(-9, 10, 2), (-1, 0, 2, 5),
                                                     (-1, 0, 1, 3)):
         want = _brute(sq, sk, d, left, right)
-        rect = _rectangle(sq, sk, d, left, right)
+        rect = visible_rectangle(sq, sk, d, left, right)
         got = torch.zeros(sq, sk, dtype=torch.bool)
         if rect is not None:
             r0, r1, c0, c1, wl, wr = rect

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bwd_cases import BwdCase, bwd_cases, run_bwd_case
-from sinkattn import _ext, _kernels
+from sinkattn import _ext, kernels
 
 EMU = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry()
               if k["family"] == "sm80-emulated" and k["op"] == "bwd"})
@@ -40,7 +40,7 @@ def _cases():
 
 @pytest.mark.parametrize("case", _cases(), ids=str)
 def test_emulated_backward_matches_oracle(case, rng_seed):
-    run_bwd_case(case, "sm80-emulated", "cpu", _kernels.backward, seed=rng_seed)
+    run_bwd_case(case, "sm80-emulated", "cpu", kernels.launch_bwd, seed=rng_seed)
 
 
 def test_emulated_backward_deterministic_bits(rng_seed):
@@ -49,7 +49,7 @@ def test_emulated_backward_deterministic_bits(rng_seed):
     # M tile ranks both kinds.
     case = BwdCase("det-causal-gqa-sinktok", hd, DTYPES[dt], seqlen_q=260, seqlen_k=300, nheads=2, nheads_k=1,
                    causal=True, window=(70, 0), sink_tokens=3)
-    runs = run_bwd_case(case, "sm80-emulated", "cpu", _kernels.backward, seed=rng_seed, deterministic=True, repeats=3)
+    runs = run_bwd_case(case, "sm80-emulated", "cpu", kernels.launch_bwd, seed=rng_seed, deterministic=True, repeats=3)
     for r in runs[1:]:
         for a, b in zip(runs[0], r):
             assert torch.equal(a.view(torch.int16) if a.dtype != torch.float32 else a.view(torch.int32),
@@ -61,4 +61,4 @@ def test_emulated_backward_why_not_serves_bwd():
     hd, dt = EMU[0]
     q = torch.zeros(1, 4, 2, hd, dtype=DTYPES[dt])
     problem = dispatch.make_problem("bwd", q, q, None, window_left=-1, window_right=-1, sink_tokens=0, softcap=0.0)
-    assert _kernels.why_not("sm80-emulated", problem) is None
+    assert dispatch.why_not("sm80-emulated", problem) is None

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernel_cases import Case, kernel_cases, run_case
-from sinkattn import _ext, _kernels
+from sinkattn import _ext, kernels
+from sinkattn.layout import kernel_headdim
 
 EMU = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry() if k["family"] == "sm80-emulated"})
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(not EMU, reason="no emulated kernels in this bui
 def _cases():
     hds = sorted({h for h, _ in EMU})
     dts = [DTYPES[d] for d in sorted({d for _, d in EMU})]
-    cases = [c for c in kernel_cases(hds, dts) if (_kernels.served_headdim(c.headdim), {torch.bfloat16: "bf16", torch.float16: "fp16"}[c.dtype]) in EMU]
+    cases = [c for c in kernel_cases(hds, dts) if (kernel_headdim(c.headdim), {torch.bfloat16: "bf16", torch.float16: "fp16"}[c.dtype]) in EMU]
     if (256, "bf16") in EMU:
         # The sm86/sm89 configuration (99 KB of shared memory) differs from sm80's only at head dim 256.
         cases.append(Case("d256-sm86-config", 256, seqlen_q=70, seqlen_k=100, causal=True, window=(40, 0),
@@ -40,7 +41,7 @@ def _cases():
 
 @pytest.mark.parametrize("case", _cases(), ids=str)
 def test_emulated_forward_matches_oracle(case, rng_seed):
-    run_case(case, "sm80-emulated", "cpu", _kernels.forward, seed=rng_seed)
+    run_case(case, "sm80-emulated", "cpu", kernels.launch_fwd, seed=rng_seed)
 
 
 def test_sinks_neg_inf_is_plain_attention_bit_for_bit(rng_seed):
@@ -53,7 +54,7 @@ def test_sinks_neg_inf_is_plain_attention_bit_for_bit(rng_seed):
     for sinks in (None, torch.full((2,), float("-inf"))):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((1, 2, 70), float("nan"))
-        _kernels.forward("sm80-emulated", q, k, v, sinks, out, lse, softmax_scale=0.1, window_left=-1,
+        kernels.launch_fwd("sm80-emulated", q, k, v, sinks, out, lse, softmax_scale=0.1, window_left=-1,
                          window_right=0, sink_tokens=0, softcap=0.0)
         outs.append((out, lse))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -200,11 +200,11 @@ def test_no_nan_for_degenerate_inputs():
 def test_value_checks_opt_out(monkeypatch):
     """SINKATTN_VALUE_CHECKS=0 skips the checks that read index tensors (each read synchronises a CUDA device):
     the validators are then not called at all; by default they are."""
-    from sinkattn import dispatch, kvcache
+    from sinkattn import _checks
 
     calls = []
-    monkeypatch.setattr(dispatch, "check_cu_seqlens_values", lambda *a: calls.append("cu"))
-    monkeypatch.setattr(kvcache, "check_kvcache_values", lambda *a: calls.append("cache"))
+    monkeypatch.setattr(_checks, "check_cu_seqlens_values", lambda *a: calls.append("cu"))
+    monkeypatch.setattr(_checks, "check_kvcache_values", lambda *a: calls.append("cache"))
     varlen()
     kvc()
     assert calls == ["cu", "cache"]

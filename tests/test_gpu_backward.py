@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bwd_cases import BwdCase, bwd_cases, run_bwd_case
-from sinkattn import _ext, _kernels
+from sinkattn import _ext, kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ def _cases():
 @pytest.mark.parametrize("case", _cases(), ids=str)
 def test_sm80_backward_matches_oracle(case, rng_seed):
     _need_gpu()
-    run_bwd_case(case, "sm80", "cuda", _kernels.backward, seed=rng_seed)
+    run_bwd_case(case, "sm80", "cuda", kernels.launch_bwd, seed=rng_seed)
     torch.cuda.synchronize()
 
 
@@ -47,7 +47,7 @@ def test_sm80_backward_deterministic_bits(hd_dt, rng_seed):
     hd, dt = hd_dt
     case = BwdCase("det", hd, DTYPES[dt], batch=2, seqlen_q=300, seqlen_k=400, nheads=4, nheads_k=2, causal=True,
                    window=(120, 0), sink_tokens=3)
-    runs = run_bwd_case(case, "sm80", "cuda", _kernels.backward, seed=rng_seed, deterministic=True, repeats=3)
+    runs = run_bwd_case(case, "sm80", "cuda", kernels.launch_bwd, seed=rng_seed, deterministic=True, repeats=3)
     for r in runs[1:]:
         for a, b in zip(runs[0], r):
             assert torch.equal(a.view(torch.int16) if a.dtype != torch.float32 else a.view(torch.int32),

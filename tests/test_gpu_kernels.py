@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernel_cases import Case, kernel_cases, run_case
-from sinkattn import _ext, _kernels
+from sinkattn import _ext, kernels
+from sinkattn.layout import kernel_headdim
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +23,7 @@ def _cases():
     hds = sorted({h for h, _ in COMPILED})
     dts = [DTYPES[d] for d in sorted({d for _, d in COMPILED})]
     cases = [c for c in kernel_cases(hds, dts)
-             if (_kernels.served_headdim(c.headdim), {torch.bfloat16: "bf16", torch.float16: "fp16"}[c.dtype])
+             if (kernel_headdim(c.headdim), {torch.bfloat16: "bf16", torch.float16: "fp16"}[c.dtype])
              in COMPILED]
     cases += [Case(f"d{h}-large-{d}", h, DTYPES[d], batch=3, seqlen_q=1000, seqlen_k=1531, nheads=8, nheads_k=2,
                    causal=True, window=(300, 0), sink_tokens=4) for h, d in COMPILED]
@@ -35,7 +36,7 @@ def _cases():
 def test_sm80_forward_matches_oracle(case, rng_seed):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("needs a cc >= 8.0 GPU")
-    run_case(case, "sm80", "cuda", _kernels.forward, seed=rng_seed)
+    run_case(case, "sm80", "cuda", kernels.launch_fwd, seed=rng_seed)
     torch.cuda.synchronize()
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernel_cases import Case, kernel_cases, run_case
-from sinkattn import _ext, _kernels
+from sinkattn import _ext, kernels
+from sinkattn.layout import kernel_headdim
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +21,7 @@ COMPILED = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry() if k["fam
 
 
 def _served(c: Case) -> bool:
-    return (_kernels.served_headdim(c.headdim), NAMES[c.dtype]) in COMPILED
+    return (kernel_headdim(c.headdim), NAMES[c.dtype]) in COMPILED
 
 
 def _cases():
@@ -54,7 +55,7 @@ def _need_sm90():
 @pytest.mark.parametrize("case", _cases(), ids=str)
 def test_sm90_forward_matches_oracle(case, rng_seed):
     _need_sm90()
-    run_case(case, "sm90", "cuda", _kernels.forward, seed=rng_seed)
+    run_case(case, "sm90", "cuda", kernels.launch_fwd, seed=rng_seed)
     torch.cuda.synchronize()
 
 

@@ -3,7 +3,7 @@
 No GPU is needed: devices are faked with DeviceInfo, and for the serving-path logic the binary's registry
 is replaced by registries of builds that could exist (what the generator would compile for a given
 SINKATTN_CUDA_ARCHS), so each (device, build) pair is checked against an expectation written here
-independently of sinkattn/_kernels.py.
+independently of sinkattn/registry.py and sinkattn/dispatch.py.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import sinkattn
-from sinkattn import _ext, _kernels, capability
+from sinkattn import _ext, capability, dispatch, registry
 from sinkattn._device import DeviceInfo
 from sinkattn.report import render
 
@@ -81,7 +81,7 @@ def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
     # Decode runs on the sm80 forward kernel on every device (the sm90 kernel takes q/k/v tensors, not KV
     # caches); the backward on the bwd kernels (sm90 devices use the sm80 backward until an sm90 one exists).
     # The learnable-sinks problem is gpt-oss's window (127, 0), which "auto" gives to sm80 first on cc 9.0
-    # (_kernels.SM90_MIN_WINDOW).
+    # (dispatch.SM90_MIN_WINDOW).
     op = "bwd" if feature == "backward" else "fwd"
     order = ["sm90", "sm80"] if cc == (9, 0) and feature != "decode" else (["sm80"] if cc[0] >= 8 else [])
     if cc == (9, 0) and feature == "learnable_sinks":
@@ -92,6 +92,12 @@ def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
                     runs_on(a, cc) for a in k["archs"].split(",")):
                 return b
     return "reference"
+
+
+# The features each family's forward kernels list in the registry (csrc: SINKATTN_FWD_FEATURES and
+# SINKATTN_FWD_SM90_FEATURES): the sm90 kernel reads q/k/v tensors, not KV caches.
+FWD_FEATURES_OF = {"sm80": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv",
+                   "sm90": "sinks,sink_tokens,causal,window,softcap,gqa,varlen"}
 
 
 def fake_registry(archs: list[str], sm90: bool = False) -> tuple[dict, ...]:
@@ -107,7 +113,7 @@ def fake_registry(archs: list[str], sm90: bool = False) -> tuple[dict, ...]:
         for h in (64, 128, 256):
             for d in ("bf16", "fp16"):
                 out.append(dict(name=f"fwd_{fam}_hdim{h}_{d}", family=fam, op="fwd", headdim=h, dtype=d,
-                                features="sinks,sink_tokens,causal,window,softcap,gqa,varlen", archs=a))
+                                features=FWD_FEATURES_OF[fam], archs=a))
     return tuple(out)
 
 
@@ -287,7 +293,7 @@ def test_serving_paths_fake_devices(build, fake_build):
             assert path["backend"] == want, (f"build {build}, cc {dev.capability}, {feature}: serves "
                                              f"{path['backend']}, expected {want}; declined: {path['declined']}")
             problem = capability._problem(feature, dev.index)
-            tried = list(_kernels.preferred_backends(dev.capability))
+            tried = list(dispatch.preferred_backends(dev.capability))
             if dev.capability[0] < 8:
                 assert tried == [] and "cc >= 8.0" in path["declined"]["kernels"] and "7.5" in path["declined"]["kernels"]
                 continue
@@ -295,8 +301,8 @@ def test_serving_paths_fake_devices(build, fake_build):
             stop = tried.index(want) if want in tried else len(tried)
             assert list(path["declined"]) == tried[:stop]
             for b, reason in path["declined"].items():
-                assert reason == (_kernels.why_not(b, problem, capability=dev.capability)
-                                  or _kernels.preference_note(dev.capability, problem).get(b))
+                assert reason == (dispatch.why_not(b, problem, capability=dev.capability)
+                                  or dispatch.preference_note(dev.capability, problem).get(b))
                 assert reason and reason in text
                 if feature == "backward":
                     assert "backward" in reason
@@ -305,7 +311,7 @@ def test_serving_paths_fake_devices(build, fake_build):
                 elif b == "sm90" and dev.capability != (9, 0):
                     assert "9.0" in reason
             if want != "reference":
-                assert _kernels.why_not(want, problem, capability=dev.capability) is None
+                assert dispatch.why_not(want, problem, capability=dev.capability) is None
         # a GPU whose sink features run on the reference backend, or only through PTX JIT, is flagged
         ref = row["paths"]["learnable_sinks"]["backend"] == "reference"
         jit = row["paths"]["learnable_sinks"]["backend"] == "sm80" and not native(registry, dev.capability)
@@ -338,28 +344,28 @@ def test_sass_runs_on_table():
              ("sm_100a", (10, 0), True), ("sm_120", (12, 0), True), ("sm_80", (7, 5), False),
              ("compute_80", (8, 0), False), ("host", (8, 0), False)]
     for arch, cc, want in table:
-        assert _kernels.sass_runs_on(arch, cc) is want, (arch, cc)
+        assert registry.sass_runs_on(arch, cc) is want, (arch, cc)
         assert sass_runs(arch, cc) is want, (arch, cc)
     for arch, cc, want in [("compute_80", (8, 0), True), ("compute_80", (12, 0), True), ("compute_86", (8, 0), False),
                            ("compute_80", (7, 5), False), ("sm_80", (9, 0), False)]:
-        assert _kernels.how_it_runs(arch, cc) is not None if want else _kernels.how_it_runs(arch, cc) is None
+        assert registry.how_it_runs(arch, cc) is not None if want else registry.how_it_runs(arch, cc) is None
         assert runs_on(arch, cc) is want
 
 
 def test_preferred_backends():
-    assert _kernels.preferred_backends((9, 0)) == ("sm90", "sm80")
+    assert dispatch.preferred_backends((9, 0)) == ("sm90", "sm80")
     # Short forward windows go to sm80 first on cc 9.0 (measured faster there); everything else to sm90 first.
     short = capability._problem("learnable_sinks", 0)
-    assert short.window_left == 127 and _kernels.preferred_backends((9, 0), short) == ("sm80", "sm90")
-    assert "sm80" in _kernels.preference_note((9, 0), short)["sm90"]
+    assert short.window_left == 127 and dispatch.preferred_backends((9, 0), short) == ("sm80", "sm90")
+    assert "sm80" in dispatch.preference_note((9, 0), short)["sm90"]
     for feature in ("sink_tokens", "backward", "decode"):
         p = capability._problem(feature, 0)
-        assert _kernels.preferred_backends((9, 0), p) == ("sm90", "sm80") and not _kernels.preference_note((9, 0), p)
-    assert _kernels.preferred_backends((8, 0), short) == ("sm80",) and not _kernels.preference_note((8, 0), short)
+        assert dispatch.preferred_backends((9, 0), p) == ("sm90", "sm80") and not dispatch.preference_note((9, 0), p)
+    assert dispatch.preferred_backends((8, 0), short) == ("sm80",) and not dispatch.preference_note((8, 0), short)
     for cc in ((8, 0), (8, 6), (8, 9)):
-        assert _kernels.preferred_backends(cc) == ("sm80",)
-    assert _kernels.preferred_backends((7, 5)) == ()
-    assert _kernels.preferred_backends(None) == ()
+        assert dispatch.preferred_backends(cc) == ("sm80",)
+    assert dispatch.preferred_backends((7, 5)) == ()
+    assert dispatch.preferred_backends(None) == ()
 
 
 # ---- advice in the report must be actionable -------------------------------------------------------------------
@@ -401,7 +407,7 @@ def test_rebuild_grid_advice_is_actionable():
                     continue
                 grid = gen.parse_grid({"SINKATTN_CUDA_ARCHS": build["requested_archs"], "SINKATTN_HEADDIMS": m.group(1),
                                        "SINKATTN_DTYPES": m.group(2)})
-                family = _kernels.BACKEND_FAMILY[b]
+                family = registry.BACKEND_FAMILY[b]
                 tag = f'"{family}", "fwd", {m.group(1)}, "{m.group(2)}"'
                 assert any(tag in u.text for u in gen.units(grid)), (
                     f"cc {dev.capability} {feature}: advice {reason!r} cannot help: a build with it generates no "

@@ -13,6 +13,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import sinkattn.integrations.transformers as sat  # noqa: E402
 from sinkattn.errors import SinkattnRuntimeError, SinkattnValueError  # noqa: E402
+from sinkattn.rotary import rotate_halves  # noqa: E402
 from sinkattn.streaming import SinkKVCache  # noqa: E402
 from tests.oracle import attention_oracle  # noqa: E402
 from tests.test_transformers_integration import VOCAB, pair  # noqa: E402
@@ -147,8 +148,8 @@ def test_layer_equals_sinkkvcache_token_by_token():
     for s in (2, 4, 1, 13, 1, 3, 1, 25, 6):
         q, k, v = (torch.randn(1, s, nh, d, generator=g, dtype=torch.float64) for nh in (h, hk, hk))
         pos = cache.positions(s)
-        rq = sat.rotate_halves(q, pos[None, :, None, None] * inv)
-        rk = sat.rotate_halves(k, pos[None, :, None, None] * inv)
+        rq = rotate_halves(q, pos[None, :, None, None] * inv)
+        rk = rotate_halves(k, pos[None, :, None, None] * inv)
         keys, vals = cache.update(rk.transpose(1, 2), v.transpose(1, 2), 0)
         out, _ = sat.sinkattn_attention_forward(module, rq.transpose(1, 2), keys, vals, None, s_aux=sinks,
                                                 sinkattn_stream=cache)

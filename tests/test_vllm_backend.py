@@ -251,7 +251,7 @@ class _HostReads(torch.overrides.TorchFunctionMode):
 def test_forward_and_cache_update_read_nothing_on_the_host(vb, monkeypatch):
     """The graph-captured part (do_kv_cache_update + forward) must not read device values; sinkattn's op is
     replaced by a recorder so that only the backend's own code is observed (the op's CUDA path has its own
-    capture guards, sinkattn.dispatch.check_values)."""
+    capture guards, sinkattn._checks.value_checks_on)."""
     batch = Batch([12, 30, 47], [4, 4, 4], torch.float32, seed=3, pad_reqs=1, pad_tokens=4)
     impl = _layer(vb, _sinks(0), WINDOW, torch.float32)
     builder = vb.SinkattnMetadataBuilder(_spec(WINDOW, torch.float32), ["l"], _config(3), torch.device("cpu"))

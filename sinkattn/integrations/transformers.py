@@ -40,11 +40,12 @@ except ImportError as _e:  # pragma: no cover - exercised only without transform
                       "pip install 'transformers>=5,<6'") from _e
 
 from .. import reference
-from ..distributed import _rectangle
+from ..distributed import visible_rectangle
 from ..errors import SinkattnValueError
 from ..interface import flash_attn_varlen_with_sinks, flash_attn_with_sinks
+from ..layout import acc_dtype
 from .transformers_streaming import (STREAM_KWARG, SinkCache, SinkCacheLayer, chunk_attention,  # noqa: F401
-                                     needs_chunk_path, rotate_halves)
+                                     needs_chunk_path)
 
 NAME = "sinkattn"
 __all__ = ["NAME", "register", "set_streaming", "sinkattn_attention_forward", "SinkCache", "SinkCacheLayer",
@@ -145,13 +146,13 @@ def _plan(mask, batch, sq, sk, left, right, nheads):
 
 def _run_ranges(q, k, v, sinks, ranges, left, right, kw):
     """Each row b attends over its keys ranges[b] with the band kept at its original positions: the
-    rows and keys of each row that can see anything are cut out (distributed._rectangle) and run as
+    rows and keys of each row that can see anything are cut out (distributed.visible_rectangle) and run as
     one varlen call per distinct window."""
     b, sq, h, d = q.shape
     sk = k.shape[1]
     groups = {}
     for bi, (first, end) in enumerate(ranges):
-        rect = _rectangle(sq, end - first, (sk - sq) - first, left, right) if end > first else None
+        rect = visible_rectangle(sq, end - first, (sk - sq) - first, left, right) if end > first else None
         if rect is not None:
             r0, r1, c0, c1, wl, wr = rect
             groups.setdefault((wl, wr), []).append((bi, r0, r1, first + c0, first + c1))
@@ -182,7 +183,7 @@ def _warn_once(reason):
 def _dense(q, k, v, sinks, mask, scale, softcap):
     """Exact attention under an arbitrary 4-D mask (bool: True = visible; float: added to the scores,
     <= finfo.min / 2 = masked), in PyTorch (fp32 math, float64 for float64)."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     b, sq, h, d = q.shape
     g = h // k.shape[2]
     kk = k.to(acc).repeat_interleave(g, dim=2)
@@ -247,7 +248,7 @@ def _attend(q, k, v, s_aux, kw):
             and not torch.compiler.is_compiling():
         left, right = kw["window_size"]
         mask = reference.Mask(kw["softmax_scale"], left, right, kw.get("sink_tokens", 0), kw["softcap"])
-        return reference.forward(q, k, v, s_aux, mask)[0]
+        return reference.attention_fwd(q, k, v, s_aux, mask)[0]
     return flash_attn_with_sinks(q, k, v, s_aux, **kw)
 
 

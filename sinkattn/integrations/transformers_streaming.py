@@ -34,20 +34,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import SinkattnRuntimeError, SinkattnValueError
 from ..interface import flash_attn_with_sinks
 from .. import merge as _merge  # noqa: F401  (registers torch.ops.sinkattn.merge_attn_states)
+from ..layout import acc_dtype
+from ..rotary import halves_table, rotate_by_table, rotate_halves
 from ..streaming import ring_slots
 
 STREAM_KWARG = "sinkattn_stream"  # the kwarg through which the hook hands the cache to the attention function
 _HOOK_FLAG = "_sinkattn_stream_hook"
-
-
-def rotate_halves(x, angle):
-    """Rotate x (..., d) by `angle` (broadcastable to (..., d/2)) in the GPT-NeoX (halves) layout
-    transformers' RoPE uses (fp32 math, float64 for float64)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    c, s = angle.cos().to(acc), angle.sin().to(acc)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].to(acc), x[..., half:].to(acc)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
 class SinkCacheLayer(CacheLayerMixin):
@@ -98,20 +90,9 @@ class SinkCacheLayer(CacheLayerMixin):
         hit = self._memo.get("rot")
         if hit is not None and hit[0] == key and torch.equal(hit[1], delta):
             return hit[2]
-        angle = delta.to(torch.float64)[:, None] * self._angles[None, :]
-        acc = torch.float64 if self.dtype == torch.float64 else torch.float32
-        c, sn = angle.cos().to(acc), angle.sin().to(acc)
-        table = (torch.cat([c, c], -1), torch.cat([-sn, sn], -1))
+        table = halves_table(delta.to(torch.float64)[:, None] * self._angles[None, :], self.dtype)
         self._memo["rot"] = (key, delta, table)
         return table
-
-    def _rotated(self, x, table):
-        """x (b, hk, len, d) rotated by the table's angles: x * cos + swap_halves(x) * sin (in place on the
-        one new tensor: this pass runs on every layer of every decode step)."""
-        half = x.shape[-1] // 2
-        xa = x.to(table[0].dtype)
-        out = torch.cat([xa[..., half:], xa[..., :half]], -1).mul_(table[1]).addcmul_(xa, table[0])
-        return out.to(x.dtype)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -127,7 +108,7 @@ class SinkCacheLayer(CacheLayerMixin):
         keys_old = self.keys.index_select(2, slots)
         delta = torch.arange(kept, device=dev) - self.arrival.index_select(0, slots)  # in-cache place now - then
         if kept and bool(delta.any()):
-            keys_old = self._rotated(keys_old, self._cos_sin(delta, "gather"))
+            keys_old = rotate_by_table(keys_old, self._cos_sin(delta, "gather"))
         out_k = torch.cat([keys_old, key_states], dim=2)
         out_v = torch.cat([self.values.index_select(2, slots), value_states], dim=2)
         # store the new tokens that stay: the sink tokens among them and the last `window` of the rest
@@ -159,7 +140,7 @@ class SinkCacheLayer(CacheLayerMixin):
             r = torch.arange(W, device=self.device)
             target = torch.cat([torch.arange(n, device=self.device), n + W - 1 - (seen - n - r) % W])
             hit = self._memo["ring"] = ((seen, self.device), self._cos_sin(target - self.arrival, "ring"))
-        out_k = self._rotated(self.keys, hit[1])
+        out_k = rotate_by_table(self.keys, hit[1])
         self.step = (seen, C - 1, 1)
         self.seen += 1
         return out_k, self.values
@@ -328,7 +309,7 @@ def chunk_attention(q, k, v, s_aux, stream, layer_idx, scale, softcap, sliding_l
     t = torch.arange(seen, seen + s, device=q.device)
     delta = torch.clamp(t, max=cap - 1) - (kept + torch.arange(s, device=q.device))
     qs = rotate_halves(q, (delta.to(torch.float64)[:, None] * layer._angles[None, :])[:, None, :])
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     g = q.shape[2] // k.shape[2]
     ks = k[:, :n].to(acc).repeat_interleave(g, dim=2)
     vs = v[:, :n].to(acc).repeat_interleave(g, dim=2)

@@ -32,6 +32,7 @@ from vllm.v1.attention.backend import (
 )
 
 from ..errors import SinkattnValueError
+from ..layout import HEADDIM_MAX, HEADDIM_MULTIPLE, headdim_supported
 from .vllm_paged import Run, attend, cache_views, kernel_gap, plan_runs, write_kv
 
 _KV_DTYPES = ["auto", "float16", "bfloat16"]
@@ -138,7 +139,7 @@ class SinkattnBackend(AttentionBackend):
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
-        return head_size % 8 == 0 and 8 <= head_size <= 256
+        return headdim_supported(head_size)
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -175,7 +176,8 @@ class SinkattnBackend(AttentionBackend):
             "kv_cache_dtype not supported": f"kv_cache_dtype={kw.get('kv_cache_dtype')!r} is not served by sinkattn "
                                             f"(accepted: {_KV_DTYPES}; vLLM: --kv-cache-dtype auto)",
             "compute capability not supported": "sinkattn's kernels need compute capability 8.0 or newer",
-            "head_size not supported": f"head_size={kw.get('head_size')} (accepted: multiples of 8 up to 256)",
+            "head_size not supported": f"head_size={kw.get('head_size')} (accepted: multiples of {HEADDIM_MULTIPLE} "
+                                       f"up to {HEADDIM_MAX})",
             "dtype not supported": f"dtype={kw.get('dtype')} (sinkattn's kernels take float16 and bfloat16)",
         }
         out = [explain.get(r, r) for r in reasons]

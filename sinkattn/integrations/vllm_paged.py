@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _kernels
+from .. import dispatch
 from .._problem import Problem
 from ..interface import flash_attn_with_kvcache
 
@@ -66,8 +66,8 @@ def kernel_gap(head_size: int, dtype: torch.dtype, capability) -> str | None:
                       nheads=1, nheads_k=1, window_left=-1, window_right=0, sink_tokens=0, softcap=0.0,
                       has_sinks=True, varlen=False, paged=True)
     reasons = []
-    for backend in _kernels.preferred_backends(cap, problem) or ("sm80",):
-        reason = _kernels.why_not(backend, problem, capability=cap)
+    for backend in dispatch.preferred_backends(cap, problem) or ("sm80",):
+        reason = dispatch.why_not(backend, problem, capability=cap)
         if reason is None:
             return None
         reasons.append(f"{backend}: {reason}")

@@ -1,0 +1,125 @@
+"""The kernels compiled into the binary, as its registry (sinkattn._C.registry(), loaded by _ext) records them.
+
+Every "can this kernel serve this call" fact that belongs to a kernel is read here, never hard-coded: which
+(family, op, head dim, dtype) exist, the features each serves, the shared memory per block its smallest
+tile configuration needs, and the archs it was compiled for. An entry is a dict:
+
+    name, family ("sm80", "sm90", "sm80-emulated", "common"), op ("fwd", "bwd", "merge"), headdim (0: any),
+    dtype ("bf16", "fp16", "fp32"), features (comma list: sinks, sink_tokens, causal, window, softcap, gqa,
+    varlen, kvcache, paged, split_kv, deterministic), archs (comma list of SASS sm_XY / PTX compute_XY),
+    smem_bytes (0: no dynamic shared memory; absent in builds that predate it, read as 0)
+
+Device facts (a device's shared-memory limit, its capability) live in _device; the decision that combines
+the two is dispatch.why_not.
+"""
+from __future__ import annotations
+
+from . import _ext
+from ._problem import Problem
+from .layout import kernel_headdim
+
+# backend= name -> registry family. "sm80-emulated" is the sm80 kernel body under host emulation (CPU tensors).
+BACKEND_FAMILY = {"sm90": "sm90", "sm80": "sm80", "sm80-emulated": "sm80-emulated"}
+KERNEL_BACKENDS = tuple(BACKEND_FAMILY)
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def dtype_name(dtype) -> str | None:
+    """The registry's name of a torch dtype ("bf16"), or None for one no kernel takes."""
+    return _DTYPE_NAMES.get(str(dtype))
+
+
+def op_of(problem: Problem) -> str:
+    """The registry op that serves a problem: KV-cache decode runs on the forward kernels."""
+    return "bwd" if problem.kind == "bwd" else "fwd"
+
+
+def needed_features(problem: Problem) -> list[str]:
+    """The registry features a kernel must list to serve `problem`."""
+    wanted = [("sinks", problem.has_sinks), ("sink_tokens", problem.sink_tokens > 0),
+              ("causal", problem.window_right == 0), ("window", problem.window_left >= 0 or problem.window_right > 0),
+              ("softcap", problem.softcap > 0), ("gqa", problem.nheads != problem.nheads_k),
+              ("varlen", problem.varlen), ("kvcache", problem.kind == "kvcache"), ("paged", problem.paged),
+              ("deterministic", problem.kind == "bwd" and problem.deterministic)]
+    return [name for name, needed in wanted if needed]
+
+
+def kernels(family: str, op: str) -> list[dict]:
+    return [k for k in _ext.registry() if k["family"] == family and k["op"] == op]
+
+
+def find(family: str, op: str, headdim: int, dtype: str | None) -> dict | None:
+    return next((k for k in _ext.registry() if k["family"] == family and k["op"] == op and k["headdim"] == headdim
+                 and k["dtype"] == dtype), None)
+
+
+def kernel_for(backend: str, problem: Problem) -> dict | None:
+    """The entry of the kernel `backend` would run for `problem` (None: not compiled)."""
+    return find(BACKEND_FAMILY[backend], op_of(problem), kernel_headdim(problem.headdim) or 0,
+                dtype_name(problem.dtype))
+
+
+def features(kernel: dict) -> frozenset[str]:
+    return frozenset(f for f in kernel["features"].split(",") if f)
+
+
+def smem_bytes(kernel: dict) -> int:
+    return int(kernel.get("smem_bytes", 0) or 0)
+
+
+def requested(key: str) -> list[str]:
+    """A list the build was asked for (requested_headdims, requested_dtypes, ...), from the binary."""
+    info = _ext.build_info() or {}
+    return [x for x in str(info.get(key, "")).replace(";", ",").split(",") if x]
+
+
+def sass_runs_on(arch: str, capability: tuple[int, int]) -> bool:
+    """Whether SASS compiled for `arch` ("sm_86", "sm_90a") loads on a device of this capability.
+
+    SASS is compatible within a major version, upward in minor; arch-specific targets (sm_90a) run only
+    on exactly their capability."""
+    if not arch.startswith("sm_"):
+        return False
+    digits = arch[3:].rstrip("af")
+    major, minor = int(digits[:-1]), int(digits[-1])
+    if arch[3:] != digits:
+        return (major, minor) == capability
+    return major == capability[0] and minor <= capability[1]
+
+
+def ptx_runs_on(arch: str, capability: tuple[int, int]) -> bool:
+    """Whether embedded PTX for `arch` ("compute_80") can be JIT-compiled for this capability (any newer GPU)."""
+    if not arch.startswith("compute_") or not arch[8:].isdigit():
+        return False
+    digits = arch[8:]
+    return (int(digits[:-1]), int(digits[-1])) <= tuple(capability)
+
+
+def how_it_runs(archs: str, capability: tuple[int, int]) -> str | None:
+    """How a kernel compiled for `archs` (the registry's comma list) runs on this capability, or None."""
+    codes = archs.split(",")
+    for a in codes:
+        if sass_runs_on(a, capability):
+            return f"native {a} code"
+    for a in codes:
+        if ptx_runs_on(a, capability):
+            return f"{a} PTX, JIT-compiled by the driver at first use"
+    return None
+
+
+def rebuild_hint(capability) -> str:
+    """The SINKATTN_CUDA_ARCHS that gives native code for a device of this capability."""
+    if capability is None:
+        return ""
+    major, minor = capability
+    arch = {8: "80", 9: "90a", 10: "100", 12: "120"}.get(major)
+    if arch is None:
+        return f"no sinkattn build targets cc {major}.{minor}"
+    return f"rebuild with SINKATTN_CUDA_ARCHS={arch}"
+
+
+def merge_kernel_runs(dtype, capability: tuple[int, int]) -> bool:
+    """Whether a compiled merge kernel of this dtype can run on a CUDA device of this capability."""
+    name = dtype_name(dtype)
+    kernel = next((k for k in _ext.registry() if k["op"] == "merge" and k["dtype"] == name), None)
+    return kernel is not None and how_it_runs(kernel["archs"], capability) is not None
