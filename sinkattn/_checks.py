@@ -28,11 +28,11 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-def check_tensor(name: str, t, rank: int, layout: str) -> None:
+def check_tensor(name: str, t, rank: int, layout: str, who: str = "sinkattn") -> None:
     if not isinstance(t, torch.Tensor):
-        raise SinkattnTypeError(f"sinkattn: {name} must be a torch.Tensor {layout}; got {type(t).__name__}")
+        raise SinkattnTypeError(f"{who}: {name} must be a torch.Tensor {layout}; got {type(t).__name__}")
     if t.dim() != rank:
-        raise SinkattnValueError(f"sinkattn: {name} must be a {rank}-D tensor {layout}; got shape {_shape(t)}")
+        raise SinkattnValueError(f"{who}: {name} must be a {rank}-D tensor {layout}; got shape {_shape(t)}")
 
 
 def check_dtype(name: str, t: torch.Tensor) -> None:
@@ -197,9 +197,9 @@ def check_int(name: str, value, minimum: int, who: str = "sinkattn") -> None:
         raise SinkattnValueError(f"{who}: {name} is {value}; accepted: an int >= {minimum}")
 
 
-def check_bool(name: str, value) -> None:
+def check_bool(name: str, value, who: str = "sinkattn") -> None:
     if not isinstance(value, bool):
-        raise SinkattnTypeError(f"sinkattn: {name} must be a bool; got {type(value).__name__} {value!r}")
+        raise SinkattnTypeError(f"{who}: {name} must be a bool; got {type(value).__name__} {value!r}")
 
 
 def check_backend(backend) -> None:
@@ -294,26 +294,32 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_
         raise SinkattnValueError(
             f"sinkattn: cache_seqlens has shape {_shape(cache_seqlens)}; accepted: ({batch},), one length per sequence")
     check_same_device("q", q, {"cache_seqlens": cache_seqlens})
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise SinkattnValueError("sinkattn: rotary_cos and rotary_sin must be given together; got only "
-                                 + ("rotary_cos" if rotary_sin is None else "rotary_sin"))
-    if rotary_cos is not None:
-        check_tensor("rotary_cos", rotary_cos, 2, "(max_position, rotary_dim / 2)")
-        check_tensor("rotary_sin", rotary_sin, 2, "(max_position, rotary_dim / 2)")
-        if rotary_sin.shape != rotary_cos.shape:
-            raise SinkattnValueError(
-                f"sinkattn: rotary_sin has shape {_shape(rotary_sin)} but rotary_cos has "
-                f"{_shape(rotary_cos)}; they must match")
-        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            if not t.is_floating_point():
-                raise SinkattnTypeError(f"sinkattn: {name} has dtype {t.dtype}; accepted: a floating dtype")
-        check_same_device("q", q, {"rotary_cos": rotary_cos, "rotary_sin": rotary_sin})
-        rotary_dim = 2 * rotary_cos.shape[1]
-        if rotary_dim == 0 or rotary_dim > q.shape[-1]:
-            raise SinkattnValueError(
-                f"sinkattn: rotary_cos has {rotary_cos.shape[1]} columns, a rotary dim of {rotary_dim}; "
-                f"accepted: 1 to headdim / 2 = {q.shape[-1] // 2} columns")
+    check_rotary_tables(rotary_cos, rotary_sin, q.shape[-1])
+    check_same_device("q", q, {"rotary_cos": rotary_cos, "rotary_sin": rotary_sin})
     check_int("num_splits", num_splits, minimum=0)
+
+
+def check_rotary_tables(rotary_cos, rotary_sin, headdim: int, who: str = "sinkattn") -> None:
+    """FlashAttention's rotary tables (sinkattn.rotary): both or neither, floating, (max_position, rotary_dim / 2)
+    each, rotating 2 to headdim dims. `who` names the API in the message (flash_attn_with_kvcache, SinkKVCache)."""
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise SinkattnValueError(f"{who}: rotary_cos and rotary_sin must be given together; got only "
+                                 + ("rotary_cos" if rotary_sin is None else "rotary_sin"))
+    if rotary_cos is None:
+        return
+    check_tensor("rotary_cos", rotary_cos, 2, "(max_position, rotary_dim / 2)", who)
+    check_tensor("rotary_sin", rotary_sin, 2, "(max_position, rotary_dim / 2)", who)
+    if rotary_sin.shape != rotary_cos.shape:
+        raise SinkattnValueError(
+            f"{who}: rotary_sin has shape {_shape(rotary_sin)} but rotary_cos has {_shape(rotary_cos)}; they must match")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not t.is_floating_point():
+            raise SinkattnTypeError(f"{who}: {name} has dtype {t.dtype}; accepted: a floating dtype")
+    rotary_dim = 2 * rotary_cos.shape[1]
+    if rotary_dim == 0 or rotary_dim > headdim:
+        raise SinkattnValueError(
+            f"{who}: rotary_cos has {rotary_cos.shape[1]} columns, a rotary dim of {rotary_dim}; "
+            f"accepted: 1 to headdim / 2 = {headdim // 2} columns")
 
 
 def check_writable_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

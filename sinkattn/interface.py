@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, ops  # noqa: F401  (ops registers torch.ops.sinkattn.*)
-from .errors import SinkattnTypeError, SinkattnValueError
+from .errors import SinkattnValueError
 
 _CONVENTIONS = (__doc__ or "").partition("(appended at import, so help() shows them).\n")[2]
 
@@ -117,9 +117,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
     cache_seqlens = _cache_seqlens(q, k_cache, k, cache_seqlens, block_table)
     _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, num_splits)
     _checks.check_sinks(sinks, q)
-    if not isinstance(rotary_interleaved, bool):
-        raise SinkattnTypeError(
-            f"sinkattn: rotary_interleaved must be a bool; got {type(rotary_interleaved).__name__}")
+    _checks.check_bool("rotary_interleaved", rotary_interleaved)
     out, lse = torch.ops.sinkattn.kvcache_fwd(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table,
                                               rotary_cos, rotary_sin, rotary_interleaved, scale, left, right, n,
                                               cap, num_splits, backend)

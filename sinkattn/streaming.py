@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_int
+from ._checks import check_bool, check_int, check_rotary_tables
 from .errors import SinkattnTypeError, SinkattnValueError
 from .interface import flash_attn_with_kvcache
 from .rotary import apply_rotary
@@ -102,26 +102,10 @@ class SinkKVCache:
                 f"accepted: capacity >= {sink_tokens + 1}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise SinkattnTypeError(f"SinkKVCache: dtype must be a floating torch.dtype; got {dtype!r}")
-        if not isinstance(rotary_interleaved, bool):
-            raise SinkattnTypeError(
-                f"SinkKVCache: rotary_interleaved must be a bool; got {type(rotary_interleaved).__name__}")
+        check_bool("rotary_interleaved", rotary_interleaved, who="SinkKVCache")
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if (rotary_cos is None) != (rotary_sin is None):
-            raise SinkattnValueError("SinkKVCache: rotary_cos and rotary_sin must be given together; got only "
-                                     + ("rotary_cos" if rotary_sin is None else "rotary_sin"))
+        check_rotary_tables(rotary_cos, rotary_sin, head_dim, who="SinkKVCache")
         if rotary_cos is not None:
-            for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-                if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
-                    raise SinkattnValueError(
-                        f"SinkKVCache: {name} must be a floating tensor (max_position, rotary_dim / 2); got "
-                        + (f"shape {tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__))
-            if rotary_cos.shape != rotary_sin.shape:
-                raise SinkattnValueError(f"SinkKVCache: rotary_cos {tuple(rotary_cos.shape)} and rotary_sin "
-                                         f"{tuple(rotary_sin.shape)} must have the same shape")
-            if not 1 <= 2 * rotary_cos.shape[1] <= head_dim:
-                raise SinkattnValueError(
-                    f"SinkKVCache: rotary_cos has {rotary_cos.shape[1]} columns (rotary dim "
-                    f"{2 * rotary_cos.shape[1]}); accepted: 1 to head_dim / 2 = {head_dim // 2}")
             if rotary_cos.shape[0] < capacity:
                 raise SinkattnValueError(
                     f"SinkKVCache: position overflow: the rotary tables have {rotary_cos.shape[0]} positions but "
