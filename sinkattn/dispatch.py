@@ -133,7 +133,7 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
     if described is not None:
         missing = [f for f in registry.needed_features(problem) if f not in registry.features(described)]
         if missing:
-            return (f"the {backend} {what} kernels do not serve "
+            return (f"the {backend} {_WHAT[op]} kernels do not serve "
                     + " or ".join(_FEATURE_WORDS.get(f, f) for f in missing)
                     + f" (registry features of {described['name']}: {described['features']})")
     if kernel is None:
