@@ -93,13 +93,12 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
 
 
 def _device_gap(backend: str, capability: tuple[int, int]) -> str | None:
-    cc = f"{capability[0]}.{capability[1]}"
     if backend == "sm90" and capability != (9, 0):
-        return f"backend 'sm90' needs a cc 9.0 GPU (this one is cc {cc})"
+        return f"backend 'sm90' needs a cc 9.0 GPU (this one is cc {capability[0]}.{capability[1]})"
     if backend == "sm90" and os.environ.get("SINKATTN_DISABLE_SM90") == "1":
         return "disabled by SINKATTN_DISABLE_SM90=1 (the sm80 kernels serve cc 9.0)"
     if backend == "sm80" and capability[0] < 8:
-        return f"sinkattn kernels need cc >= 8.0 (this GPU is cc {cc})"
+        return f"sinkattn kernels need cc >= 8.0 (this GPU is cc {capability[0]}.{capability[1]})"
     return None
 
 
@@ -131,7 +130,8 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
     # Features are the family's (one list per family and op): a sibling answers when this head dim is missing.
     described = kernel or (siblings[0] if siblings else None)
     if described is not None:
-        missing = [f for f in registry.needed_features(problem) if f not in registry.features(described)]
+        served = registry.features(described)
+        missing = [f for f in registry.needed_features(problem) if f not in served]
         if missing:
             return (f"the {backend} {_WHAT[op]} kernels do not serve "
                     + " or ".join(_FEATURE_WORDS.get(f, f) for f in missing)
@@ -149,14 +149,13 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
                 f"including {dtype}")
     if capability is None:
         return None
-    cc = f"{capability[0]}.{capability[1]}"
     need, allowed = registry.smem_bytes(kernel), _device.smem_per_block_optin(capability, problem.device_index)
     if allowed is not None and need > allowed:
-        return (f"the {backend} {what} for head dim {hd} needs {_kb(need)} KB of shared memory per block; cc {cc} "
-                f"allows {_kb(allowed)} KB; the reference backend serves it")
+        return (f"the {backend} {what} for head dim {hd} needs {_kb(need)} KB of shared memory per block; cc "
+                f"{capability[0]}.{capability[1]} allows {_kb(allowed)} KB; the reference backend serves it")
     if registry.how_it_runs(kernel["archs"], capability) is None:
         return (f"the {backend} kernels in this build are compiled for {kernel['archs']}, none of which runs on "
-                f"cc {cc}; {registry.rebuild_hint(capability)}")
+                f"cc {capability[0]}.{capability[1]}; {registry.rebuild_hint(capability)}")
     return None
 
 

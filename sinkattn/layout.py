@@ -23,7 +23,10 @@ def headdim_supported(d: int) -> bool:
 
 def kernel_headdim(d: int) -> int | None:
     """The instantiated head dim whose kernels serve head dim `d`, or None (too large)."""
-    return next((h for h in KERNEL_HEADDIMS if d <= h), None)
+    for h in KERNEL_HEADDIMS:
+        if d <= h:
+            return h
+    return None
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

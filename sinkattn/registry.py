@@ -14,6 +14,8 @@ the two is dispatch.why_not.
 """
 from __future__ import annotations
 
+import functools
+
 from . import _ext
 from ._problem import Problem
 from .layout import kernel_headdim
@@ -44,13 +46,30 @@ def needed_features(problem: Problem) -> list[str]:
     return [name for name, needed in wanted if needed]
 
 
+_index_of: tuple = (None, None)  # (the registry tuple, its index): rebuilt when _ext.registry() gives another
+
+
+def _index():
+    """{(family, op): [entries]} and {(family, op, headdim, dtype): entry} of the registry as it is now."""
+    global _index_of
+    reg = _ext.registry()
+    seen, index = _index_of
+    if seen is not reg:
+        by_op, by_key = {}, {}
+        for k in reg:
+            by_op.setdefault((k["family"], k["op"]), []).append(k)
+            by_key.setdefault((k["family"], k["op"], k["headdim"], k["dtype"]), k)
+        index = (by_op, by_key)
+        _index_of = (reg, index)
+    return index
+
+
 def kernels(family: str, op: str) -> list[dict]:
-    return [k for k in _ext.registry() if k["family"] == family and k["op"] == op]
+    return _index()[0].get((family, op), [])
 
 
 def find(family: str, op: str, headdim: int, dtype: str | None) -> dict | None:
-    return next((k for k in _ext.registry() if k["family"] == family and k["op"] == op and k["headdim"] == headdim
-                 and k["dtype"] == dtype), None)
+    return _index()[1].get((family, op, headdim, dtype))
 
 
 def kernel_for(backend: str, problem: Problem) -> dict | None:
@@ -60,7 +79,12 @@ def kernel_for(backend: str, problem: Problem) -> dict | None:
 
 
 def features(kernel: dict) -> frozenset[str]:
-    return frozenset(f for f in kernel["features"].split(",") if f)
+    return _feature_set(kernel["features"])
+
+
+@functools.lru_cache(maxsize=64)
+def _feature_set(listed: str) -> frozenset[str]:
+    return frozenset(f for f in listed.split(",") if f)
 
 
 def smem_bytes(kernel: dict) -> int:
