@@ -151,7 +151,7 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
         return None
     need, allowed = registry.smem_bytes(kernel), _device.smem_per_block_optin(capability, problem.device_index)
     if allowed is not None and need > allowed:
-        return (f"the {backend} {what} for head dim {hd} needs {_kb(need)} KB of shared memory per block; cc "
+        return (f"the {backend} {_WHAT[op]} for head dim {hd} needs {_kb(need)} KB of shared memory per block; cc "
                 f"{capability[0]}.{capability[1]} allows {_kb(allowed)} KB; the reference backend serves it")
     if registry.how_it_runs(kernel["archs"], capability) is None:
         return (f"the {backend} kernels in this build are compiled for {kernel['archs']}, none of which runs on "

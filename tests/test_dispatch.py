@@ -251,6 +251,13 @@ def test_shared_memory_of_the_kernel_against_the_device(gpu, fake_registry):
     fake_registry((entry("sm80", "bwd", headdim=256, smem_bytes=170000),))
     gpu["cap"] = (8, 0)
     assert "needs 166 KB" in dispatch.why_not("sm80", BWD_256) and "allows 163 KB" in dispatch.why_not("sm80", BWD_256)
+    # Decode runs on the forward kernels: their shared memory decides.
+    decode = dataclasses.replace(KVCACHE_PROBLEM, headdim=256, headdim_v=256)
+    fake_registry((entry("sm80", "fwd", headdim=256, smem_bytes=120 * 1024),))
+    gpu["cap"] = (8, 9)
+    assert dispatch.why_not("sm80", decode).startswith("the sm80 forward for head dim 256 needs 120 KB")
+    gpu["cap"] = (8, 0)
+    assert dispatch.why_not("sm80", decode) is None
     # A registry from before smem_bytes existed: no shared-memory refusal (read as 0).
     old = entry("sm80", "bwd", headdim=256)
     del old["smem_bytes"]
