@@ -8,13 +8,16 @@
 #include <cuda_runtime.h>
 
 #include "build_info.h"
-#include "common/mask.h"
 #include "common/bwd_prepost.h"
+#include "common/mask.h"
 #include "common/merge.h"
-#include "common/softmax.h"
+#include "common/online_softmax.h"
 #include "common/split.h"
+#include "common/tile_order.h"
 #include "emu/emu_launch.h"
 #include "params.h"
+#include "sm80/bwd_tiles.h"
+#include "sm80/fwd_tiles.h"
 
 namespace sinkattn {
 
@@ -43,6 +46,7 @@ static py::list registry() {
     d["headdim"] = k.headdim;
     d["dtype"] = k.dtype;
     d["features"] = k.features;
+    d["smem_bytes"] = k.smem_bytes;
     d["archs"] = k.archs;
     out.append(d);
   }
@@ -152,47 +156,94 @@ static KernelInfo const* fwd_kernel_for(std::string const& backend, at::Tensor c
   return info;
 }
 
-static void launch_fwd(KernelInfo const* info, FwdParams& p, bool emulated, int64_t max_smem, at::Device device) {
+// The shared-memory limit per block that picks the tiles (p.max_smem_per_block): the device's opt-in limit, or
+// under emulation an A100's (EmuLaunch); max_smem > 0 overrides it (tests: the sm86 / sm89 tiles), on a GPU
+// never above the device's.
+static int smem_limit(bool emulated, int64_t max_smem, at::Device device) {
+  if (emulated) return max_smem > 0 ? int(max_smem) : EmuLaunch{}.max_smem_per_block;
+  int smem = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
+  return max_smem > 0 ? int(std::min<int64_t>(max_smem, smem)) : smem;
+}
+
+static void launch_fwd(KernelInfo const* info, FwdParams const& p, bool emulated, at::Device device) {
   if (emulated) {
     EmuLaunch launch;
-    if (max_smem > 0) launch.max_smem_per_block = int(max_smem);
+    launch.max_smem_per_block = p.max_smem_per_block;
     py::gil_scoped_release no_gil;  // the emulation runs for a while on its own threads
     reinterpret_cast<FwdEmuFn>(info->fn)(p, launch);
     return;
   }
   c10::cuda::CUDAGuard guard(device);
-  int smem = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
-  p.max_smem_per_block = max_smem > 0 ? int(std::min<int64_t>(max_smem, smem)) : smem;
   reinterpret_cast<FwdFn>(info->fn)(p, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Varlen: cu_seqlens (batch + 1,) int32 on the tensors' device; max_seqlen sizes the grid.
-template <class Params>
-static void set_varlen(Params& p, at::Tensor const& cq, at::Tensor const& ck, int64_t max_seqlen_q,
-                       int64_t max_seqlen_k, char const* op) {
-  TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt && cq.is_contiguous() && ck.is_contiguous(),
-              "sinkattn ", op, ": cu_seqlens must be contiguous int32");
-  TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "sinkattn ", op, ": cu_seqlens_q/k lengths differ");
-  p.batch = cq.numel() - 1;
-  p.cu_seqlens_q = cq.data_ptr<int>();
-  p.cu_seqlens_k = ck.data_ptr<int>();
-  p.seqlen_q = max_seqlen_q;
-  p.seqlen_k = max_seqlen_k;
-}
+// The mask and scale of a call.
+struct MaskArgs {
+  double softmax_scale;
+  int64_t window_left, window_right, sink_tokens;
+  double softcap;
+};
 
-// Strides of padded (batch, seqlen, heads, d) q/k/v/out and a contiguous (batch, nheads, seqlen_q) lse.
-static void fill_padded_strides(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                                at::Tensor const& out, at::Tensor const& lse, char const* op) {
-  p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0); p.k_row_stride = k.stride(1); p.k_head_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0); p.v_row_stride = v.stride(1); p.v_head_stride = v.stride(2);
-  p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.batch && lse.size(1) == p.nheads && lse.size(2) == p.seqlen_q &&
-                  lse.is_contiguous(), "sinkattn ", op, ": lse must be contiguous (batch, nheads, seqlen_q)");
-  p.lse_batch_stride = lse.stride(0);
-  p.lse_head_stride = lse.stride(1);
+// Everything AttnParams holds, filled in one place for the forward, the backward and the KV-cache forward.
+// q/k/v/out: padded (batch, seqlen, heads, d), or varlen (total, heads, d) with cu_seqlens (batch + 1,) int32
+// on the tensors' device and max_seqlen sizing the grid; a KV cache passes its caches as k/v (the caller then
+// sets seqlen_k). lse: contiguous (batch, nheads, seqlen_q), or (nheads, total_q) when varlen.
+static void fill_attn_params(AttnParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                             at::Tensor const& out, at::Tensor const& lse, std::optional<at::Tensor> const& cu_seqlens_q,
+                             std::optional<at::Tensor> const& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                             float const* sinks, MaskArgs const& m, int max_smem_per_block, char const* op) {
+  bool const varlen = cu_seqlens_q.has_value();
+  TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "sinkattn ", op, ": cu_seqlens_q and cu_seqlens_k go together");
+  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
+  p.sinks = sinks;
+  p.headdim = q.size(-1);
+  p.headdim_rounded = served_headdim(p.headdim);
+  p.nheads = q.size(-2);
+  p.nheads_k = k.size(-2);
+  TORCH_CHECK(p.nheads_k > 0 && p.nheads % p.nheads_k == 0, "sinkattn ", op, ": nheads must be a multiple of nheads_k");
+  int const r = varlen ? 0 : 1;  // index of the row dimension
+  if (varlen) {
+    auto const& cq = *cu_seqlens_q;
+    auto const& ck = *cu_seqlens_k;
+    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt && cq.is_contiguous() && ck.is_contiguous(),
+                "sinkattn ", op, ": cu_seqlens must be contiguous int32");
+    TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "sinkattn ", op, ": cu_seqlens_q/k lengths differ");
+    p.batch = cq.numel() - 1;
+    p.cu_seqlens_q = cq.data_ptr<int>();
+    p.cu_seqlens_k = ck.data_ptr<int>();
+    p.seqlen_q = max_seqlen_q;
+    p.seqlen_k = max_seqlen_k;
+    p.total_q = q.size(0);
+    p.total_k = k.size(0);
+    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == p.nheads && lse.size(1) == q.size(0) && lse.is_contiguous(),
+                "sinkattn ", op, ": varlen lse must be contiguous (nheads, total_q)");
+    p.lse_batch_stride = 0;
+    p.lse_head_stride = lse.stride(0);
+  } else {
+    p.batch = q.size(0);
+    p.seqlen_q = q.size(1);
+    p.seqlen_k = k.size(1);
+    p.total_q = p.batch * p.seqlen_q;
+    p.total_k = p.batch * p.seqlen_k;
+    p.q_batch_stride = q.stride(0); p.k_batch_stride = k.stride(0); p.v_batch_stride = v.stride(0);
+    p.o_batch_stride = out.stride(0);
+    TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.batch && lse.size(1) == p.nheads && lse.size(2) == p.seqlen_q &&
+                    lse.is_contiguous(), "sinkattn ", op, ": lse must be contiguous (batch, nheads, seqlen_q)");
+    p.lse_batch_stride = lse.stride(0);
+    p.lse_head_stride = lse.stride(1);
+  }
+  p.q_row_stride = q.stride(r); p.q_head_stride = q.stride(r + 1);
+  p.k_row_stride = k.stride(r); p.k_head_stride = k.stride(r + 1);
+  p.v_row_stride = v.stride(r); p.v_head_stride = v.stride(r + 1);
+  p.o_row_stride = out.stride(r); p.o_head_stride = out.stride(r + 1);
+  p.softmax_scale = float(m.softmax_scale);
+  p.softcap = float(m.softcap);
+  p.window_left = int(m.window_left);
+  p.window_right = int(m.window_right);
+  p.sink_tokens = int(m.sink_tokens);
+  p.max_smem_per_block = max_smem_per_block;
 }
 
 static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> sinks,
@@ -201,9 +252,7 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
                 int64_t window_left, int64_t window_right, int64_t sink_tokens, double softcap, int64_t max_smem) {
   bool const emulated = backend == "sm80-emulated";
   TORCH_CHECK(emulated || backend == "sm80" || backend == "sm90", "sinkattn fwd: unknown backend '", backend, "'");
-  bool const varlen = cu_seqlens_q.has_value();
-  TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "sinkattn fwd: cu_seqlens_q and cu_seqlens_k go together");
-  int const rank = varlen ? 3 : 4;
+  int const rank = cu_seqlens_q.has_value() ? 3 : 4;
   TORCH_CHECK(q.dim() == rank && k.dim() == rank && v.dim() == rank, "sinkattn fwd: q/k/v rank must be ", rank);
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() && out.scalar_type() == q.scalar_type(),
               "sinkattn fwd: q, k, v and out must share a dtype");
@@ -214,38 +263,14 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   auto const* info = fwd_kernel_for(backend, q);
 
   FwdParams p;
-  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.out = out.data_ptr();
+  float const* sinks_ptr = nullptr;
+  at::Tensor const sinks_f = sinks_fp32(sinks, sinks_ptr);
+  fill_attn_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks_ptr,
+                   {softmax_scale, window_left, window_right, sink_tokens, softcap},
+                   smem_limit(emulated, max_smem, q.device()), "fwd");
+  p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  at::Tensor const sinks_f = sinks_fp32(sinks, p.sinks);
-  p.headdim = d;
-  p.nheads = q.size(-2);
-  p.nheads_k = k.size(-2);
-  TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn fwd: nheads must be a multiple of nheads_k");
-  if (varlen) {
-    set_varlen(p, *cu_seqlens_q, *cu_seqlens_k, max_seqlen_q, max_seqlen_k, "fwd");
-    p.total_q = q.size(0);
-    p.total_k = k.size(0);
-    p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
-    p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
-    p.v_row_stride = v.stride(0); p.v_head_stride = v.stride(1);
-    p.o_row_stride = out.stride(0); p.o_head_stride = out.stride(1);
-    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == p.nheads && lse.size(1) == q.size(0) && lse.is_contiguous(),
-                "sinkattn fwd: varlen lse must be contiguous (nheads, total_q)");
-    p.lse_batch_stride = 0;
-    p.lse_head_stride = lse.stride(0);
-  } else {
-    p.batch = q.size(0);
-    p.seqlen_q = q.size(1);
-    p.seqlen_k = k.size(1);
-    fill_padded_strides(p, q, k, v, out, lse, "fwd");
-  }
-  p.softmax_scale = float(softmax_scale);
-  p.softcap = float(softcap);
-  p.window_left = int(window_left);
-  p.window_right = int(window_right);
-  p.sink_tokens = int(sink_tokens);
-
-  launch_fwd(info, p, emulated, max_smem, q.device());
+  launch_fwd(info, p, emulated, q.device());
 }
 
 // ---- attention backward --------------------------------------------------------------------------------
@@ -259,9 +284,7 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
                 int64_t sink_tokens, double softcap, bool deterministic, int64_t max_smem) {
   bool const emulated = backend == "sm80-emulated";
   TORCH_CHECK(emulated || backend == "sm80", "sinkattn bwd: unknown backend '", backend, "'");
-  bool const varlen = cu_seqlens_q.has_value();
-  TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "sinkattn bwd: cu_seqlens_q and cu_seqlens_k go together");
-  int const rank = varlen ? 3 : 4;
+  int const rank = cu_seqlens_q.has_value() ? 3 : 4;
   for (auto const* t : {&dout, &q, &k, &v, &out, &dq, &dk, &dv})
     TORCH_CHECK(t->dim() == rank && t->scalar_type() == q.scalar_type(), "sinkattn bwd: dout/q/k/v/out/dq/dk/dv must be rank ",
                 rank, " and share a dtype");
@@ -282,62 +305,35 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
               " in this build");
 
   BwdParams p;
-  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.out = out.data_ptr(); p.dout = dout.data_ptr();
+  float const* sinks_ptr = nullptr;
+  at::Tensor const sinks_f = sinks_fp32(sinks, sinks_ptr);
+  fill_attn_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks_ptr,
+                   {softmax_scale, window_left, window_right, sink_tokens, softcap},
+                   smem_limit(emulated, max_smem, q.device()), "bwd");
+  p.out = out.data_ptr(); p.dout = dout.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.dlse = dlse ? dlse->data_ptr<float>() : nullptr;
   p.dq = dq.data_ptr(); p.dk = dk.data_ptr(); p.dv = dv.data_ptr();
-  at::Tensor const sinks_f = sinks_fp32(sinks, p.sinks);
   if (sinks) {
     TORCH_CHECK(dsinks->scalar_type() == at::kFloat && dsinks->is_contiguous() && dsinks->numel() == q.size(-2),
                 "sinkattn bwd: dsinks must be contiguous float32 (nheads,)");
     p.dsinks = dsinks->data_ptr<float>();
   }
-  p.headdim = d;
-  p.headdim_rounded = hd;
-  p.nheads = q.size(-2);
-  p.nheads_k = k.size(-2);
-  TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn bwd: nheads must be a multiple of nheads_k");
-  int const r = varlen ? 0 : 1;  // index of the row dimension
-  if (varlen) {
-    set_varlen(p, *cu_seqlens_q, *cu_seqlens_k, max_seqlen_q, max_seqlen_k, "bwd");
-    p.total_q = q.size(0);
-    p.total_k = k.size(0);
-    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == p.nheads && lse.size(1) == q.size(0), "sinkattn bwd: varlen lse must be (nheads, total_q)");
-    p.lse_batch_stride = 0;
-    p.lse_head_stride = lse.stride(0);
-  } else {
-    p.batch = q.size(0);
-    p.seqlen_q = q.size(1);
-    p.seqlen_k = k.size(1);
-    p.total_q = p.batch * p.seqlen_q;
-    p.total_k = p.batch * p.seqlen_k;
-    TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.batch && lse.size(1) == p.nheads && lse.size(2) == p.seqlen_q,
-                "sinkattn bwd: lse must be (batch, nheads, seqlen_q)");
-    p.lse_batch_stride = lse.stride(0);
-    p.lse_head_stride = lse.stride(1);
-    p.q_batch_stride = q.stride(0); p.k_batch_stride = k.stride(0); p.v_batch_stride = v.stride(0);
-    p.o_batch_stride = out.stride(0); p.dq_batch_stride = dq.stride(0); p.dk_batch_stride = dk.stride(0);
-    p.dv_batch_stride = dv.stride(0);
+  int const r = cu_seqlens_q.has_value() ? 0 : 1;  // index of the row dimension
+  if (r == 1) {
+    p.dq_batch_stride = dq.stride(0); p.dk_batch_stride = dk.stride(0); p.dv_batch_stride = dv.stride(0);
   }
-  p.q_row_stride = q.stride(r); p.q_head_stride = q.stride(r + 1);
-  p.k_row_stride = k.stride(r); p.k_head_stride = k.stride(r + 1);
-  p.v_row_stride = v.stride(r); p.v_head_stride = v.stride(r + 1);
-  p.o_row_stride = out.stride(r); p.o_head_stride = out.stride(r + 1);
   p.dq_row_stride = dq.stride(r); p.dq_head_stride = dq.stride(r + 1);
   p.dk_row_stride = dk.stride(r); p.dk_head_stride = dk.stride(r + 1);
   p.dv_row_stride = dv.stride(r); p.dv_head_stride = dv.stride(r + 1);
-  p.softmax_scale = float(softmax_scale);
-  p.softcap = float(softcap);
-  p.window_left = int(window_left);
-  p.window_right = int(window_right);
-  p.sink_tokens = int(sink_tokens);
 
   // Workspace. Deterministic mode adds one int counter per (sequence, head, M tile).
   auto f32 = q.options().dtype(at::kFloat);
   auto dq_accum = at::zeros({int64_t(p.total_q), p.nheads, hd}, f32);
   at::Tensor dq_semaphore;
   if (deterministic) {
-    p.dq_m_blocks = std::max(1, (p.seqlen_q + kBwdBlockM - 1) / kBwdBlockM);
+    int const block_m = sm80::choose_bwd_tile(hd, p.max_smem_per_block).block_m;
+    p.dq_m_blocks = std::max(1, (p.seqlen_q + block_m - 1) / block_m);
     dq_semaphore = at::zeros({p.batch, p.nheads, p.dq_m_blocks}, q.options().dtype(at::kInt));
     p.dq_semaphore = dq_semaphore.data_ptr<int>();
   }
@@ -353,16 +349,12 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
 
   if (emulated) {
     EmuLaunch launch;
-    if (max_smem > 0) launch.max_smem_per_block = int(max_smem);
-    p.max_smem_per_block = launch.max_smem_per_block;
+    launch.max_smem_per_block = p.max_smem_per_block;
     py::gil_scoped_release no_gil;
     reinterpret_cast<BwdEmuFn>(info->fn)(p, launch);
     return;
   }
   c10::cuda::CUDAGuard guard(q.device());
-  int smem = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
-  p.max_smem_per_block = max_smem > 0 ? int(std::min<int64_t>(max_smem, smem)) : smem;
   reinterpret_cast<BwdFn>(info->fn)(p, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -403,13 +395,14 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
               "sinkattn fwd_kvcache: seqused_k must be contiguous int32 (batch,)");
 
   FwdParams p;
-  p.q = q.data_ptr(); p.k = k_cache.data_ptr(); p.v = v_cache.data_ptr(); p.out = out.data_ptr();
+  float const* sinks_ptr = nullptr;
+  at::Tensor const sinks_f = sinks_fp32(sinks, sinks_ptr);
+  // Page pools fill the batch strides with the page strides.
+  fill_attn_params(p, q, k_cache, v_cache, out, lse, std::nullopt, std::nullopt, 0, 0, sinks_ptr,
+                   {softmax_scale, window_left, window_right, sink_tokens, softcap},
+                   smem_limit(emulated, max_smem, q.device()), "fwd_kvcache");
+  p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  at::Tensor const sinks_f = sinks_fp32(sinks, p.sinks);
-  p.batch = q.size(0); p.seqlen_q = q.size(1); p.nheads = q.size(2); p.nheads_k = k_cache.size(2); p.headdim = d;
-  TORCH_CHECK(p.nheads % p.nheads_k == 0, "sinkattn fwd_kvcache: nheads must be a multiple of nheads_k");
-  p.headdim_rounded = served_headdim(d);
-  fill_padded_strides(p, q, k_cache, v_cache, out, lse, "fwd_kvcache");  // page pools: batch stride = page stride
   p.seqused_k = seqused_k.data_ptr<int>();
   int64_t capacity = k_cache.size(1);
   if (block_table) {
@@ -421,21 +414,18 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
     capacity = block_table->size(1) * p.page_size;
   }
   p.seqlen_k = int(capacity);
-  p.softmax_scale = float(softmax_scale);
-  p.softcap = float(softcap);
-  p.window_left = int(window_left);
-  p.window_right = int(window_right);
-  p.sink_tokens = int(sink_tokens);
   p.pack_gqa = p.nheads > p.nheads_k;
 
-  // Split-KV: decode launches one CTA per (sequence, KV head); splitting the keys fills the SMs. block_n: the
-  // key block of the decode tiles (sm80/fwd_config.h), so no split count exceeds the blocks there are.
-  int const block_m = p.headdim_rounded == 256 ? 64 : 128, block_n = p.headdim_rounded == 64 ? 128 : 64;
+  // Split-KV: decode launches one CTA per (sequence, KV head); splitting the keys fills the SMs. The tiles come
+  // from the table the launcher reads (sm80/fwd_tiles.h): CTAs are counted with the unsplit tile's rows, and
+  // key blocks with the split tile's keys, so no split count exceeds the blocks there are.
   int64_t const rows = int64_t(p.seqlen_q) * (p.nheads / p.nheads_k);
-  int64_t const ctas = (rows + block_m - 1) / block_m * (p.pack_gqa ? p.nheads_k : p.nheads) * p.batch;
+  sm80::FwdTile const whole = sm80::choose_fwd_tile(p.headdim_rounded, {rows, false}, p.max_smem_per_block);
+  sm80::FwdTile const split = sm80::choose_fwd_tile(p.headdim_rounded, {rows, true}, p.max_smem_per_block);
+  int64_t const ctas = (rows + whole.block_m - 1) / whole.block_m * (p.pack_gqa ? p.nheads_k : p.nheads) * p.batch;
   int sms = 108;  // the emulation pretends to be an A100
   if (!emulated) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
-  int const n_blocks = int((capacity + block_n - 1) / block_n);
+  int const n_blocks = int((capacity + split.block_n - 1) / split.block_n);
   p.num_splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, 128))
                                 : choose_num_splits(ctas, sms, n_blocks, 64);
   at::Tensor out_accum, lse_accum;
@@ -446,7 +436,7 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
     p.out_accum = out_accum.data_ptr<float>();
     p.lse_accum = lse_accum.data_ptr<float>();
   }
-  launch_fwd(info, p, emulated, max_smem, q.device());
+  launch_fwd(info, p, emulated, q.device());
 }
 
 static int64_t num_splits_heuristic(int64_t ctas, int64_t num_sms, int64_t n_blocks, int64_t max_splits) {
@@ -467,6 +457,73 @@ static at::Tensor mask_tile_blocks(int sq, int sk, int wl, int wr, int ns, int b
     }
   }
   return torch::from_blob(rows.data(), {int64_t(rows.size() / 3), 3}, at::kInt).clone();
+}
+
+// The element mask TileMask::apply gives for tile (m_block, n_block): true where a pair is hidden, (block_m,
+// block_n), rows and keys past the problem included (the kernels' tails). Also checks, element by element, that
+// TileMask::row_keys (the backward's form of the same bounds) agrees.
+static at::Tensor mask_apply(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n, int group, int m_block,
+                             int n_block) {
+  TileMask tm{MaskPolicy{sq, sk, wl, wr, ns}, block_m, block_n, group};
+  auto out = at::zeros({block_m, block_n}, at::kBool);
+  auto a = out.accessor<bool, 2>();
+  for (int r = 0; r < block_m; ++r) {
+    auto const keys = tm.row_keys(m_block * block_m + r, n_block * block_n);
+    for (int c = 0; c < block_n; ++c) a[r][c] = !keys.visible(c);
+  }
+  auto const by_rows = out.clone();
+  out.zero_();
+  constexpr int kCols = 16;  // the kernels apply it to a thread's columns; here 16 columns at a time
+  for (int c0 = 0; c0 < block_n; c0 += kCols) {
+    for (int r = 0; r < block_m; ++r) {
+      auto coords = [&](int, int c) { return std::pair<int, int>{r, c0 + c}; };
+      tm.apply<1, kCols>(coords, m_block * block_m, n_block * block_n, [&](int, int c) {
+        if (c0 + c < block_n) a[r][c0 + c] = true;
+      });
+    }
+  }
+  TORCH_CHECK(out.equal(by_rows), "mask_apply: TileMask::apply and TileMask::row_keys disagree");
+  return out;
+}
+
+// Tile t of the sm80 forward's (last_block_first, with splits) or the backward's order (splits must be 1) ->
+// (block, split, head, batch), every t.
+static at::Tensor tile_order(int blocks, int splits, int heads, int batch, bool last_block_first) {
+  TORCH_CHECK(last_block_first || splits == 1, "tile_order: the backward's order has no splits");
+  std::vector<int32_t> rows;
+  auto run = [&](auto order) {
+    for (int64_t t = 0; t < order.count(); ++t) {
+      int b, s, h, n;
+      order.decode(t, b, s, h, n);
+      rows.insert(rows.end(), {b, s, h, n});
+    }
+  };
+  if (last_block_first) run(FwdTileOrder{blocks, splits, heads, batch});
+  else run(BwdTileOrder{blocks, splits, heads, batch});
+  return torch::from_blob(rows.data(), {int64_t(rows.size() / 4), 4}, at::kInt).clone();
+}
+
+// The sm80 tile a problem gets (sm80/fwd_tiles.h, bwd_tiles.h): what the launchers run and the split heuristic
+// counts.
+static py::dict tile_dict(int head_dim, int block_m, int block_n, int stages, int smem_bytes) {
+  py::dict d;
+  d["head_dim"] = head_dim;
+  d["block_m"] = block_m;
+  d["block_n"] = block_n;
+  d["stages"] = stages;
+  d["smem_bytes"] = smem_bytes;
+  return d;
+}
+static py::dict fwd_tile(int headdim, int64_t rows, bool split_kv, int max_smem) {
+  sm80::FwdTile const t = sm80::choose_fwd_tile(served_headdim(headdim), {rows, split_kv}, max_smem);
+  py::dict d = tile_dict(t.head_dim, t.block_m, t.block_n, t.stages, t.smem_bytes());
+  d["warps"] = t.warps;
+  d["key_groups"] = t.key_groups;
+  return d;
+}
+static py::dict bwd_tile(int headdim, int max_smem) {
+  sm80::BwdTile const t = sm80::choose_bwd_tile(served_headdim(headdim), max_smem);
+  return tile_dict(t.head_dim, t.block_m, t.block_n, t.stages, t.smem_bytes());
 }
 
 static at::Tensor mask_visible(int sq, int sk, int wl, int wr, int ns) {
@@ -522,6 +579,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"),
         py::arg("group") = 1);
   m.def("mask_visible", &mask_visible, "host entry: the element visibility of the mask policy");
+  m.def("mask_apply", &mask_apply, "host entry: the element mask TileMask::apply gives one tile (true = hidden)",
+        py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"),
+        py::arg("group"), py::arg("m_block"), py::arg("n_block"));
+  m.def("tile_order", &tile_order, "host entry: (block, split, head, batch) of every tile in a kernel's order",
+        py::arg("blocks"), py::arg("splits"), py::arg("heads"), py::arg("batch"), py::arg("last_block_first"));
+  m.def("fwd_tile", &fwd_tile, "host entry: the sm80 forward tile for a head dim, rows per head, split-KV and smem limit",
+        py::arg("headdim"), py::arg("rows"), py::arg("split_kv"), py::arg("max_smem"));
+  m.def("bwd_tile", &bwd_tile, "host entry: the sm80 backward tile for a head dim and smem limit",
+        py::arg("headdim"), py::arg("max_smem"));
   m.def("finalize_rows", &finalize_rows, "host entry: the softmax finalize with the sink");
   m.def("merge_weights", &merge_weights_host, "host entry: merge weights of two partial states with the sink");
 }

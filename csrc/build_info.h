@@ -15,7 +15,8 @@ struct KernelInfo {
   const char* op;        // "fwd", "merge", ...
   int headdim;           // 0 when not applicable
   const char* dtype;     // "bf16", "fp16", "fp32"
-  const char* features;  // comma-separated
+  const char* features;  // comma-separated: what the kernel serves (dispatch reads it)
+  int smem_bytes;        // shared memory per block its smallest tile needs: below it the kernel cannot run
   const char* archs;     // comma-separated real archs ("sm_80,sm_90") or "host"
   void* fn;              // the launcher; its signature is fixed per (family, op)
 };
@@ -34,6 +35,6 @@ std::string cuda_arch_list();  // __CUDA_ARCH_LIST__ of that translation unit
 #ifndef SINKATTN_COMPILED_ARCHS
 #define SINKATTN_COMPILED_ARCHS "unknown"
 #endif
-#define SINKATTN_REGISTER_KERNEL(id, family, op, hdim, dtype, features, fn)                               \
+#define SINKATTN_REGISTER_KERNEL(id, family, op, hdim, dtype, features, smem_bytes, fn)                   \
   static const int sinkattn_registered_##id = ::sinkattn::register_kernel(                                \
-      {#id, family, op, hdim, dtype, features, SINKATTN_COMPILED_ARCHS, reinterpret_cast<void*>(&fn)});
+      {#id, family, op, hdim, dtype, features, smem_bytes, SINKATTN_COMPILED_ARCHS, reinterpret_cast<void*>(&fn)});

@@ -171,6 +171,16 @@ _KERNEL_UNITS = {
                 "SINKATTN_BWD_FEATURES", "emu"),
 }
 
+# The registry's smem_bytes of each kind: the smallest tile of the head dim's table (sm80/fwd_tiles.h,
+# sm80/bwd_tiles.h, sm90/fwd_tiles.h), read from the table itself so that dispatch never repeats it.
+_SMEM_BYTES = {
+    "fwd_sm80": "sm80::fwd_min_smem<{hdim}>()",
+    "fwd_emu": "sm80::fwd_min_smem<{hdim}>()",
+    "bwd_sm80": "sm80::bwd_min_smem<{hdim}>()",
+    "bwd_emu": "sm80::bwd_min_smem<{hdim}>()",
+    "fwd_sm90": "sm90::fwd_min_smem<{hdim}>()",
+}
+
 
 # The sm80 kernels' tile configurations are compiled in parts (FwdUnit / BwdUnit in sm80/fwd_config.h and
 # bwd_config.h; fwd_launch.cuh says how): the first part rides with the launcher's unit, each other part gets a
@@ -218,7 +228,7 @@ def _kernel_unit(kind: str, hdim: int, dtype: str) -> Unit:
 namespace sinkattn {{
 {elsewhere}template void {fn}({params} const&, {launch_arg});
 SINKATTN_REGISTER_KERNEL({name}, "{registry_family}", "{kind[:3]}", {hdim}, "{dtype}", {features},
-                         ({fn}))
+                         {_SMEM_BYTES[kind].format(hdim=hdim)}, ({fn}))
 }}  // namespace sinkattn
 """
     return Unit(name, family, text)
@@ -229,7 +239,7 @@ def _merge_unit(dtype: str) -> Unit:
 #include "common/merge_launch.cuh"
 namespace sinkattn {{
 template void run_merge<{CPP_DTYPE[dtype]}>(MergeParams const&, cudaStream_t);
-SINKATTN_REGISTER_KERNEL(merge_{dtype}, "common", "merge", 0, "{dtype}", "sinks", (run_merge<{CPP_DTYPE[dtype]}>))
+SINKATTN_REGISTER_KERNEL(merge_{dtype}, "common", "merge", 0, "{dtype}", "sinks", 0, (run_merge<{CPP_DTYPE[dtype]}>))
 }}  // namespace sinkattn
 """
     return Unit(f"merge_{dtype}", "common", text)

@@ -7,23 +7,24 @@
 
 namespace sinkattn {
 
-struct FwdParams {
+// What every attention kernel reads, forward and backward, filled by one function (api.cpp fill_attn_params).
+struct AttnParams {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
-  void* out = nullptr;
-  float* lse = nullptr;          // (batch, nheads, seqlen_q), or (nheads, total_q) when varlen
   const float* sinks = nullptr;  // (nheads,) fp32 logits in scaled-score units; null = no learnable sink
 
   int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
   int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
   int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
-  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
-  int64_t lse_batch_stride = 0, lse_head_stride = 0;  // rows are contiguous
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;  // out (and dout in the backward)
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;  // lse-like buffers; rows are contiguous
 
   int batch = 0, nheads = 0, nheads_k = 0;
   int seqlen_q = 0, seqlen_k = 0;  // max over the batch when varlen
+  int total_q = 0, total_k = 0;    // rows of the packed q and k/v when varlen, else batch * seqlen
   int headdim = 0;                 // the real head dim; the kernel's compiled head dim is >= this
+  int headdim_rounded = 0;         // the compiled head dim (64, 128, 256): the fp32 workspaces' row length
 
   // Varlen: sequence b holds rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of the packed tensors; batch
   // strides are then unused for q/k/v/out, and lse rows are offset by cu_seqlens_q[b].
@@ -36,7 +37,12 @@ struct FwdParams {
   int window_right = -1;       // -1 = unbounded; causal is 0
   int sink_tokens = 0;         // keys [0, sink_tokens) relax the left edge of the window
 
-  int max_smem_per_block = 0;  // the device's opt-in limit; picks the tile configuration
+  int max_smem_per_block = 0;  // the device's opt-in limit (or a smaller override); picks the tile
+};
+
+struct FwdParams : AttnParams {
+  void* out = nullptr;
+  float* lse = nullptr;  // (batch, nheads, seqlen_q), or (nheads, total_q) when varlen
 
   // KV cache (decode and chunked prefill).
   const int* seqused_k = nullptr;    // (batch,): keys in sequence b (cache_seqlens after the append); overrides seqlen_k
@@ -50,11 +56,8 @@ struct FwdParams {
   // combine adds the sink once. out_accum (num_splits, batch, nheads, seqlen_q, headdim_rounded),
   // lse_accum (num_splits, batch, nheads, seqlen_q).
   int num_splits = 1;
-  int headdim_rounded = 0;
   float* out_accum = nullptr;
   float* lse_accum = nullptr;
-
-  int total_q = 0, total_k = 0;  // rows of the packed q and k/v when varlen (the sm90 kernel's TMA extents)
 };
 
 // Backward (DESIGN.md section 1; sm80 kernels in sm80/bwd_*.h). Three steps:
@@ -70,40 +73,19 @@ struct FwdParams {
 // increasing n-block order, each waiting for the counter to reach its rank among them (the rank comes from
 // the forward's block range of that M tile, the same set). dk_accum/dv_accum (k_rows, nheads,
 // headdim_rounded) zero-filled.
-struct BwdParams {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
+struct BwdParams : AttnParams {
   const void* out = nullptr;
-  const void* dout = nullptr;
+  const void* dout = nullptr;    // strides of out
   const float* lse = nullptr;    // like FwdParams::lse
   const float* dlse = nullptr;   // like lse, or null (no gradient through a returned lse)
-  const float* sinks = nullptr;  // (nheads,) fp32 or null
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
   float* dsinks = nullptr;       // (nheads,) fp32, or null without sinks
 
-  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
-  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
-  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
-  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;    // out and dout (same strides)
   int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
   int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
-  int64_t lse_batch_stride = 0, lse_head_stride = 0;  // lse, dlse, delta, dsink_rows (rows contiguous)
-
-  int batch = 0, nheads = 0, nheads_k = 0;
-  int seqlen_q = 0, seqlen_k = 0;  // max over the batch when varlen
-  int total_q = 0, total_k = 0;    // rows of q / k (batch * seqlen, or the packed totals when varlen)
-  int headdim = 0, headdim_rounded = 0;
-  const int* cu_seqlens_q = nullptr;
-  const int* cu_seqlens_k = nullptr;
-
-  float softmax_scale = 1.f;
-  float softcap = 0.f;
-  int window_left = -1, window_right = -1, sink_tokens = 0;
-  int max_smem_per_block = 0;
 
   // Workspace (api.cpp allocates it through the caching allocator).
   float* delta = nullptr;       // like lse
@@ -112,7 +94,7 @@ struct BwdParams {
   float* dk_accum = nullptr;
   float* dv_accum = nullptr;
   int* dq_semaphore = nullptr;  // deterministic mode only (else null)
-  int dq_m_blocks = 0;          // M tiles per (sequence, head) in dq_semaphore: ceil(seqlen_q / kBwdBlockM)
+  int dq_m_blocks = 0;          // M tiles per (sequence, head) in dq_semaphore: ceil(seqlen_q / the tile's block_m)
 };
 
 // Merge of two partial attention states computed over disjoint key sets (neither including the sink).

@@ -10,10 +10,6 @@
 
 namespace sinkattn {
 
-// The tile sizes of every sm80 backward configuration (api.cpp sizes the deterministic mode's semaphores).
-constexpr int kBwdBlockM = 64;
-constexpr int kBwdBlockN = 64;
-
 // Index of row i of sequence b, head h, in lse-like buffers (lse, dlse, delta, dsink_rows).
 SA_HOST_DEVICE int64_t bwd_lse_index(BwdParams const& p, int b, int h, int i) {
   int64_t const start = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;

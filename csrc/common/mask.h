@@ -6,6 +6,7 @@
 //   left_ok  = left < 0  || j >= i + off - left || j < sink_tokens
 // and j < seqlen_k. Host and device share this code; tests call it through the extension.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include "common/defs.h"
 
@@ -63,10 +64,8 @@ struct TileMask {
     m_last = r_last < r0 ? m0 - 1 : query_of_row(r_last);
   }
 
-  SA_HOST_DEVICE bool visible_row(int r, int j) const { return p.visible(query_of_row(r), j); }
-
   // The keys row r sees, as bounds: j is visible iff j < hi and (j >= lo or j < sink_tokens), the same
-  // answer as visible_row(r, j) for every j >= 0, with the per-row work done once (kernels mask a row's
+  // answer as p.visible(query_of_row(r), j) for every j >= 0, with the per-row work done once (kernels mask a row's
   // columns with two compares each).
   SA_HOST_DEVICE void visible_cols(int r, int& lo, int& hi) const {
     int64_t const diag = int64_t(query_of_row(r)) + p.offset();
@@ -75,6 +74,44 @@ struct TileMask {
     int64_t l = p.window_left >= 0 ? diag - p.window_left : 0;
     hi = int(h < 0 ? 0 : h);
     lo = int(l < 0 ? 0 : l > hi ? hi : l);
+  }
+
+  // The element mask of one tile: calls hide(r, c) for every element whose pair is not visible. coords(r, c) is
+  // element (r, c)'s (row, key) within the tile, as get<0> / get<1> (a CuTe identity-tensor view in the kernels,
+  // std::pair in the host tests); row0 and col0 place the tile: tile row row0 + row, key col0 + key. Per row the
+  // visible keys are [lo, hi) plus the sink tokens below hi (visible_cols), compared in the tile's own columns:
+  // two compares per element, the row's bounds computed once. (Comparing each element with MaskPolicy::visible
+  // instead spilled 24-32 bytes in the sm80 forward on sm_90, and took a third of the sm90 forward's
+  // instructions.) Exact for any tile: callers skip it where needs_mask() is false only to save the work.
+  template <int kRows, int kCols, class Coords, class Hide>
+  SA_DEVICE void apply(Coords const& coords, int row0, int col0, Hide&& hide) const {
+    int const sink_hi = p.sink_tokens - col0;
+    SA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int lo, hi;
+      visible_cols(row0 + int(get<0>(coords(r, 0))), lo, hi);
+      lo -= col0;
+      hi -= col0;
+      SA_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        int const j = int(get<1>(coords(r, c)));
+        if (!(j < hi && (j >= lo || j < sink_hi))) hide(r, c);
+      }
+    }
+  }
+
+  // The same bounds for a kernel that decides each element's visibility inside a pass of its own (the sm80
+  // backward computes P and dS of an element together; a separate masking pass there cost the hd256 tile on
+  // sm_90 24 more bytes of stack): column j of a tile whose column 0 is key col0 is visible to tile row `row`
+  // iff visible(j). Host tests check it against apply and the contract (mask_apply).
+  struct RowKeys {
+    int lo, hi, sink_hi;
+    SA_HOST_DEVICE bool visible(int j) const { return j < hi && (j >= lo || j < sink_hi); }
+  };
+  SA_HOST_DEVICE RowKeys row_keys(int row, int col0) const {
+    int lo, hi;
+    visible_cols(row, lo, hi);
+    return RowKeys{lo - col0, hi - col0, p.sink_tokens - col0};
   }
 
   SA_HOST_DEVICE BlockRange range(int m_block) const {

@@ -17,10 +17,10 @@ void run_bwd_sm80_emulated(BwdParams const& p, EmuLaunch const& launch) {
     for (int h = 0; h < p.nheads; ++h)
       for (int i = 0; i < p.seqlen_q; ++i) bwd_preprocess_row<Element>(p, b, h, i);
   sm80::with_bwd_config<kHeadDim, Element, emu::EmuPrims>(launch.max_smem_per_block, [&]<class Kt>() {
-    sm80::BwdGrid const grid = sm80::bwd_grid<Kt::kBlockN>(p);
-    emu::launch(grid.size(p.batch), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
-      int n_block, head, batch;
-      grid.decode(bid, n_block, head, batch);
+    BwdTileOrder const grid = sm80::bwd_tile_order<Kt::kBlockN>(p);
+    emu::launch(grid.count(), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
+      int n_block, split, head, batch;
+      grid.decode(bid, n_block, split, head, batch);
       sm80::bwd_block<Kt>(p, smem, tid, n_block, batch, head);
     });
   });

@@ -7,7 +7,6 @@
 #include "emu/emu_prims.h"
 #include "params.h"
 #include "sm80/fwd_config.h"
-#include "sm80/fwd_grid.h"
 #include "sm80/fwd_kernel.h"
 
 namespace sinkattn {
@@ -20,8 +19,8 @@ template <int kHeadDim, class Element, FwdUnit kUnit>
 void launch_fwd_part_emulated(FwdParams const& p, EmuLaunch const& launch) {
   with_fwd_config<kHeadDim, Element, emu::EmuPrims>(p, launch.max_smem_per_block, [&]<class Kt>() {
     if constexpr (fwd_unit_of<Kt> == kUnit) {
-      FwdGrid const grid = fwd_grid<Kt::kBlockM>(p);
-      emu::launch(grid.size(p.batch), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
+      FwdTileOrder const grid = fwd_tile_order<Kt::kBlockM>(p);
+      emu::launch(grid.count(), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
         int m_block, split, head, batch;
         grid.decode(bid, m_block, split, head, batch);
         fwd_block<Kt>(p, smem, tid, m_block, batch, head, split);

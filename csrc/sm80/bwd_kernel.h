@@ -13,13 +13,15 @@
 #include <cute/tensor.hpp>
 
 #include "common/bwd_prepost.h"
-#include "common/seq_extent.h"
 #include "common/defs.h"
 #include "common/mask.h"
+#include "common/online_softmax.h"
+#include "common/seq_extent.h"
 #include "params.h"
 #include "sm80/bwd_traits.h"
-#include "sm80/fwd_kernel.h"  // load_rows, gemm_smem_smem, SA_DEVICE
+#include "sm80/gemm.h"
 #include "sm80/layout_utils.h"
+#include "sm80/row_loader.h"
 
 namespace sinkattn::sm80 {
 
@@ -86,8 +88,7 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor tQcQ = gmem_thr.partition_S(cQ);
   Tensor tKVcKV = gmem_thr.partition_S(cKV);
-  auto const vec = gmem_thr.partition_S(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, GenRowMajor{}))(_, 0, 0).layout();
+  auto const vec = gmem_vector<Element, kBlockN, kHeadDim>(gmem_thr);
   load_rows<Kt>(gmem_thr.partition_D(sK), tKVcKV, vec, seqlen_k - j0, p.headdim,
                 [&](int r) { return k_seq + int64_t(j0 + r) * p.k_row_stride; });
   load_rows<Kt>(gmem_thr.partition_D(sV), tKVcKV, vec, seqlen_k - j0, p.headdim,
@@ -140,10 +141,10 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   clear(acc_dv);
 
   Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  constexpr int kRows = decltype(size<0>(tScS))::value, kCols = decltype(size<1>(tScS))::value;
   Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kDqCols>>{}));
 
-  bool const softcap = p.softcap > 0.f;
-  float const tanh_in_scale = softcap ? p.softmax_scale / p.softcap : 0.f;
+  ScoreScale const score{p.softmax_scale, p.softcap};
   float const log2e = float(M_LOG2E);
 
   for (int m_block = m_begin; m_block < m_end; ++m_block) {
@@ -176,30 +177,26 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
     gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a, copy_b, tid);
     gemm_smem_smem(tiled_mma, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a, copy_b, tid);
 
-    // P and dS, element by element. Rows past the sequence, and rows that see no key and have no sink
-    // (lse = -inf), take lse = +inf: P = 0 there, never NaN.
+    // P = exp(S - lse), the forward's probabilities recomputed (lse holds the sink), and dS = P (dP - delta),
+    // element by element in one pass (the mask's row bounds, TileMask::row_keys, decide each element's
+    // visibility in the same pass: P = 0 and dS = 0 where hidden). Rows past the sequence, and rows that see no
+    // key and have no sink (lse = -inf), take lse = +inf: P = 0 there, never NaN.
     Tensor scores = rowcol_view(acc_s);
     Tensor dps = rowcol_view(acc_dp);
     bool const masked = tile_mask.needs_mask(m_block, n_block);
     CUTE_UNROLL
-    for (int r = 0; r < size<0>(scores); ++r) {
+    for (int r = 0; r < kRows; ++r) {
       int const i = i0 + get<0>(tScS(r, 0));
       float lse = i < seqlen_q ? p.lse[lse_seq + i] : INFINITY;
       if (lse == -INFINITY) lse = INFINITY;
       float const delta = i < seqlen_q ? p.delta[lse_seq + i] : 0.f;
       float const lse_log2 = lse * log2e;
+      TileMask::RowKeys const keys = tile_mask.row_keys(i, j0);
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(scores); ++c) {
-        float s = scores(r, c), dtanh = 1.f;
-        if (softcap) {
-          float const t = tanhf(s * tanh_in_scale);
-          s = p.softcap * t;
-          dtanh = 1.f - t * t;
-        } else {
-          s *= p.softmax_scale;
-        }
-        bool const vis = !masked || tile_mask.visible_row(i, j0 + get<1>(tScS(r, c)));
-        float const prob = vis ? exp2f(s * log2e - lse_log2) : 0.f;
+      for (int c = 0; c < kCols; ++c) {
+        float dtanh;
+        float const s = score.score(scores(r, c), dtanh);
+        float const prob = !masked || keys.visible(get<1>(tScS(r, c))) ? exp2f(s * log2e - lse_log2) : 0.f;
         scores(r, c) = prob;
         dps(r, c) = prob * (dps(r, c) - delta) * dtanh;
       }

@@ -17,10 +17,10 @@ namespace sinkattn {
 namespace sm80 {
 
 template <class Kt>
-__global__ void __launch_bounds__(Kt::kNThreads) bwd_kernel(__grid_constant__ const BwdParams p, BwdGrid const grid) {
+__global__ void __launch_bounds__(Kt::kNThreads) bwd_kernel(__grid_constant__ const BwdParams p, BwdTileOrder const grid) {
   extern __shared__ __align__(128) char smem[];
-  int n_block, head, batch;
-  grid.decode(blockIdx.x, n_block, head, batch);
+  int n_block, split, head, batch;
+  grid.decode(blockIdx.x, n_block, split, head, batch);
   bwd_block<Kt>(p, smem, threadIdx.x, n_block, batch, head);
 }
 
@@ -52,15 +52,15 @@ inline unsigned elementwise_blocks(int64_t n) {
 
 template <class Kt>
 void launch_bwd_tile(BwdParams const& p, cudaStream_t stream) {
-  BwdGrid const grid = bwd_grid<Kt::kBlockN>(p);
-  if (grid.size(p.batch) == 0) return;
+  BwdTileOrder const grid = bwd_tile_order<Kt::kBlockN>(p);
+  if (grid.count() == 0) return;
   if (Kt::kSmemBytes > p.max_smem_per_block) {  // head dim 256 on a 99 KB device (dispatch declines it first)
     throw std::runtime_error("sinkattn bwd: the sm80 backward for head dim " + std::to_string(Kt::kHeadDim) +
                              " needs " + std::to_string(Kt::kSmemBytes / 1024) +
                              " KB of shared memory per block; this device has " +
                              std::to_string(p.max_smem_per_block / 1024) + " KB");
   }
-  launch_tile_kernel("bwd", bwd_kernel<Kt>, grid.size(p.batch), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
+  launch_tile_kernel("bwd", bwd_kernel<Kt>, grid.count(), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
 }
 
 // The tiles of `kUnit` for this problem. As in the forward (fwd_launch.cuh), the generator compiles each part

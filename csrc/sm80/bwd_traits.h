@@ -18,22 +18,27 @@
 #include <cute/atom/copy_atom.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "sm80/bwd_tiles.h"
+
 namespace sinkattn::sm80 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_, int kWarpsN_, int kStages_, class Element_, class Prims_>
+// Tile: one of bwd_tiles.h's types; its BwdTile gives the shape.
+template <class Tile_, class Element_, class Prims_>
 struct BwdTraits {
+  using TileTag = Tile_;
   using Element = Element_;
   using Prims = Prims_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kWarpsM = kWarpsM_;
-  static constexpr int kWarpsN = kWarpsN_;
+  static constexpr BwdTile kTile = Tile_::tile;
+  static constexpr int kHeadDim = kTile.head_dim;
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kWarpsM = kTile.warps_m;
+  static constexpr int kWarpsN = kTile.warps_n;
   static constexpr int kNWarps = kWarpsM * kWarpsN;
   // Q and dO buffers: 2 = the next M tile loads (cp.async) while this one computes; 1 where shared memory is short.
-  static constexpr int kStages = kStages_;
+  static constexpr int kStages = kTile.stages;
   static_assert(kStages == 1 || kStages == 2);
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kHeadDim % 64 == 0, "compiled head dims are multiples of 64");
@@ -62,6 +67,7 @@ struct BwdTraits {
   static constexpr int kSmemKV = int(cosize_v<SmemLayoutKV>) * int(sizeof(Element));
   static constexpr int kSmemP = int(cosize_v<SmemLayoutP>) * int(sizeof(Element));
   static constexpr int kSmemBytes = kStages * 2 * kSmemQ + 2 * kSmemKV + 2 * kSmemP;  // Q, dO (per stage), K, V, P, dS
+  static_assert(kSmemBytes == kTile.smem_bytes(), "the table's size is the layouts' size");
 
   static constexpr int kElemsPerVec = 16 / int(sizeof(Element));
   static constexpr int kThreadsPerRow = kBlockKSmem / kElemsPerVec;

@@ -1,160 +1,34 @@
 // fwd_kernel.h: the body of the sm80 forward kernel (FlashAttention-2 structure) for one (M tile, batch, head).
 //
-// The same code runs on the GPU (called from the __global__ in fwd_launch.cuh with GpuPrims) and on the CPU
+// The same code runs on the GPU (called from the __global__ in fwd_tile.cuh with GpuPrims) and on the CPU
 // under host emulation (emu/fwd_sm80_emu.h with EmuPrims): everything arch-facing goes through Kt::Prims.
 //
 // Per CTA: Q tile (kBlockM x d) once; K/V blocks chosen by the mask policy (window blocks from the last down,
 // then sink-token blocks), kStages-buffered through shared memory with cp.async; S = Q K^T and O += P V on
-// mma.sync m16n8k16 with fp32 accumulation; online softmax in exp2 units; the learnable sink joins once per
-// row in the finalize; O goes out through shared memory in 16-byte stores; the LSE per row.
+// mma.sync m16n8k16 with fp32 accumulation; the online softmax in exp2 units (common/online_softmax.h); the
+// learnable sink joins once per row in the finalize; then the epilogue (fwd_epilogue.h, or
+// split_epilogue.h under split-KV).
 #pragma once
 #include <cmath>
 #include <cute/tensor.hpp>
 
 #include "common/defs.h"
 #include "common/mask.h"
+#include "common/online_softmax.h"
 #include "common/seq_extent.h"
 #include "common/split.h"
-#include "common/softmax.h"
 #include "params.h"
+#include "sm80/fwd_epilogue.h"
 #include "sm80/fwd_traits.h"
+#include "sm80/gemm.h"
+#include "sm80/key_groups.h"
 #include "sm80/layout_utils.h"
-
-#if defined(__CUDACC__)
-#define SA_DEVICE __device__ __forceinline__
-#else
-#define SA_DEVICE inline
-#endif
+#include "sm80/row_loader.h"
+#include "sm80/split_epilogue.h"
 
 namespace sinkattn::sm80 {
 
 using namespace cute;
-
-// Copies a (rows x d) tile global -> shared with the tiled cp.async copy, row r read from row_ptr(r): rows
-// may sit anywhere (pages of a paged cache, query heads of a GQA-packed tile). Vectors outside the valid rows
-// or beyond the real head dim are zero-filled in shared memory: K/V tails then give finite scores (masked
-// later) and zero contributions, whatever lies past the end of the tensors. vec is the layout of one
-// 16-byte vector (contiguous columns).
-template <class Kt, class TS, class TC, class Vec, class RowPtr>
-SA_DEVICE void load_rows(TS&& tXsX, TC const& tXcX, Vec const& vec, int valid_rows, int headdim, RowPtr const& row_ptr) {
-  typename Kt::GmemTiledCopyLoad tiled_copy;
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(tXsX); ++m) {
-    int const r = get<0>(tXcX(0, m, 0));
-    bool const row_ok = r < valid_rows;
-    auto const* src = row_ok ? row_ptr(r) : nullptr;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tXsX); ++k) {
-      int const c = get<1>(tXcX(0, m, k));
-      if (row_ok && c < headdim) {
-        copy(tiled_copy, make_tensor(make_gmem_ptr(src + c), vec), tXsX(_, m, k));
-      } else {
-        Kt::Prims::zero_fill(tXsX(_, m, k));
-      }
-    }
-  }
-}
-
-// acc += A * B over the K mode, A and B both staged from shared memory one K slice ahead of the MMA.
-template <class TiledMma, class Acc, class RA, class RB, class SA, class SB, class CopyA, class CopyB>
-SA_DEVICE void gemm_smem_smem(TiledMma const& mma, Acc& acc, RA& rA, RB& rB, SA const& sA, SB const& sB,
-                              CopyA const& copy_a, CopyB const& copy_b, int tid) {
-  auto thr_a = copy_a.get_thread_slice(tid);
-  auto thr_b = copy_b.get_thread_slice(tid);
-  auto rA_view = thr_a.retile_D(rA);
-  auto rB_view = thr_b.retile_D(rB);
-  copy(copy_a, sA(_, _, 0), rA_view(_, _, 0));
-  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(rA); ++k) {
-    if (k + 1 < size<2>(rA)) {
-      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
-      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
-    }
-    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
-  }
-}
-
-// acc += A * B with A already in registers (P) and B staged from shared memory.
-template <class TiledMma, class Acc, class RA, class RB, class SB, class CopyB>
-SA_DEVICE void gemm_reg_smem(TiledMma const& mma, Acc& acc, RA const& rA, RB& rB, SB const& sB, CopyB const& copy_b, int tid) {
-  auto thr_b = copy_b.get_thread_slice(tid);
-  auto rB_view = thr_b.retile_D(rB);
-  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(rA); ++k) {
-    if (k + 1 < size<2>(rA)) copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
-    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
-  }
-}
-
-// Sum or max over the 4 lanes of a quad, which hold the columns of the same accumulator rows (m16n8 C layout:
-// lane / 4 picks the row, lane % 4 the column pair).
-template <class Prims>
-SA_DEVICE float quad_max(float x) {
-  x = fmaxf(x, Prims::shfl_xor(x, 1));
-  return fmaxf(x, Prims::shfl_xor(x, 2));
-}
-template <class Prims>
-SA_DEVICE float quad_sum(float x) {
-  x += Prims::shfl_xor(x, 1);
-  return x + Prims::shfl_xor(x, 2);
-}
-
-// Split keys: each key group holds the softmax state (max and sum per row) and O of its own keys, like a
-// split of split-KV. Groups 1.. hand theirs to group 0 through the K/V stages, which rescales every state to
-// the common max and adds them up; true for group 0's threads, which then hold the tile's result. A group
-// that saw no visible key of a row has max -inf there and weighs 0. rows[r]: the tile row of the thread's
-// r-th accumulator row; mma_tid: the thread's index in its group.
-template <class Kt, class Acc, int kRows>
-SA_DEVICE bool merge_key_groups(char* smem_kv, int tid, float scale_log2, int const (&rows)[kRows],
-                                float (&row_max)[kRows], float (&row_total)[kRows], Acc& acc_o) {
-  using Prims = typename Kt::Prims;
-  constexpr int kGroups = Kt::kKeyGroups, kM = Kt::kBlockM, kGroupThreads = 32 * Kt::kMmaWarps;
-  constexpr int kFrag = decltype(size(acc_o))::value;
-  float* merge_max = reinterpret_cast<float*>(smem_kv);  // [group][row]
-  float* merge_sum = merge_max + kGroups * kM;           // [group][row]
-  float* merge_o = merge_sum + kGroups * kM;             // [group - 1][fragment value][mma_tid]: conflict-free
-  int const group = tid / kGroupThreads, mma_tid = tid % kGroupThreads;
-  Prims::sync_threads();  // every warp's reads of the K/V stages done (with 3+ stages no barrier ends the loop)
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    if (mma_tid % 4 == 0) {  // the quad's 4 lanes hold the same row state
-      Prims::smem_store(&merge_max[group * kM + rows[r]], row_max[r]);
-      Prims::smem_store(&merge_sum[group * kM + rows[r]], row_total[r]);
-    }
-  }
-  if (group > 0) {
-    CUTE_UNROLL
-    for (int i = 0; i < kFrag; ++i)
-      Prims::smem_store(&merge_o[((group - 1) * kFrag + i) * kGroupThreads + mma_tid], acc_o(i));
-  }
-  Prims::sync_threads();
-  if (group > 0) return false;
-  auto const rc = acc_rowcol(acc_o.layout());
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    float m = -INFINITY;
-    CUTE_UNROLL
-    for (int g = 0; g < kGroups; ++g) m = fmaxf(m, Prims::smem_load(&merge_max[g * kM + rows[r]]));
-    float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-    float total = 0.f;
-    CUTE_UNROLL
-    for (int g = 0; g < kGroups; ++g) {
-      float const f = exp2f(Prims::smem_load(&merge_max[g * kM + rows[r]]) * scale_log2 - m_scaled);
-      total += f * Prims::smem_load(&merge_sum[g * kM + rows[r]]);
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(rc); ++c) {
-        int const i = rc(r, c);
-        acc_o(i) = g == 0 ? acc_o(i) * f
-                          : acc_o(i) + f * Prims::smem_load(&merge_o[((g - 1) * kFrag + i) * kGroupThreads + mma_tid]);
-      }
-    }
-    row_max[r] = m;
-    row_total[r] = total;
-  }
-  return true;
-}
 
 // One CTA: M tile m_block of sequence bidb, query head bidh (or KV head bidh when GQA-packed), split `split`.
 template <class Kt>
@@ -163,36 +37,33 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   using Prims = typename Kt::Prims;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
 
-  // ---- this sequence's extent (varlen: packed rows from cu_seqlens; KV cache: seqused_k) ------------------
+  // ---- the tile: this sequence's extent (varlen: cu_seqlens; KV cache: seqused_k), its rows and key blocks ---
   SeqExtent const ext = seq_extent(p, bidb);
   bool const varlen = ext.varlen;
-  int64_t const q_start = ext.q_start, k_start = ext.k_start;
-  int const seqlen_q = ext.seqlen_q, seqlen_k = ext.seqlen_k;
   int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
-  int const rows = seqlen_q * group;  // rows of this (sequence, head or head group) problem
+  int const rows = ext.seqlen_q * group;  // rows of this (sequence, head or head group) problem
   if (m_block * kBlockM >= rows) return;  // uniform per CTA: the grid covers the longest sequence
   int const bidh_k = p.pack_gqa ? bidh : bidh / (p.nheads / p.nheads_k);
   int const m0 = m_block * kBlockM;
-  // The query head and query index of tile row r.
-  auto head_of = [&](int r) { return group == 1 ? bidh : bidh * group + (m0 + r) % group; };
-  auto query_of = [&](int r) { return group == 1 ? m0 + r : (m0 + r) / group; };
+  FwdRows<Element> const at{m0, bidh, group,
+                            static_cast<Element*>(p.out) + (varlen ? ext.q_start * p.o_row_stride : bidb * p.o_batch_stride),
+                            p.o_row_stride, p.o_head_stride};
 
-  TileMask const tile_mask{MaskPolicy{seqlen_q, seqlen_k, p.window_left, p.window_right, p.sink_tokens},
+  TileMask const tile_mask{MaskPolicy{ext.seqlen_q, ext.seqlen_k, p.window_left, p.window_right, p.sink_tokens},
                            kBlockM, kBlockN, group};
   BlockRange const range = tile_mask.range(m_block);
   int t_begin = 0, t_end = range.count();
   if (p.num_splits > 1) split_share(range.count(), split, p.num_splits, t_begin, t_end);
 
-  // ---- global rows ------------------------------------------------------------------------------------------
-  Element const* q_seq = static_cast<Element const*>(p.q) + (varlen ? q_start * p.q_row_stride : bidb * p.q_batch_stride);
-  Element* o_seq = static_cast<Element*>(p.out) + (varlen ? q_start * p.o_row_stride : bidb * p.o_batch_stride);
-  auto q_row = [&](int r) { return q_seq + int64_t(query_of(r)) * p.q_row_stride + int64_t(head_of(r)) * p.q_head_stride; };
-  auto o_row = [&](int r) { return o_seq + int64_t(query_of(r)) * p.o_row_stride + int64_t(head_of(r)) * p.o_head_stride; };
-  // Key j of this sequence: contiguous, or slot j % page_size of page block_table[j / page_size].
+  // ---- global rows: Q of tile row r; key j of this sequence, contiguous or slot j % page_size of a page ------
+  Element const* q_seq = static_cast<Element const*>(p.q) + (varlen ? ext.q_start * p.q_row_stride : bidb * p.q_batch_stride);
+  auto q_row = [&](int r) {
+    return q_seq + int64_t(at.query_of(r)) * p.q_row_stride + int64_t(at.head_of(r)) * p.q_head_stride;
+  };
   Element const* k_seq = static_cast<Element const*>(p.k) + int64_t(bidh_k) * p.k_head_stride +
-                         (p.block_table || varlen ? k_start * p.k_row_stride : bidb * p.k_batch_stride);
+                         (p.block_table || varlen ? ext.k_start * p.k_row_stride : bidb * p.k_batch_stride);
   Element const* v_seq = static_cast<Element const*>(p.v) + int64_t(bidh_k) * p.v_head_stride +
-                         (p.block_table || varlen ? k_start * p.v_row_stride : bidb * p.v_batch_stride);
+                         (p.block_table || varlen ? ext.k_start * p.v_row_stride : bidb * p.v_batch_stride);
   int const* pages = p.block_table ? p.block_table + bidb * p.block_table_batch_stride : nullptr;
   auto kv_row = [&](Element const* seq, int64_t page_stride, int64_t row_stride, int j) {
     if (pages) return seq + int64_t(pages[j / p.page_size]) * page_stride + int64_t(j % p.page_size) * row_stride;
@@ -212,19 +83,15 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   // ---- global -> shared copies -----------------------------------------------------------------------------
   typename Kt::GmemTiledCopyLoad gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
-  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  Tensor tQcQ = gmem_thr.partition_S(cQ);
-  Tensor tKVcKV = gmem_thr.partition_S(cKV);
-  // The layout of one thread's 16-byte vector in a row-major global tile (only its column stride matters).
-  auto const vec = gmem_thr.partition_S(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, GenRowMajor{}))(_, 0, 0).layout();
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  auto const vec = gmem_vector<Element, kBlockN, kHeadDim>(gmem_thr);
   auto load_kv = [&](int t) {
     int const n = range.block(t), s = (t - t_begin) % Kt::kStages, j0 = n * kBlockN;
     typename Kt::SmemLayoutKV const whole;
-    load_rows<Kt>(gmem_thr.partition_D(stage(smem_k, s, 0, whole)), tKVcKV, vec, seqlen_k - j0, p.headdim,
+    load_rows<Kt>(gmem_thr.partition_D(stage(smem_k, s, 0, whole)), tKVcKV, vec, ext.seqlen_k - j0, p.headdim,
                   [&](int r) { return kv_row(k_seq, p.k_batch_stride, p.k_row_stride, j0 + r); });
-    load_rows<Kt>(gmem_thr.partition_D(stage(smem_v, s, 0, whole)), tKVcKV, vec, seqlen_k - j0, p.headdim,
+    load_rows<Kt>(gmem_thr.partition_D(stage(smem_v, s, 0, whole)), tKVcKV, vec, ext.seqlen_k - j0, p.headdim,
                   [&](int r) { return kv_row(v_seq, p.v_batch_stride, p.v_row_stride, j0 + r); });
   };
 
@@ -262,20 +129,16 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   // (row, col) coordinates of this thread's S elements (columns from key0), for the mask and the LSE.
   Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockNMma>>{})));
   constexpr int kRows = 2 * kBlockM / (16 * Kt::kMmaWarps);  // m16n8 tiles: 2 rows per thread per 16-row slice
+  constexpr int kCols = decltype(size<1>(tScS))::value;
   // A warp whose first 16-row slice lies past the tile's real rows holds no real row at all (its other slices
   // lie further down): it skips the MMAs and the softmax and only loads and synchronises (and under split
   // keys hands an empty state to the merge). Decode tiles (GQA-packed: seqlen_q * group real rows) leave some
   // warps so. Uniform per warp.
   bool const warp_active = m0 + get<0>(tScS(0, 0)) / 16 * 16 < rows;
-  float row_max[kRows], row_sum[kRows];
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+  ScoreScale const score{p.softmax_scale, p.softcap};
+  OnlineSoftmax<kRows, Prims> softmax;
 
-  // With softcap the scores are first bounded, s = softcap * tanh(scale * qk / softcap), then used unscaled.
-  bool const softcap = p.softcap > 0.f;
-  float const scale_nat = softcap ? 1.f : p.softmax_scale;
-  float const scale_log2 = scale_nat * float(M_LOG2E);
-  float const tanh_in_scale = softcap ? p.softmax_scale / p.softcap : 0.f;
+  // ---- the key blocks ----------------------------------------------------------------------------------------
   for (int t = t_begin; t < t_end; ++t) {
     int const n = range.block(t), s = (t - t_begin) % Kt::kStages;
     if constexpr (Kt::kStages == 2) {
@@ -304,62 +167,24 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
       continue;
     }
 
+    // S = Q K^T, bounded (softcap) and masked.
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockNMma>>{});
     clear(acc_s);
     Tensor tSsK = smem_copy_k.get_thread_slice(mma_tid).partition_S(sK_mma(s));
     gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, mma_tid);
-
     Tensor scores = rowcol_view(acc_s);
     static_assert(decltype(size<0>(scores))::value == kRows);
-    if (softcap) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = p.softcap * tanhf(acc_s(i) * tanh_in_scale);
-    }
+    score.bound(acc_s);
     if (tile_mask.needs_mask(m_block, n)) {
-      // Per row the visible keys are [lo, hi) plus the sink tokens below hi: two compares per element.
-      int const col0 = n * kBlockN + key0;  // key of this thread's S column 0
-      int const sink_hi = p.sink_tokens - col0;
-      CUTE_UNROLL
-      for (int r = 0; r < size<0>(scores); ++r) {
-        int lo, hi;
-        tile_mask.visible_cols(m0 + get<0>(tScS(r, 0)), lo, hi);
-        lo -= col0;  // in the thread's columns
-        hi -= col0;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(scores); ++c) {
-          int const j = get<1>(tScS(r, c));
-          if (!(j < hi && (j >= lo || j < sink_hi))) scores(r, c) = -INFINITY;
-        }
-      }
+      tile_mask.apply<kRows, kCols>(tScS, m0, n * kBlockN + key0, [&](int r, int c) { scores(r, c) = -INFINITY; });
     }
 
-    // Online softmax: rebase each row on its new max, rescale what O and the sum hold so far.
+    // P = exp(S - running max), O and the sums rescaled to the new max; O += P V with P in the input precision.
+    float correction[kRows];
+    softmax.rescale(scores, score.log2, correction);
     Tensor out_rows = rowcol_view(acc_o);
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(scores); ++c) m = fmaxf(m, scores(r, c));
-      m = quad_max<Prims>(m);
-      // A row that has seen only masked keys keeps max -inf; rebasing on 0 then gives p = 0 instead of NaN.
-      float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-      float const correction = exp2f(row_max[r] * scale_log2 - m_scaled);
-      row_max[r] = m;
-      row_sum[r] *= correction;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= correction;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(scores); ++c) {
-        float e = exp2f(scores(r, c) * scale_log2 - m_scaled);
-        scores(r, c) = e;
-        row_sum[r] += e;
-      }
-    }
-
-    // P in the input precision, reused in registers as the A operand of O += P V.
-    Tensor rP = make_tensor<Element>(acc_s.layout());
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) rP(i) = Element(acc_s(i));
+    softmax.rescale_rows(out_rows, correction);
+    Tensor rP = convert<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
     Tensor tOsVt = smem_copy_v.get_thread_slice(mma_tid).partition_S(sVt_mma(s));
     gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, mma_tid);
@@ -367,10 +192,9 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   }
   Prims::template cp_async_wait<0>();  // the trailing empty groups (or the Q copy, when no key block was visited)
 
+  // ---- the rows' final state: key groups merged, the sink in the denominator (in the combine when split) -----
   Tensor tOcO = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
-  float row_total[kRows];
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) row_total[r] = quad_sum<Prims>(row_sum[r]);
+  softmax.reduce_sums();
   // Split keys: from here on key group 0 alone holds the tile's rows; the others only join the barriers and
   // the 16-byte global stores of the epilogue.
   bool holds_rows = true;
@@ -378,80 +202,29 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     int tile_rows[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) tile_rows[r] = get<0>(tOcO(r, 0));
-    holds_rows = merge_key_groups<Kt>(reinterpret_cast<char*>(smem_k), tid, scale_log2, tile_rows, row_max,
-                                       row_total, acc_o);
+    holds_rows = merge_key_groups<Kt>(reinterpret_cast<char*>(smem_k), tid, score.log2, tile_rows, softmax.row_max,
+                                      softmax.row_sum, acc_o);
   }
-
-  // ---- finalize: the sink joins the denominator once per row (in the combine when split) ------------------
   bool const split_kv = p.num_splits > 1;
   Tensor out_rows = rowcol_view(acc_o);
   float lse[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    float max_nat = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * scale_nat;
-    float const sink = split_kv ? -INFINITY : p.sinks ? p.sinks[head_of(get<0>(tOcO(r, 0)))] : -INFINITY;
-    RowFinal f = finalize_row(max_nat, row_total[r], sink);
+    float const sink = split_kv ? -INFINITY : p.sinks ? p.sinks[at.head_of(get<0>(tOcO(r, 0)))] : -INFINITY;
+    RowFinal const f = softmax.finalize(r, sink, score.natural);
     lse[r] = f.lse;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
   }
 
+  // ---- epilogue ------------------------------------------------------------------------------------------
   if (split_kv) {
-    if (!holds_rows) return;
-    // Partial results in fp32, straight from registers: decode tiles are small and the combine reads them once.
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      int const row = get<0>(tOcO(r, 0));
-      if (m0 + row >= rows) continue;
-      int64_t const idx = ((int64_t(split) * p.batch + bidb) * p.nheads + head_of(row)) * p.seqlen_q + query_of(row);
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(out_rows); ++c) {
-        int const col = get<1>(tOcO(r, c));
-        if (col < p.headdim) p.out_accum[idx * p.headdim_rounded + col] = out_rows(r, c);
-      }
-      if (get<1>(tOcO(r, 0)) == 0) p.lse_accum[idx] = lse[r];
-    }
+    if (holds_rows) store_split_partials<Kt>(p, at, rows, split, bidb, out_rows, tOcO, lse);
     return;
   }
-
-  // ---- epilogue: registers -> shared (reusing Q's space) -> global in 16-byte vectors ----------------------
-  Prims::sync_threads();  // no thread still reads sQ
   Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
-  if (holds_rows) {
-    Tensor rO = make_tensor<Element>(acc_o.layout());
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_o); ++i) rO(i) = Element(acc_o(i));
-    auto smem_copy_o = make_tiled_copy_C(typename Kt::SmemCopyAtomO{}, tiled_mma);
-    auto smem_thr_o = smem_copy_o.get_thread_slice(mma_tid);
-    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
-
-    // LSE: the lane holding column 0 of a row writes it.
-    int64_t const lse_seq = (varlen ? q_start : 0) + int64_t(bidb) * p.lse_batch_stride;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      int const row = get<0>(tOcO(r, 0));
-      if (get<1>(tOcO(r, 0)) == 0 && m0 + row < rows) {
-        p.lse[lse_seq + int64_t(head_of(row)) * p.lse_head_stride + query_of(row)] = lse[r];
-      }
-    }
-  }
-
-  Prims::sync_threads();
-  typename Kt::GmemTiledCopyStore gmem_store;
-  auto store_thr = gmem_store.get_thread_slice(tid);
-  Tensor tOsO = store_thr.partition_S(sO);
-  Tensor tOcOst = store_thr.partition_D(cQ);
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(tOsO); ++m) {
-    int const row = get<0>(tOcOst(0, m, 0));
-    if (m0 + row >= rows) continue;
-    Element* dst = o_row(row);
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tOsO); ++k) {
-      int const col = get<1>(tOcOst(0, m, k));
-      if (col < p.headdim) copy(gmem_store, tOsO(_, m, k), make_tensor(make_gmem_ptr(dst + col), vec));
-    }
-  }
+  int64_t const lse_seq = (varlen ? ext.q_start : 0) + int64_t(bidb) * p.lse_batch_stride;
+  store_out_lse<Kt>(p, at, rows, tiled_mma, mma_tid, tid, acc_o, tOcO, lse, holds_rows, lse_seq, sO, vec);
 }
 
 }  // namespace sinkattn::sm80

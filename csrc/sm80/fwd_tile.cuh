@@ -6,7 +6,6 @@
 #include "common/combine.h"
 #include "params.h"
 #include "sm80/fwd_config.h"
-#include "sm80/fwd_grid.h"
 #include "sm80/fwd_kernel.h"
 #include "sm80/launch_tile.cuh"
 #include "sm80/prims_gpu.cuh"
@@ -16,7 +15,7 @@ namespace sinkattn {
 namespace sm80 {
 
 template <class Kt>
-__global__ void __launch_bounds__(Kt::kNThreads) fwd_kernel(__grid_constant__ const FwdParams p, FwdGrid const grid) {
+__global__ void __launch_bounds__(Kt::kNThreads) fwd_kernel(__grid_constant__ const FwdParams p, FwdTileOrder const grid) {
   extern __shared__ __align__(128) char smem[];
   int m_block, split, head, batch;
   grid.decode(blockIdx.x, m_block, split, head, batch);
@@ -37,8 +36,8 @@ __global__ void combine_kernel(__grid_constant__ const FwdParams p) {
 // One tile configuration's launch.
 template <class Kt>
 void launch_fwd_tile(FwdParams const& p, cudaStream_t stream) {
-  FwdGrid const grid = fwd_grid<Kt::kBlockM>(p);
-  launch_tile_kernel("fwd", fwd_kernel<Kt>, grid.size(p.batch), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
+  FwdTileOrder const grid = fwd_tile_order<Kt::kBlockM>(p);
+  launch_tile_kernel("fwd", fwd_kernel<Kt>, grid.count(), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
 }
 
 template <class Element>

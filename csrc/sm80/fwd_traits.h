@@ -10,19 +10,23 @@
 #include <cutlass/numeric_types.h>
 #include <type_traits>
 
+#include "sm80/fwd_tiles.h"
+
 namespace sinkattn::sm80 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, class Element_, class Prims_, int kStages_ = 2,
-          int kKeyGroups_ = 1>
+// Tile: one of fwd_tiles.h's types; its FwdTile gives the shape.
+template <class Tile_, class Element_, class Prims_>
 struct FwdTraits {
+  using TileTag = Tile_;
   using Element = Element_;
   using Prims = Prims_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kNWarps = kNWarps_;
+  static constexpr FwdTile kTile = Tile_::tile;
+  static constexpr int kHeadDim = kTile.head_dim;
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kNWarps = kTile.warps;
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kHeadDim % 64 == 0, "compiled head dims are multiples of 64");
 
@@ -32,7 +36,7 @@ struct FwdTraits {
   // the warps form kKeyGroups groups of kMmaWarps warps; each group covers all kBlockM rows (16 per warp)
   // with its own kBlockNMma keys of each key block and keeps its own softmax state, as if it were a split of
   // the keys; the groups' states merge once at the end (fwd_kernel.h, merge_key_groups).
-  static constexpr int kKeyGroups = kKeyGroups_;
+  static constexpr int kKeyGroups = kTile.key_groups;
   static constexpr bool kSplitKeys = kKeyGroups > 1;
   static_assert(kNWarps % kKeyGroups == 0);
   static constexpr int kMmaWarps = kNWarps / kKeyGroups;  // warps of one TiledMma: one key group
@@ -74,9 +78,10 @@ struct FwdTraits {
   static constexpr int kSmemKV = int(cosize_v<SmemLayoutKV>) * int(sizeof(Element));
   // K/V stages in shared memory: while block t computes, blocks t+1 .. t+kStages-1 are in flight (2: double
   // buffering; more for decode, where a CTA computes little per byte and needs many bytes in flight).
-  static constexpr int kStages = kStages_;
+  static constexpr int kStages = kTile.stages;
   static_assert(kStages >= 2);
   static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;
+  static_assert(kSmemBytes == kTile.smem_bytes(), "the table's size is the layouts' size");
   // Split keys: after the last key block the K/V stages hold the key groups' softmax states (max and sum per
   // row and group) and the O fragments of groups 1.. for group 0 to merge.
   static constexpr int kMergeFloats = 2 * kKeyGroups * kBlockM + (kKeyGroups - 1) * kBlockM * kHeadDim;

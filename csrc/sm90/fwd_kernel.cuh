@@ -8,11 +8,11 @@
 //     block j-1 is still in flight (FlashAttention-3's intra-warpgroup overlap);
 //   - across the two warpgroups, named barriers hand the tensor cores back and forth (ping-pong): one issues
 //     its GEMMs while the other does its softmax;
-//   - the learnable sink joins once per row in the finalize (common/softmax.h), exactly as in the sm80 kernel;
+//   - the learnable sink joins once per row in the finalize (common/online_softmax.h), exactly as in the sm80 kernel;
 //   - O goes back through Q's shared memory and out in 16-byte stores, predicated on the sequence's rows
 //     (varlen rows past the end belong to the next sequence), with the LSE per row.
-// The grid is persistent: CTA c takes tiles c, c + gridDim.x, ... in the order of TileSchedule (last M
-// tiles first: under a causal mask they are the heaviest).
+// The grid is persistent: CTA c takes tiles c, c + gridDim.x, ... in the forward's tile order
+// (common/tile_order.h: last M tiles first; under a causal mask they are the heaviest).
 #pragma once
 #include <cmath>
 #include <cuda_runtime.h>
@@ -23,9 +23,11 @@
 
 #include "common/defs.h"
 #include "common/mask.h"
+#include "common/online_softmax.h"
 #include "common/seq_extent.h"
-#include "common/softmax.h"
+#include "common/tile_order.h"
 #include "params.h"
+#include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_traits.h"
 
 namespace sinkattn::sm90 {
@@ -33,18 +35,6 @@ namespace sinkattn::sm90 {
 using namespace cute;
 using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
-
-// Tiles in schedule order: M tiles fastest and from the last down, then heads, then batch.
-struct TileSchedule {
-  int m_blocks, heads, batch;
-  SA_HOST_DEVICE int64_t count() const { return int64_t(m_blocks) * heads * batch; }
-  SA_HOST_DEVICE void decode(int64_t t, int& m_block, int& head, int& b) const {
-    m_block = m_blocks - 1 - int(t % m_blocks);
-    t /= m_blocks;
-    head = int(t % heads);
-    b = int(t / heads);
-  }
-};
 
 // What producer and consumers both derive from a tile index, so their barrier sequences match.
 template <class Kt>
@@ -55,8 +45,9 @@ struct TileWork {
   BlockRange range;
   bool valid;  // the tile holds rows of its sequence (varlen batches are sized for the longest)
 
-  __device__ TileWork(FwdParams const& p, TileSchedule const& s, int64_t t) {
-    s.decode(t, m_block, head, batch);
+  __device__ TileWork(FwdParams const& p, PersistentTileOrder const& s, int64_t t) {
+    int split;
+    s.decode(t, m_block, split, head, batch);
     ext = seq_extent(p, batch);
     mask = TileMask{MaskPolicy{ext.seqlen_q, ext.seqlen_k, p.window_left, p.window_right, p.sink_tokens},
                     Kt::kBlockM, Kt::kBlockN, 1};
@@ -65,14 +56,10 @@ struct TileWork {
   }
 };
 
-// Named barriers (ids above CUTLASS's reserved ones): 0/1 give consumer warpgroup 0/1 the tensor cores,
-// 2/3 order each warpgroup's O writes to shared memory before its own global stores.
-enum : uint32_t { kBarTurn0 = 0, kBarTurn1 = 1, kBarEpilogue0 = 2 };
-
 // The producer (one thread): every TMA load of this CTA's tiles, in schedule order, from (rows, d, heads,
 // batch) views of q, k and v.
 template <class Kt>
-__device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, TileSchedule const& sched,
+__device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
                         typename Kt::SharedStorage& ss) {
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});
@@ -159,23 +146,12 @@ __host__ __device__ constexpr auto acc_as_a_operand(L const& l) {
   return make_layout(make_layout(get<0>(v), get<1>(v), get<2, 0>(v)), get<1>(l), make_layout(get<2, 1>(v), get<2>(l)));
 }
 
-// 16-byte shared-memory load through a 32-bit shared address (a generic pointer would hold 64 bits per
-// precomputed address, which the epilogue then spills).
-__device__ __forceinline__ uint4 lds128(void const* ptr) {
-  uint32_t const addr = cast_smem_ptr_to_uint(ptr);
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
+// The row reductions of the online softmax (common/online_softmax.h) across a quad's lanes.
+struct WarpShuffle {
+  static __device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
+    return __shfl_xor_sync(0xffffffffu, x, lane_mask);
+  }
+};
 
 // Ping-pong: a consumer warpgroup waits for its turn at the tensor cores, issues its GEMMs, then hands
 // the turn to the other. Per tile each warpgroup takes nblocks + 1 turns; warpgroup 1 gives warpgroup 0
@@ -193,7 +169,7 @@ struct PingPong {
 };
 
 template <class Kt>
-__device__ void consume(FwdParams const& p, TileSchedule const& sched, typename Kt::SharedStorage& ss, int ctid) {
+__device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, typename Kt::SharedStorage& ss, int ctid) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
   int const wg = ctid / 128;
@@ -219,61 +195,27 @@ __device__ void consume(FwdParams const& p, TileSchedule const& sched, typename 
   Tensor scores = rowcol_view(tSrS);
   Tensor out_rows = rowcol_view(tOrO);
   constexpr int kRows = decltype(size<0>(scores))::value;
+  constexpr int kCols = decltype(size<1>(scores))::value;
   static_assert(kRows == 2);
-
-  // With softcap the scores are first bounded, s = softcap * tanh(scale * qk / softcap), then used unscaled.
-  bool const softcap = p.softcap > 0.f;
-  float const scale_nat = softcap ? 1.f : p.softmax_scale;
-  float const scale_log2 = scale_nat * float(M_LOG2E);
-  float const tanh_in_scale = softcap ? p.softmax_scale / p.softcap : 0.f;
-  bool const varlen = p.cu_seqlens_q != nullptr;
+  ScoreScale const score{p.softmax_scale, p.softcap};
 
   int q_round = 0, kv_it = 0;
   for (int64_t t = blockIdx.x; t < sched.count(); t += gridDim.x) {
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
     int const m0 = w.m_block * kBlockM;
-    float row_max[kRows], row_sum[kRows];
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+    OnlineSoftmax<kRows, WarpShuffle> softmax;
     clear(tOrO);
 
     // Scores of key block n -> unnormalised probabilities in place (exp2 units), the running max and sum
     // updated; `correction` gets each row's rescale factor for what O held before.
     float correction[kRows];
     auto softmax_block = [&](int n) {
-      if (softcap) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = p.softcap * tanhf(tSrS(i) * tanh_in_scale);
-      }
+      score.bound(tSrS);
       if (w.mask.needs_mask(w.m_block, n)) {
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(scores); ++r) {
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(scores); ++c) {
-            auto coord = tScS(r, c);
-            if (!w.mask.visible_row(m0 + get<0>(coord), n * kBlockN + get<1>(coord))) scores(r, c) = -INFINITY;
-          }
-        }
+        w.mask.template apply<kRows, kCols>(tScS, m0, n * kBlockN, [&](int r, int c) { scores(r, c) = -INFINITY; });
       }
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        float m = row_max[r];
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(scores); ++c) m = fmaxf(m, scores(r, c));
-        m = quad_max(m);
-        // A row that has seen only masked keys keeps max -inf; rebasing on 0 then gives p = 0, not NaN.
-        float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-        correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
-        row_max[r] = m;
-        row_sum[r] *= correction[r];
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(scores); ++c) {
-          float const e = exp2f(scores(r, c) * scale_log2 - m_scaled);
-          scores(r, c) = e;
-          row_sum[r] += e;
-        }
-      }
+      softmax.rescale(scores, score.log2, correction);
     };
     auto convert_p = [&]() {
       CUTE_UNROLL
@@ -315,11 +257,7 @@ __device__ void consume(FwdParams const& p, TileSchedule const& sched, typename 
         warpgroup_fence_operand(tOrO);
         warpgroup_fence_operand(tOrP);
         EmptyBarrier::arrive(&ss.v_empty[st_prev]);
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= correction[r];
-        }
+        softmax.rescale_rows(out_rows, correction);
         convert_p();
       }
 
@@ -336,48 +274,16 @@ __device__ void consume(FwdParams const& p, TileSchedule const& sched, typename 
     }
 
     // ---- finalize: the sink joins the denominator once per row ---------------------------------------
+    softmax.reduce_sums();
     float lse[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float const sum = quad_sum(row_sum[r]);
-      float const max_nat = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * scale_nat;
-      float const sink = p.sinks ? p.sinks[w.head] : -INFINITY;
-      RowFinal const f = finalize_row(max_nat, sum, sink);
+      RowFinal const f = softmax.finalize(r, p.sinks ? p.sinks[w.head] : -INFINITY, score.natural);
       lse[r] = f.lse;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
     }
-
-    // ---- epilogue: O into this warpgroup's 64 rows of Q's buffer (its own wgmmas were their last
-    // readers and have completed), then 16-byte stores of the rows inside the sequence ------------------
-    Tensor sO = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});
-    Tensor tOsO = thr_o.partition_C(sO);
-    CUTE_UNROLL
-    for (int i = 0; i < size(tOrO); ++i) tOsO(i) = Element(tOrO(i));
-
-    int64_t const lse_seq = (varlen ? w.ext.q_start : 0) + int64_t(w.batch) * p.lse_batch_stride;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      int const row = get<0>(tOcO(r, 0));
-      if (get<1>(tOcO(r, 0)) == 0 && m0 + row < w.ext.seqlen_q) {
-        p.lse[lse_seq + int64_t(w.head) * p.lse_head_stride + m0 + row] = lse[r];
-      }
-    }
-
-    cutlass::arch::NamedBarrier::sync(128, kBarEpilogue0 + wg);
-    Element* o_seq = static_cast<Element*>(p.out) + int64_t(w.head) * p.o_head_stride +
-                     (varlen ? w.ext.q_start * p.o_row_stride : int64_t(w.batch) * p.o_batch_stride);
-    constexpr int kVecsPerRow = kHeadDim / 8;
-    constexpr int kVecs = 64 * kVecsPerRow;
-    int const tid = ctid % 128;
-#pragma unroll 1  // unrolled, the compiler keeps every iteration's shared address live across tiles
-    for (int v = tid; v < kVecs; v += 128) {
-      int const row = wg * 64 + v / kVecsPerRow, col = (v % kVecsPerRow) * 8;
-      if (m0 + row < w.ext.seqlen_q && col < p.headdim) {
-        uint4 const val = lds128(&sO(row, col));
-        *reinterpret_cast<uint4*>(o_seq + int64_t(m0 + row) * p.o_row_stride + col) = val;
-      }
-    }
+    store_out_lse<Kt>(p, ss, thr_o, tOrO, tOcO, lse, w.m_block, w.head, w.batch, w.ext, wg, ctid % 128);
     // Every read of O's shared memory is done before the producer's next Q load (an async-proxy write)
     // may land there.
     cutlass::arch::fence_view_async_shared();
@@ -388,7 +294,7 @@ __device__ void consume(FwdParams const& p, TileSchedule const& sched, typename 
 
 template <class Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
-    fwd_kernel(__grid_constant__ const FwdParams p, __grid_constant__ const TmaParams<Kt> tma, TileSchedule const sched) {
+    fwd_kernel(__grid_constant__ const FwdParams p, __grid_constant__ const TmaParams<Kt> tma, PersistentTileOrder const sched) {
   extern __shared__ __align__(1024) char smem[];
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(smem);
   if (threadIdx.x == 0) {

@@ -18,18 +18,6 @@ namespace sinkattn {
 
 namespace sm90 {
 
-// Tile per head dim: M 128 (two consumer warpgroups of 64 rows). Shared memory: Q plus kStages K and V
-// blocks, 112 / 160 / 192 KB for head dim 64 / 128 / 256; a block of 64 keys at head dim 256 keeps O
-// (128 fp32 registers per thread) and S within the consumers' 232 registers.
-template <int kHeadDim, class Element>
-struct FwdConfig;
-template <class Element>
-struct FwdConfig<64, Element> { using type = FwdTraits<64, 128, 3, Element>; };
-template <class Element>
-struct FwdConfig<128, Element> { using type = FwdTraits<128, 128, 2, Element>; };
-template <class Element>
-struct FwdConfig<256, Element> { using type = FwdTraits<256, 48, 2, Element, 24, 240>; };
-
 inline int sm_count() {
   int dev = 0, n = 0;
   cudaGetDevice(&dev);
@@ -45,7 +33,7 @@ inline int sm_count() {
 template <int kHeadDim, class Element>
 void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   using namespace cute;
-  using Kt = typename sm90::FwdConfig<kHeadDim, Element>::type;
+  using Kt = sm90::FwdTraits<sm90::FwdTileOf<kHeadDim>, Element>;
   bool const varlen = p.cu_seqlens_q != nullptr;
   int const bdim = varlen ? 1 : p.batch;
   // A TMA descriptor wants every extent >= 1 and every stride a multiple of 16 bytes; an extent-1 mode's
@@ -67,7 +55,7 @@ void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(typename Kt::SmemLayoutKV{})),
       make_tma_copy(SM90_TMA_LOAD{}, gV, take<0, 2>(typename Kt::SmemLayoutKV{}))};
 
-  sm90::TileSchedule const sched{(p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM, p.nheads, p.batch};
+  PersistentTileOrder const sched{(p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM, 1, p.nheads, p.batch};
   int64_t const tiles = sched.count();
   if (tiles == 0) return;
   int const sms = sm90::sm_count();

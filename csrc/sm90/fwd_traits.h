@@ -12,23 +12,25 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "sm90/fwd_tiles.h"
+
 namespace sinkattn::sm90 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockN_, int kStages_, class Element_, int kProducerRegs_ = 40, int kConsumerRegs_ = 232>
+// Tile: FwdTileOf<head dim> (fwd_tiles.h), whose FwdTile gives the shape.
+template <class Tile_, class Element_>
 struct FwdTraits {
   using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = kStages_;
+  static constexpr FwdTile kTile = Tile_::tile;
+  static constexpr int kHeadDim = kTile.head_dim;
+  static constexpr int kBlockM = FwdTile::kBlockM;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
-  // setmaxnreg budgets, 128 * producer + 256 * consumer <= 64512 registers per SM (one CTA per SM). The
-  // producer only computes block ranges and TMA coordinates; the consumers hold S, P and O.
-  static constexpr int kProducerRegs = kProducerRegs_;
-  static constexpr int kConsumerRegs = kConsumerRegs_;
+  static constexpr int kProducerRegs = kTile.producer_regs;
+  static constexpr int kConsumerRegs = kTile.consumer_regs;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 64512 && kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0);
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
 
@@ -70,6 +72,7 @@ struct FwdTraits {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "over the sm90 shared-memory limit per block");
+  static_assert(kSmemBytes == kTile.smem_bytes(), "the table's size is the layouts' size");
 };
 
 // The TMA descriptors, passed to the kernel as one __grid_constant__ parameter.

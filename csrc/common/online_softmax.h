@@ -1,0 +1,146 @@
+// online_softmax.h: the softmax of every kernel, forward and backward, in one place (DESIGN.md section 1).
+//
+// - ScoreScale: what turns a raw dot product q.k into a score: softmax_scale, or with softcap
+//   s = softcap * tanh(softmax_scale * qk / softcap), then unscaled.
+// - OnlineSoftmax: per accumulator row, the running max of the scores seen (raw units: scale_log2 folds the
+//   scale into the exp2) and the running sum of exp(s - max); rescale() takes one key block's scores, finalize()
+//   adds the learnable sink once per row and gives the output scale and the LSE.
+// - finalize_row: that last step on plain numbers (host tests call it through the extension).
+// The row reductions across the 4 lanes of a quad go through Shfl::shfl_xor, so the same code runs on the GPU
+// and under host emulation (emu/emu_prims.h).
+#pragma once
+#include <cmath>
+#include "common/defs.h"
+
+namespace sinkattn {
+
+struct RowFinal {
+  float out_scale;  // multiply the unnormalised output accumulator by this
+  float lse;        // natural log, includes the sink
+};
+
+// row_max: max of the scaled scores seen (-inf if none), natural-log units; row_sum: sum of exp(s - row_max);
+// sink: the sink logit, -inf when there is none. Re-basing on max(row_max, sink) keeps a large sink (say +30
+// against scores near 0) from overflowing, and a row that saw no key gives out = 0 and lse = sink (or -inf)
+// instead of NaN.
+SA_HOST_DEVICE RowFinal finalize_row(float row_max, float row_sum, float sink) {
+  if (row_max == -INFINITY || !(row_sum > 0.f)) {
+    return RowFinal{0.f, sink};  // no visible key: out = 0, lse = sink (-inf without one)
+  }
+  if (sink == INFINITY) {  // the sink takes all the weight: out = 0, lse = +inf (the rebase below would be inf - inf)
+    return RowFinal{0.f, INFINITY};
+  }
+  if (sink == -INFINITY) {  // bit for bit the plain-attention math
+    return RowFinal{1.f / row_sum, row_max + logf(row_sum)};
+  }
+  float m = fmaxf(row_max, sink);
+  float sum = row_sum * expf(row_max - m) + expf(sink - m);
+  return RowFinal{expf(row_max - m) / sum, m + logf(sum)};
+}
+
+// Sum or max over the 4 lanes of a quad, which hold the columns of the same accumulator rows (the m16n8 and
+// wgmma C layouts: lane / 4 picks the row, lane % 4 the column pair).
+template <class Shfl>
+SA_DEVICE float quad_max(float x) {
+  x = fmaxf(x, Shfl::shfl_xor(x, 1));
+  return fmaxf(x, Shfl::shfl_xor(x, 2));
+}
+template <class Shfl>
+SA_DEVICE float quad_sum(float x) {
+  x += Shfl::shfl_xor(x, 1);
+  return x + Shfl::shfl_xor(x, 2);
+}
+
+// Raw dot products -> scores. Forward: bound() in place (softcap only), then OnlineSoftmax folds `log2` (the
+// scale, or 1 with softcap, times log2 e) into its exp2, and `natural` converts its max to natural-log units.
+// Backward: score() gives the natural-log score of one element and the tanh derivative it needs.
+struct ScoreScale {
+  bool softcap;
+  float cap, scale;
+  float natural;       // raw max -> natural-log units
+  float log2;          // raw score -> log2 units
+  float tanh_in;       // softmax_scale / softcap
+
+  SA_HOST_DEVICE ScoreScale(float softmax_scale, float softcap_)
+      : softcap(softcap_ > 0.f), cap(softcap_), scale(softmax_scale), natural(softcap ? 1.f : softmax_scale),
+        log2(natural * float(M_LOG2E)), tanh_in(softcap ? softmax_scale / softcap_ : 0.f) {}
+
+  template <class Frag>
+  SA_DEVICE void bound(Frag& acc) const {
+    if (softcap) {
+      SA_UNROLL
+      for (int i = 0; i < int(size(acc)); ++i) acc(i) = cap * tanhf(acc(i) * tanh_in);
+    }
+  }
+
+  // The natural-log score of raw dot product x; dtanh = d score / d (scale x) over the softcap (1 without).
+  SA_HOST_DEVICE float score(float x, float& dtanh) const {
+    if (softcap) {
+      float const t = tanhf(x * tanh_in);
+      dtanh = 1.f - t * t;
+      return cap * t;
+    }
+    dtanh = 1.f;
+    return x * scale;
+  }
+};
+
+// The forward's per-row state over the key blocks of one tile. kRows: accumulator rows held by this thread.
+template <int kRows, class Shfl>
+struct OnlineSoftmax {
+  float row_max[kRows];  // raw units; -inf until a visible key
+  float row_sum[kRows];  // this thread's columns until reduce_sums(), then the row's
+
+  SA_DEVICE OnlineSoftmax() {
+    SA_UNROLL
+    for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+  }
+
+  // One key block: scores(r, c) (bounded and masked, raw units) become exp2(s * log2 - new max) in place, the
+  // running sums are rescaled and extended; correction[r] is what O's row r must be multiplied by.
+  template <class Scores>
+  SA_DEVICE void rescale(Scores& scores, float log2, float (&correction)[kRows]) {
+    SA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = row_max[r];
+      SA_UNROLL
+      for (int c = 0; c < int(size<1>(scores)); ++c) m = fmaxf(m, scores(r, c));
+      m = quad_max<Shfl>(m);
+      // A row that has seen only masked keys keeps max -inf; rebasing on 0 then gives p = 0 instead of NaN.
+      float const m_scaled = m == -INFINITY ? 0.f : m * log2;
+      correction[r] = exp2f(row_max[r] * log2 - m_scaled);
+      row_max[r] = m;
+      row_sum[r] *= correction[r];
+      SA_UNROLL
+      for (int c = 0; c < int(size<1>(scores)); ++c) {
+        float const e = exp2f(scores(r, c) * log2 - m_scaled);
+        scores(r, c) = e;
+        row_sum[r] += e;
+      }
+    }
+  }
+
+  // out_rows(r, c) *= correction[r]: O catches up with a rescale.
+  template <class Rows>
+  SA_DEVICE static void rescale_rows(Rows& out_rows, float const (&correction)[kRows]) {
+    SA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      SA_UNROLL
+      for (int c = 0; c < int(size<1>(out_rows)); ++c) out_rows(r, c) *= correction[r];
+    }
+  }
+
+  // After the last block: each row's sum over the whole quad.
+  SA_DEVICE void reduce_sums() {
+    SA_UNROLL
+    for (int r = 0; r < kRows; ++r) row_sum[r] = quad_sum<Shfl>(row_sum[r]);
+  }
+
+  // Row r's output scale and LSE with the sink (-inf: none) counted once; after reduce_sums().
+  SA_DEVICE RowFinal finalize(int r, float sink, float natural) const {
+    float const max_nat = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * natural;
+    return finalize_row(max_nat, row_sum[r], sink);
+  }
+};
+
+}  // namespace sinkattn

@@ -1,0 +1,57 @@
+// bwd_tiles.h: the tile table of the sm80 backward and the rule that picks one (no CuTe, no CUDA: the kernels,
+// launchers, host emulation, api.cpp, which sizes the deterministic mode's counters by the tile's M, and the
+// registry read it).
+//
+// Shared memory: Q and dO (per stage), K, V, P and dS, 2-byte elements.
+#pragma once
+#include "sm80/fwd_tiles.h"  // TileList, min_smem
+
+namespace sinkattn::sm80 {
+
+struct BwdTile {
+  int head_dim, block_m, block_n;
+  int warps_m, warps_n;  // one warp layout for all five GEMMs (bwd_traits.h)
+  int stages;            // Q/dO buffers: 2 = the next M tile loads while this one computes
+
+  constexpr int smem_bytes() const {
+    return (stages * 2 * block_m * head_dim + 2 * block_n * head_dim + 2 * block_m * block_n) * 2;
+  }
+  constexpr bool operator==(BwdTile const&) const = default;
+};
+
+namespace bwd_tiles {
+#define SINKATTN_BWD_TILE(name, ...) struct name { static constexpr BwdTile tile{__VA_ARGS__}; }
+SINKATTN_BWD_TILE(Hd64, 64, 64, 64, 4, 1, 2);        // 64 KB
+SINKATTN_BWD_TILE(Hd128, 128, 64, 64, 4, 2, 2);      // 112 KB: sm80, sm90
+SINKATTN_BWD_TILE(Hd128Small, 128, 64, 64, 4, 2, 1); // 80 KB: sm86 / sm89
+SINKATTN_BWD_TILE(Hd256, 256, 64, 64, 2, 4, 1);      // 144 KB: sm80, sm90 only (the registry says so)
+#undef SINKATTN_BWD_TILE
+}  // namespace bwd_tiles
+
+template <int kHeadDim> struct BwdTilesOf;
+template <> struct BwdTilesOf<64> { using type = TileList<bwd_tiles::Hd64>; };
+template <> struct BwdTilesOf<128> { using type = TileList<bwd_tiles::Hd128, bwd_tiles::Hd128Small>; };
+template <> struct BwdTilesOf<256> { using type = TileList<bwd_tiles::Hd256>; };
+
+template <int kHeadDim>
+constexpr int bwd_min_smem() { return min_smem(typename BwdTilesOf<kHeadDim>::type{}); }
+
+// The tile for a head dim and shared-memory limit: the biggest that fits (the hd256 tile is the only one and
+// needs 144 KB; launch_bwd_tile refuses it below that, and dispatch declines such a device first).
+constexpr BwdTile choose_bwd_tile(int head_dim, int max_smem) {
+  using namespace bwd_tiles;
+  if (head_dim == 64) return Hd64::tile;
+  if (head_dim == 128) return max_smem >= Hd128::tile.smem_bytes() ? Hd128::tile : Hd128Small::tile;
+  return Hd256::tile;
+}
+
+template <int kHeadDim, class F, class... Tiles>
+void with_bwd_tile_in(BwdTile t, F&& f, TileList<Tiles...>) {
+  ((t == Tiles::tile ? (f.template operator()<Tiles>(), 0) : 0), ...);
+}
+template <int kHeadDim, class F>
+void with_bwd_tile(BwdTile t, F&& f) {
+  with_bwd_tile_in<kHeadDim>(t, f, typename BwdTilesOf<kHeadDim>::type{});
+}
+
+}  // namespace sinkattn::sm80

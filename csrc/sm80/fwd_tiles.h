@@ -1,0 +1,135 @@
+// fwd_tiles.h: the tile table of the sm80 forward, and the one rule that picks a tile for a problem. No CuTe,
+// no CUDA: the kernels (FwdTraits<Tile, ...> reads its fields), the launchers, the host emulation, api.cpp (the
+// split-KV heuristic counts key blocks of the tile decode will run) and the registry (the shared memory the
+// smallest tile needs) all read this one table.
+//
+// Shared memory of a tile: Q (block_m x d) plus `stages` K and V blocks (block_n x d), 2-byte elements.
+// sm80 and sm87 allow 163 KB per block, sm86/sm89 99 KB, sm90 227 KB.
+#pragma once
+#include <cstdint>
+#include "common/defs.h"
+#include "params.h"
+
+namespace sinkattn::sm80 {
+
+struct FwdTile {
+  int head_dim, block_m, block_n, warps;
+  int stages = 2;      // K/V blocks in shared memory: 2 is double buffering; more keep more bytes in flight (decode)
+  int key_groups = 1;  // > 1: the warps also split each key block's keys (decode tiles of <= 32 real rows)
+
+  constexpr int smem_bytes() const { return (block_m + 2 * stages * block_n) * head_dim * 2; }
+  constexpr bool operator==(FwdTile const&) const = default;
+};
+
+// The tiles, each a type (kernels are templates on it; the name says what it is for) holding its FwdTile.
+namespace fwd_tiles {
+#define SINKATTN_FWD_TILE(name, ...) struct name { static constexpr FwdTile tile{__VA_ARGS__}; }
+// Head dim 64. Key groups: 32 keys per warp per block; 98 KB: fits every arch, and two CTAs on an sm90 SM.
+SINKATTN_FWD_TILE(Hd64Keys4, 64, 16, 128, 4, 3, 4);
+SINKATTN_FWD_TILE(Hd64Keys2, 64, 32, 128, 4, 3, 2);       // 100 KB, 64 KB in flight: sm80, sm90
+SINKATTN_FWD_TILE(Hd64Keys2Small, 64, 32, 128, 4, 2, 2);  // 68 KB, 32 KB in flight
+// Few rows: kBlockN 128; with 64 the 3- and 4-stage tiles spill 4-16 bytes on sm_80 (at 168 registers).
+SINKATTN_FWD_TILE(Hd64Few, 64, 64, 128, 4, 3);            // 104 KB, 64 KB in flight: sm80, sm90
+SINKATTN_FWD_TILE(Hd64FewSmall, 64, 64, 128, 4, 2);       // 72 KB, 32 KB in flight
+// Prefill: 4 warps of 32 rows, each K/V fragment read from shared memory feeds two 16-row MMA tiles (half the
+// ldmatrix traffic per FLOP of 8 warps of 16 rows). 255 registers, no spill since the element mask compares
+// against per-row bounds (TileMask::apply); before, it spilled 24-32 bytes on sm_90.
+SINKATTN_FWD_TILE(Hd64Rows, 64, 128, 64, 4);              // 48 KB
+// Head dim 128. Key groups: 16 (32) keys per warp per block. Big: two CTAs fit an sm90 SM (228 KB).
+SINKATTN_FWD_TILE(Hd128Keys4, 128, 16, 64, 4, 3, 4);      // 100 KB: sm80, sm90
+SINKATTN_FWD_TILE(Hd128Keys4Small, 128, 16, 64, 4, 2, 4); // 68 KB
+SINKATTN_FWD_TILE(Hd128Keys2, 128, 32, 64, 4, 3, 2);      // 104 KB: sm80, sm90
+SINKATTN_FWD_TILE(Hd128Keys2Small, 128, 32, 64, 4, 2, 2); // 72 KB
+SINKATTN_FWD_TILE(Hd128Few, 128, 64, 64, 4, 3);           // 112 KB, 64 KB in flight: sm80, sm90
+SINKATTN_FWD_TILE(Hd128FewSmall, 128, 64, 32, 4, 4);      // 80 KB, 48 KB in flight
+SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8);            // 96 KB: fits sm86 too
+// Head dim 256. Rows 17-32 keep the 64-row tile: two key groups (32 of 64 keys each) would take 144 KB.
+SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per warp: sm80, sm90
+SINKATTN_FWD_TILE(Hd256Rows, 256, 64, 64, 4);             // 160 KB: sm80 only
+SINKATTN_FWD_TILE(Hd256RowsSmall, 256, 64, 32, 4);        // 96 KB: sm86 / sm89
+#undef SINKATTN_FWD_TILE
+}  // namespace fwd_tiles
+
+template <class... Tiles>
+struct TileList {};
+
+// Every tile of a head dim, in no particular order (with_fwd_tile below instantiates each).
+template <int kHeadDim> struct FwdTilesOf;
+template <> struct FwdTilesOf<64> {
+  using type = TileList<fwd_tiles::Hd64Keys4, fwd_tiles::Hd64Keys2, fwd_tiles::Hd64Keys2Small, fwd_tiles::Hd64Few,
+                        fwd_tiles::Hd64FewSmall, fwd_tiles::Hd64Rows>;
+};
+template <> struct FwdTilesOf<128> {
+  using type = TileList<fwd_tiles::Hd128Keys4, fwd_tiles::Hd128Keys4Small, fwd_tiles::Hd128Keys2,
+                        fwd_tiles::Hd128Keys2Small, fwd_tiles::Hd128Few, fwd_tiles::Hd128FewSmall, fwd_tiles::Hd128Rows>;
+};
+template <> struct FwdTilesOf<256> {
+  using type = TileList<fwd_tiles::Hd256Keys4, fwd_tiles::Hd256Rows, fwd_tiles::Hd256RowsSmall>;
+};
+
+// The smallest shared memory any tile of the head dim needs (the registry records it: below it nothing runs).
+template <class... Tiles>
+constexpr int min_smem(TileList<Tiles...>) {
+  int m = 1 << 30;
+  ((m = Tiles::tile.smem_bytes() < m ? Tiles::tile.smem_bytes() : m), ...);
+  return m;
+}
+template <int kHeadDim>
+constexpr int fwd_min_smem() { return min_smem(typename FwdTilesOf<kHeadDim>::type{}); }
+
+// What the choice depends on: real rows per (sequence, head or GQA head group), and whether keys are split.
+struct FwdShape {
+  int64_t rows;  // seqlen_q, times the group size when GQA-packed
+  bool split_kv;
+};
+
+inline FwdShape fwd_shape(FwdParams const& p) {
+  int const group = p.pack_gqa && p.nheads_k > 0 ? p.nheads / p.nheads_k : 1;
+  return FwdShape{int64_t(p.seqlen_q) * group, p.num_splits > 1};
+}
+
+// The tile for a head dim (64, 128, 256), problem and shared-memory limit per block.
+// - Few rows (decode, GQA-packed seqlen_q * group <= 64, or split-KV): such a tile is mostly padding rows,
+//   whose warps skip the MMAs (fwd_kernel.h), so the kernel is bound by the bytes of K and V it keeps in
+//   flight: a 64-row tile of 4 warps with more K/V stages.
+// - Key groups: with at most 16 real rows all 4 warps take the same 16 rows and split the keys of each block;
+//   with 17-32, two groups of two warps. With rows split alone one warp did all the math of a decode step
+//   (gpt-oss: 8 query heads per KV head, one query) while three only loaded: the H200 measured 62.8% of its
+//   copy bandwidth so for hd64, where a key block carries the most softmax work per byte.
+// - Where the big tile does not fit the limit, its Small sibling.
+constexpr FwdTile choose_fwd_tile(int head_dim, FwdShape s, int max_smem) {
+  using namespace fwd_tiles;
+  bool const few_rows = s.split_kv || s.rows <= 64;
+  int const key_groups = s.rows <= 16 ? 4 : s.rows <= 32 ? 2 : 1;
+  auto fit = [&](FwdTile big, FwdTile small) { return max_smem >= big.smem_bytes() ? big : small; };
+  if (head_dim == 64) {
+    if (key_groups == 4) return Hd64Keys4::tile;
+    if (key_groups == 2) return fit(Hd64Keys2::tile, Hd64Keys2Small::tile);
+    if (few_rows) return fit(Hd64Few::tile, Hd64FewSmall::tile);
+    return Hd64Rows::tile;
+  }
+  if (head_dim == 128) {
+    if (key_groups == 4) return fit(Hd128Keys4::tile, Hd128Keys4Small::tile);
+    if (key_groups == 2) return fit(Hd128Keys2::tile, Hd128Keys2Small::tile);
+    if (few_rows) return fit(Hd128Few::tile, Hd128FewSmall::tile);
+    return Hd128Rows::tile;
+  }
+  if (key_groups == 4 && max_smem >= Hd256Keys4::tile.smem_bytes()) return Hd256Keys4::tile;
+  return fit(Hd256Rows::tile, Hd256RowsSmall::tile);
+}
+
+static_assert(fwd_tiles::Hd64Keys4::tile.smem_bytes() <= 99 * 1024, "fits every sm8x device");
+static_assert(fwd_tiles::Hd128Rows::tile.smem_bytes() <= 99 * 1024, "fits sm86 / sm89");
+static_assert(fwd_tiles::Hd256RowsSmall::tile.smem_bytes() <= 99 * 1024, "fits sm86 / sm89");
+
+// Calls f.template operator()<Tile>() with the tile type whose FwdTile is `t` (one of the head dim's).
+template <int kHeadDim, class F, class... Tiles>
+void with_fwd_tile_in(FwdTile t, F&& f, TileList<Tiles...>) {
+  ((t == Tiles::tile ? (f.template operator()<Tiles>(), 0) : 0), ...);
+}
+template <int kHeadDim, class F>
+void with_fwd_tile(FwdTile t, F&& f) {
+  with_fwd_tile_in<kHeadDim>(t, f, typename FwdTilesOf<kHeadDim>::type{});
+}
+
+}  // namespace sinkattn::sm80

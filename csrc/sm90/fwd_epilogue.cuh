@@ -1,0 +1,70 @@
+// fwd_epilogue.cuh: the sm90 forward's epilogue: one consumer warpgroup's 64 rows of O out through shared memory
+// in 16-byte stores, predicated on the sequence's rows (varlen rows past the end belong to the next sequence),
+// and the LSE per row.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "common/seq_extent.h"
+#include "params.h"
+
+namespace sinkattn::sm90 {
+
+using namespace cute;
+
+// Named barriers (ids above CUTLASS's reserved ones): 0/1 give consumer warpgroup 0/1 the tensor cores,
+// 2/3 order each warpgroup's O writes to shared memory before its own global stores.
+enum : uint32_t { kBarTurn0 = 0, kBarTurn1 = 1, kBarEpilogue0 = 2 };
+
+// 16-byte shared-memory load through a 32-bit shared address (a generic pointer would hold 64 bits per
+// precomputed address, which the epilogue then spills).
+__device__ __forceinline__ uint4 lds128(void const* ptr) {
+  uint32_t const addr = cast_smem_ptr_to_uint(ptr);
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+// O (finalized, in registers) into warpgroup wg's 64 rows of Q's buffer (its own wgmmas were their last
+// readers and have completed), the LSE of its rows, then 16-byte stores of the rows inside the sequence.
+// tid: the thread's index in its warpgroup.
+template <class Kt, class ThrMma, class AccO, class CoordsO, int kRows>
+__device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::SharedStorage& ss, ThrMma const& thr_o,
+                                              AccO const& tOrO, CoordsO const& tOcO, float const (&lse)[kRows],
+                                              int m_block, int head, int batch, SeqExtent const& ext, int wg, int tid) {
+  using Element = typename Kt::Element;
+  constexpr int kBlockM = Kt::kBlockM, kHeadDim = Kt::kHeadDim;
+  int const m0 = m_block * kBlockM;
+  bool const varlen = ext.varlen;
+  Tensor sO = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});
+  Tensor tOsO = thr_o.partition_C(sO);
+  CUTE_UNROLL
+  for (int i = 0; i < size(tOrO); ++i) tOsO(i) = Element(tOrO(i));
+
+  int64_t const lse_seq = (varlen ? ext.q_start : 0) + int64_t(batch) * p.lse_batch_stride;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    int const row = get<0>(tOcO(r, 0));
+    if (get<1>(tOcO(r, 0)) == 0 && m0 + row < ext.seqlen_q) {
+      p.lse[lse_seq + int64_t(head) * p.lse_head_stride + m0 + row] = lse[r];
+    }
+  }
+
+  cutlass::arch::NamedBarrier::sync(128, kBarEpilogue0 + wg);
+  Element* o_seq = static_cast<Element*>(p.out) + int64_t(head) * p.o_head_stride +
+                   (varlen ? ext.q_start * p.o_row_stride : int64_t(batch) * p.o_batch_stride);
+  constexpr int kVecsPerRow = kHeadDim / 8;
+  constexpr int kVecs = 64 * kVecsPerRow;
+#pragma unroll 1  // unrolled, the compiler keeps every iteration's shared address live across tiles
+  for (int v = tid; v < kVecs; v += 128) {
+    int const row = wg * 64 + v / kVecsPerRow, col = (v % kVecsPerRow) * 8;
+    if (m0 + row < ext.seqlen_q && col < p.headdim) {
+      uint4 const val = lds128(&sO(row, col));
+      *reinterpret_cast<uint4*>(o_seq + int64_t(m0 + row) * p.o_row_stride + col) = val;
+    }
+  }
+}
+
+}  // namespace sinkattn::sm90

@@ -1,0 +1,143 @@
+"""The kernels' named pieces that the host can call (csrc/common/, csrc/sm80/*_tiles.h), through _C:
+TileMask::apply (the element mask every kernel applies) against the mask contract, the tile order every grid
+and schedule uses, and the one tile table the launchers, the split heuristic and the registry read."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import sinkattn
+
+from test_mask_policy import spec_visible
+
+C = sinkattn._ext._C
+pytestmark = pytest.mark.skipif(C is None, reason=f"no compiled extension: {sinkattn._ext.IMPORT_ERROR}")
+KB = 1024
+
+
+# ---- TileMask::apply -----------------------------------------------------------------------------------
+def _check_apply(sq, sk, wl, wr, ns, bm, bn, group=1):
+    """Every tile of the problem (tails included): apply hides exactly the pairs the contract hides. Rows hold
+    query r // group (GQA packing); keys at or past sk are always hidden."""
+    vis = spec_visible(sq, sk, wl, wr, ns)
+    rows = sq * group
+    for m in range(-(-max(rows, 1) // bm)):
+        for n in range(-(-max(sk, 1) // bn)):
+            hidden = C.mask_apply(sq, sk, wl, wr, ns, bm, bn, group, m, n).numpy()
+            for r in range(bm):
+                row = m * bm + r
+                if row >= rows:
+                    continue  # rows past the problem: the kernels never store them
+                want = np.ones(bn, bool)
+                cols = np.arange(n * bn, n * bn + bn)
+                inside = cols < sk
+                want[inside] = ~vis[row // group, cols[inside]]
+                bad = np.flatnonzero(hidden[r] != want)
+                assert bad.size == 0, (f"mask_apply{(sq, sk, wl, wr, ns, bm, bn, group)} tile ({m}, {n}) row {row}: "
+                                       f"key {n * bn + bad[0]} hidden={hidden[r][bad[0]]}, contract says "
+                                       f"{want[bad[0]]}")
+
+
+@pytest.mark.parametrize("sq,sk,wl,wr,ns", [
+    (1, 1, -1, -1, 0), (7, 7, -1, 0, 0), (5, 37, -1, 0, 0), (37, 5, -1, 0, 0), (40, 40, 3, 0, 0),
+    (40, 40, 3, 0, 4), (33, 70, 5, 2, 1), (20, 20, -1, 3, 0), (20, 20, 0, -1, 30), (9, 50, 200, 0, 2),
+])
+@pytest.mark.parametrize("bm,bn", [(16, 16), (32, 64), (8, 48)])
+def test_mask_apply_matches_contract(sq, sk, wl, wr, ns, bm, bn):
+    _check_apply(sq, sk, wl, wr, ns, bm, bn)
+
+
+def test_mask_apply_gqa_packed_and_random(rng_seed):
+    rnd = random.Random(rng_seed)
+    _check_apply(3, 40, 5, 0, 2, 16, 16, group=8)  # gpt-oss decode shape: 8 query heads per KV head
+    for _ in range(25):
+        sq, sk = rnd.randint(1, 40), rnd.randint(1, 90)
+        wl, wr = rnd.choice([(-1, -1), (-1, 0), (rnd.randint(0, 30), 0), (rnd.randint(0, 9), rnd.randint(0, 9))])
+        _check_apply(sq, sk, wl, wr, rnd.choice([0, 1, 4, sk + 2]), rnd.choice([16, 32]), rnd.choice([16, 32, 64]),
+                     group=rnd.choice([1, 2, 4]))
+
+
+# ---- the tile order -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("last_first,splits", [(True, 3), (True, 1), (False, 1)])
+def test_tile_order_covers_every_tile_once(last_first, splits):
+    """The sm80 forward's order (last block first, with split-KV) and the backward's (first block first, no
+    splits; the sm90 forward's persistent order is the forward's without splits)."""
+    blocks, heads, batch = 5, 4, 2
+    t = C.tile_order(blocks, splits, heads, batch, last_first).numpy()
+    assert t.shape == (blocks * splits * heads * batch, 4)
+    assert len({tuple(r) for r in t.tolist()}) == len(t), "a tile appears twice"
+    assert t[:, 0].min() == 0 and t[:, 0].max() == blocks - 1
+    assert set(t[:, 1]) == set(range(splits)) and set(t[:, 2]) == set(range(heads)) and set(t[:, 3]) == set(range(batch))
+    # blocks vary fastest: heaviest first (forward: the last M block; backward: the first N block)
+    first = [r[0] for r in t[:blocks].tolist()]
+    assert first == (list(range(blocks - 1, -1, -1)) if last_first else list(range(blocks)))
+    assert t[:blocks, 1:].tolist() == [[0, 0, 0]] * blocks
+    # then splits, heads, batch
+    if splits > 1:
+        assert t[blocks, 1] == 1
+    assert t[blocks * splits, 2] == 1 and t[blocks * splits * heads, 3] == 1
+
+
+def test_tile_order_backward_has_no_splits():
+    with pytest.raises(RuntimeError, match="no splits"):
+        C.tile_order(2, 3, 1, 1, False)
+    t = C.tile_order(2, 1, 3, 2, False).numpy()
+    assert (t[:, 1] == 0).all() and t[:, 2].tolist() == [0, 0, 1, 1, 2, 2] * 2
+
+
+# ---- the tile table -------------------------------------------------------------------------------------
+SMEM = {"sm80": 163 * KB, "sm86": 99 * KB, "sm90": 227 * KB}
+
+
+@pytest.mark.parametrize("device", list(SMEM))
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("rows,split", [(1, False), (8, False), (24, False), (48, False), (100, True), (100, False),
+                                        (4096, False)])
+def test_fwd_tile_fits_and_follows_the_rule(device, hd, rows, split):
+    t = C.fwd_tile(hd, rows, split, SMEM[device])
+    assert t["head_dim"] == hd
+    assert t["smem_bytes"] <= SMEM[device], f"{t} does not fit {device}"
+    assert t["smem_bytes"] == (t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2
+    few = split or rows <= 64
+    if rows <= 16 and not (hd == 256 and device == "sm86"):
+        assert t["key_groups"] == 4 and t["block_m"] == 16
+    elif not few:
+        assert t["key_groups"] == 1 and t["block_m"] >= 64, "prefill takes a row tile"
+    else:
+        assert t["block_m"] <= 64, "decode takes a small tile"
+
+
+def test_fwd_tile_prefers_the_big_tile_where_it_fits():
+    assert C.fwd_tile(128, 1, True, 163 * KB)["stages"] == 3
+    assert C.fwd_tile(128, 40, True, 99 * KB)["block_n"] == 32  # the 80 KB 4-stage tile of sm86 / sm89
+    assert C.fwd_tile(256, 4096, False, 163 * KB)["block_n"] == 64
+    assert C.fwd_tile(256, 4096, False, 99 * KB)["block_n"] == 32
+
+
+def test_bwd_tile_table():
+    assert C.bwd_tile(128, 163 * KB)["stages"] == 2 and C.bwd_tile(128, 99 * KB)["stages"] == 1
+    assert C.bwd_tile(256, 227 * KB)["smem_bytes"] == 144 * KB
+    for hd in (64, 128, 256):
+        t = C.bwd_tile(hd, 227 * KB)
+        assert t["smem_bytes"] == (t["stages"] * 2 * t["block_m"] * hd + 2 * t["block_n"] * hd
+                                   + 2 * t["block_m"] * t["block_n"]) * 2
+
+
+def test_registry_records_each_kernels_smallest_tile():
+    reg = [k for k in sinkattn._ext.registry() if k["op"] in ("fwd", "bwd")]
+    assert reg, "no attention kernel in this build"
+    for k in reg:
+        assert k["smem_bytes"] > 0, k
+        if k["family"] in ("sm80", "sm80-emulated") and k["op"] == "fwd":
+            # the smallest over every problem shape on a 99 KB device is what the registry records
+            smallest = min(C.fwd_tile(k["headdim"], rows, split, 99 * KB)["smem_bytes"]
+                           for rows in (1, 24, 48, 4096) for split in (False, True))
+            assert k["smem_bytes"] <= smallest, k
+        if k["family"] in ("sm80", "sm80-emulated") and k["op"] == "bwd":
+            assert k["smem_bytes"] == C.bwd_tile(k["headdim"], 99 * KB)["smem_bytes"], k
+        if k["family"] == "sm90":
+            assert 100 * KB < k["smem_bytes"] <= 227 * KB and "kvcache" not in k["features"], k
+    bwd256 = [k for k in reg if k["op"] == "bwd" and k["headdim"] == 256]
+    assert all(k["smem_bytes"] == 144 * KB for k in bwd256), "the hd256 backward needs 144 KB"
