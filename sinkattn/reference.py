@@ -316,24 +316,56 @@ def _forward_direct(q, k, v, sink, m: Mask):
     return out.contiguous(), lse.view(b, h, sq)
 
 
-def _direct_flash_cpu(q, k, v, sink, scale):
-    """Every query sees every key, so a KV head's query heads and rows are one block of g * sq rows over its keys:
-    PyTorch's fused CPU attention (the kernel SDPA runs) gives out and lse (natural log) for them, and the sink
-    joins afterwards: lse' = logaddexp(lse, sink), out' = out * exp(lse - lse')."""
-    b, sq, h, d = q.shape
-    hk = k.shape[2]
-    g = h // hk
-    qs = q.view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * sq, d)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, k.transpose(1, 2), v.transpose(1, 2),
-                                                                         scale=scale)
+# The overload itself, not the packet: the packet's overload lookup costs a few microseconds per call.
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _flash_cpu_heads(qs, k, v, sink, scale, sq, need_lse=True):
+    """qs (b, hk, g * sq, d): each KV head's query heads and rows as one block over its keys k, v (b, hk, sk, d),
+    every query seeing every key. PyTorch's fused CPU attention (the kernel SDPA runs) gives out and lse (natural
+    log); the sink joins afterwards: lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'). -> (out like qs,
+    lse (b, h, sq), or None when not needed and there is no sink)."""
+    b, hk, rows, _ = qs.shape
+    out, lse = _FLASH_CPU(qs, k, v, scale=scale)
+    if sink is None and not need_lse:
+        return out, None
+    h = hk * (rows // sq)
     lse = lse.reshape(b, h, sq)
     if sink is not None:
         total = torch.logaddexp(lse, sink.view(1, h, 1))
         # a +inf sink takes all the weight: exp(lse - inf) = 0
-        out = out * torch.exp(lse - total).view(b, hk, g * sq, 1)
+        out = out * torch.exp(lse - total).view(b, hk, rows, 1)
         lse = total
-    # contiguous like the op's fake (meta) outputs (free at one query: size-1 dims do not count)
+    return out, lse
+
+
+def _direct_flash_cpu(q, k, v, sink, scale):
+    """_flash_cpu_heads on (b, s, h, d) tensors -> (out (b, sq, h, d), lse (b, h, sq)), contiguous like the op's
+    fake (meta) outputs (free at one query: size-1 dims do not count)."""
+    b, sq, h, d = q.shape
+    hk = k.shape[2]
+    g = h // hk
+    qs = q.view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * sq, d)
+    out, lse = _flash_cpu_heads(qs, k.transpose(1, 2), v.transpose(1, 2), sink, scale, sq)
     return out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous(), lse.contiguous()
+
+
+def decode_bhsd(q, k, v, sinks, mask: Mask):
+    """CPU inference of decode size on transformers' (b, h, s, d) layout, with no transposes either way: q (b, h,
+    sq, d), k/v (b, hk, sk, d) -> out (b, sq, h, d), the same as attention_fwd's out; None where the fused
+    path does not apply (not fp32 on the CPU, softcap, a mask that hides a key, more than DIRECT_MAX_ROWS rows),
+    and the caller then takes the general path. At one query per step the per-call overhead is what a CPU decode
+    step pays for (bench/cpu_decode.py)."""
+    b, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    if not (q.device.type == "cpu" and q.dtype == torch.float32 and mask.softcap == 0 and 0 < sq <= DIRECT_MAX_ROWS
+            and sk > 0 and _fully_visible(0, sq, 0, sk, sk - sq, mask)):
+        return None
+    sink = sinks if sinks is None or sinks.dtype == torch.float32 else sinks.to(torch.float32)
+    out, _ = _flash_cpu_heads(q.reshape(b, hk, (h // hk) * sq, d), k, v, sink, mask.scale, sq, need_lse=False)
+    if sq == 1:  # (b, hk, g, d) is already (b, 1, h, d)
+        return out.reshape(b, 1, h, d)
+    return out.view(b, hk, h // hk, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d)
 
 
 def attention_fwd(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):

@@ -223,6 +223,35 @@ def test_reference_direct_decode_path_equals_oracle(monkeypatch, sq, sk, window,
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sq,sk,window,sink_tokens,sinks", [
+    (1, 300, (-1, 0), 0, "randn"), (1, 40, (63, 0), 0, None), (1, 300, (63, 0), 0, "randn"),
+    (1, 7, (-1, 0), 0, "+30"), (1, 7, (-1, 0), 0, "-inf"), (3, 40, (-1, -1), 0, "randn")])
+def test_decode_on_transformers_layout_equals_oracle(monkeypatch, sq, sk, window, sink_tokens, sinks):
+    """A CPU inference step with no attention mask (decode) runs reference.decode_bhsd straight on transformers'
+    (b, h, s, d) tensors, with learnable sinks (-inf, +30) and GQA; a mask that hides keys goes elsewhere."""
+    import types
+    from sinkattn import reference
+    taken = []
+    real = reference.decode_bhsd
+    monkeypatch.setattr(reference, "decode_bhsd", lambda *a: taken.append(real(*a)) or taken[-1])
+    g = torch.Generator().manual_seed(sq * 1000 + sk)
+    q = torch.randn(2, 6, sq, 32, generator=g)
+    k, v = (torch.randn(2, 2, sk, 32, generator=g) for _ in range(2))
+    s = {None: None, "randn": torch.randn(6, generator=g), "-inf": torch.full((6,), float("-inf")),
+         "+30": torch.full((6,), 30.0)}[sinks]
+    module = types.SimpleNamespace(is_causal=window[1] == 0, layer_idx=0, config=None)
+    with torch.no_grad():
+        out, _ = sat.sinkattn_attention_forward(module, q, k, v, None, scaling=0.125, s_aux=s,
+                                                sliding_window=window[0] + 1 if window[0] >= 0 else None)
+    want, _ = attention_oracle(q.transpose(1, 2).double(), k.transpose(1, 2).double(), v.transpose(1, 2).double(),
+                               None if s is None else s.double(), softmax_scale=0.125,
+                               window_size=window, sink_tokens=sink_tokens)
+    assert out.shape == (2, sq, 6, 32)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    # fully visible calls take it; a sliding window shorter than the keys hides some of them and does not
+    assert [t is not None for t in taken] == [window[0] < 0 or window[0] >= sk]
+
+
 def test_set_streaming_left_padded_batch_equals_each_row_alone():
     """Padding takes the dense path with the sink tokens moved to each row's first real tokens."""
     model = _model("llama")

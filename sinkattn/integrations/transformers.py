@@ -261,9 +261,8 @@ def sinkattn_attention_forward(module, query, key, value, attention_mask, dropou
         raise SinkattnValueError(f"sinkattn (transformers): attention dropout ({dropout}) is not supported; set "
                                  f"config.attention_dropout = 0.0")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
+    b, h, sq, d = query.shape
+    sk = key.shape[2]
     if sliding_window:
         left, right = (int(sliding_window) - 1, 0) if causal else (int(sliding_window), int(sliding_window))
     else:
@@ -273,15 +272,23 @@ def sinkattn_attention_forward(module, query, key, value, attention_mask, dropou
     stream = kwargs.get(STREAM_KWARG)
     if stream is not None and needs_chunk_path(stream, module.layer_idx):
         # (SinkCache streams equal-length rows without padding, so the mask is the causal band: not read)
-        return chunk_attention(q, k, v, s_aux, stream, module.layer_idx, scale, cap, left), None
+        return chunk_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), s_aux, stream,
+                               module.layer_idx, scale, cap, left), None
     # StreamingLLM's mask from the config (set_streaming), on top of the model's own pattern
     config = getattr(module, "config", None)
     window = getattr(config, WINDOW_ATTR, None)
     n_sink = int(getattr(config, SINK_TOKENS_ATTR, 0) or 0) if window else 0
     s_left = left if not window else (window - 1 if left < 0 else min(left, window - 1))
+    if attention_mask is None and query.device.type == "cpu" and not torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling():
+        # CPU inference of decode size, straight on transformers' layout (see reference.decode_bhsd)
+        out = reference.decode_bhsd(query, key, value, s_aux, reference.Mask(scale, s_left, right, n_sink, cap))
+        if out is not None:
+            return out, None
     kw = dict(softmax_scale=scale, window_size=(s_left, right), softcap=cap)
     if n_sink:
         kw["sink_tokens"] = n_sink
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if attention_mask is None:
         return _attend(q, k, v, s_aux, kw), None
     plan = _plan(attention_mask, b, sq, sk, left, right, h)
