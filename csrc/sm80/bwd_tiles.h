@@ -4,7 +4,7 @@
 //
 // Shared memory: Q and dO (per stage), K, V, P and dS, 2-byte elements.
 #pragma once
-#include "sm80/fwd_tiles.h"  // TileList, min_smem
+#include "sm80/fwd_tiles.h"  // TileList, min_smem, with_tile_in
 
 namespace sinkattn::sm80 {
 
@@ -45,13 +45,9 @@ constexpr BwdTile choose_bwd_tile(int head_dim, int max_smem) {
   return Hd256::tile;
 }
 
-template <int kHeadDim, class F, class... Tiles>
-void with_bwd_tile_in(BwdTile t, F&& f, TileList<Tiles...>) {
-  ((t == Tiles::tile ? (f.template operator()<Tiles>(), 0) : 0), ...);
-}
 template <int kHeadDim, class F>
 void with_bwd_tile(BwdTile t, F&& f) {
-  with_bwd_tile_in<kHeadDim>(t, f, typename BwdTilesOf<kHeadDim>::type{});
+  with_tile_in(t, f, typename BwdTilesOf<kHeadDim>::type{});
 }
 
 }  // namespace sinkattn::sm80

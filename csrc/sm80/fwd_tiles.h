@@ -122,14 +122,15 @@ static_assert(fwd_tiles::Hd64Keys4::tile.smem_bytes() <= 99 * 1024, "fits every 
 static_assert(fwd_tiles::Hd128Rows::tile.smem_bytes() <= 99 * 1024, "fits sm86 / sm89");
 static_assert(fwd_tiles::Hd256RowsSmall::tile.smem_bytes() <= 99 * 1024, "fits sm86 / sm89");
 
-// Calls f.template operator()<Tile>() with the tile type whose FwdTile is `t` (one of the head dim's).
-template <int kHeadDim, class F, class... Tiles>
-void with_fwd_tile_in(FwdTile t, F&& f, TileList<Tiles...>) {
+// Calls f.template operator()<Tile>() with the type among `tiles` whose tile is `t` (the table's value ->
+// the kernels' template argument), for the forward's and the backward's tables alike.
+template <class Value, class F, class... Tiles>
+void with_tile_in(Value const& t, F&& f, TileList<Tiles...>) {
   ((t == Tiles::tile ? (f.template operator()<Tiles>(), 0) : 0), ...);
 }
 template <int kHeadDim, class F>
 void with_fwd_tile(FwdTile t, F&& f) {
-  with_fwd_tile_in<kHeadDim>(t, f, typename FwdTilesOf<kHeadDim>::type{});
+  with_tile_in(t, f, typename FwdTilesOf<kHeadDim>::type{});
 }
 
 }  // namespace sinkattn::sm80
