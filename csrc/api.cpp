@@ -564,7 +564,7 @@ static std::vector<at::Tensor> merge_weights_host(at::Tensor lse_a, at::Tensor l
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace sinkattn;
-  m.doc() = "sinkattn kernels (see sinkattn/_kernels.py for the Python side)";
+  m.doc() = "sinkattn kernels (sinkattn/kernels.py is the Python side)";
   m.def("registry", &registry, "the kernels compiled into this binary");
   m.def("build_info", &build_info, "versions baked in at build time");
   m.def("runtime_info", &runtime_info, "CUDA runtime and driver versions now");
