@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from .errors import SinkattnError, SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError  # noqa: E402
 from . import _device, _ext  # noqa: E402
+from ._device import get_sm80_smem_limit, sm80_smem_limit  # noqa: E402
 from .capability import capabilities  # noqa: E402
 from .merge import merge_attn_states  # noqa: E402
 
@@ -24,5 +25,5 @@ DEVICES = _device.nvml_devices()
 __all__ = [
     "flash_attn_with_sinks", "flash_attn_varlen_with_sinks", "flash_attn_with_kvcache", "merge_attn_states",
     "SinkKVCache", "capabilities", "ReferenceFallbackWarning", "SinkattnError", "SinkattnValueError",
-    "SinkattnTypeError", "SinkattnRuntimeError",
+    "SinkattnTypeError", "SinkattnRuntimeError", "sm80_smem_limit", "get_sm80_smem_limit",
 ]

@@ -15,7 +15,9 @@ what would serve. "sm80-emulated" (the sm80 kernel body under host emulation) is
 
 Whether a kernel serves a call is `why_not`, the one place that decides it (the capability report and the
 vLLM integration ask it too): it reads what each kernel serves from the binary's registry (registry.py:
-features, head dims, dtypes, shared memory, archs) and the device's facts from _device.py.
+features, head dims, dtypes, shared memory, archs) and the device's facts from _device.py, including the process's
+cap on the shared memory the sm80 tile tables see (`sinkattn.sm80_smem_limit`, SINKATTN_SM80_MAX_SMEM), which every
+sm80 launch below passes on as `max_smem`.
 """
 from __future__ import annotations
 
@@ -147,12 +149,25 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
         return (f"no {backend} {what} kernel for head dim {hd} {dtype} in this build (compiled: "
                 f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
                 f"including {dtype}")
+    need = registry.smem_bytes(kernel)
+    # The process's cap on the sm80 kernels' limit (_device.sm80_smem_limit, SINKATTN_SM80_MAX_SMEM): where it is
+    # below the device's limit it decides, as a device with that limit would; under host emulation it is the limit.
+    cap = _device.sm80_smem_cap() if backend != "sm90" else None
+    needs = f"the {backend} {_WHAT[op]} for head dim {hd} needs {_kb(need)} KB of shared memory per block"
     if capability is None:
+        if cap is not None and need > cap.nbytes:
+            return f"{needs}; the sm80 shared-memory cap {cap.source} allows {_kb(cap.nbytes)} KB; " \
+                   "the reference backend serves it"
         return None
-    need, allowed = registry.smem_bytes(kernel), _device.smem_per_block_optin(capability, problem.device_index)
-    if allowed is not None and need > allowed:
-        return (f"the {backend} {_WHAT[op]} for head dim {hd} needs {_kb(need)} KB of shared memory per block; cc "
-                f"{capability[0]}.{capability[1]} allows {_kb(allowed)} KB; the reference backend serves it")
+    allowed = _device.smem_per_block_optin(capability, problem.device_index)
+    cc = f"cc {capability[0]}.{capability[1]}"
+    if cap is not None and (allowed is None or cap.nbytes < allowed):
+        if need > cap.nbytes:
+            return (f"{needs}; the sm80 shared-memory cap {cap.source} allows {_kb(cap.nbytes)} KB"
+                    + (f" ({cc} allows {_kb(allowed)} KB)" if allowed is not None else "")
+                    + "; the reference backend serves it")
+    elif allowed is not None and need > allowed:
+        return f"{needs}; {cc} allows {_kb(allowed)} KB; the reference backend serves it"
     if registry.how_it_runs(kernel["archs"], capability) is None:
         return (f"the {backend} kernels in this build are compiled for {kernel['archs']}, none of which runs on "
                 f"cc {capability[0]}.{capability[1]}; {registry.rebuild_hint(capability)}")
@@ -254,7 +269,7 @@ def run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     kernels.launch_fwd(chosen, q, k, v, sinks, out, lse, softmax_scale=softmax_scale, window_left=window_left,
                        window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                       max_seqlen_k=max_seqlen_k)
+                       max_seqlen_k=max_seqlen_k, max_smem=_device.sm80_max_smem(chosen))
     if varlen:
         _clear_tail_rows(out, lse, cu_seqlens_q)
     return out, lse
@@ -295,7 +310,7 @@ def run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, ma
                        dq, dk, dv, dsinks, softmax_scale=softmax_scale, window_left=window_left,
                        window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
                        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, max_smem=_device.sm80_max_smem(chosen))
     if dsinks is None:
         dsinks = torch.zeros((q.shape[-2],), dtype=sink_dtype, device=q.device)
     return dq, dk, dv, dsinks.to(sink_dtype)
@@ -320,5 +335,5 @@ def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, ro
     kernels.launch_kvcache(chosen, q.contiguous(), k_cache, v_cache, sinks, out, lse, cache_seqlens=seqlens_k,
                            block_table=block_table, softmax_scale=softmax_scale, window_left=window_left,
                            window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
-                           num_splits=num_splits)
+                           num_splits=num_splits, max_smem=_device.sm80_max_smem(chosen))
     return out, lse
