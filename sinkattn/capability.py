@@ -165,5 +165,13 @@ def capabilities(devices: list[_device.DeviceInfo] | None = None) -> dict:
         "kernels": [dict(k) for k in _ext.registry()],
         "wider_build": wider_build(build),
         "devices": dev_rows,
+        "sm80_smem_cap": _sm80_smem_cap(),
         "mismatches": _mismatches(build, runtime, dev_rows),
     }
+
+
+def _sm80_smem_cap() -> dict | None:
+    """The process's cap on the sm80 kernels' shared memory (sinkattn.sm80_smem_limit, SINKATTN_SM80_MAX_SMEM), or
+    None. The serving paths above already answer under it (dispatch.why_not reads it)."""
+    cap = _device.sm80_smem_cap()
+    return None if cap is None else {"bytes": cap.nbytes, "set_by": cap.source}

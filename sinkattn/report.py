@@ -40,6 +40,12 @@ def render(cap: dict) -> str:
     rt = cap["runtime"]
     lines += [f"Runtime now: CUDA runtime {rt['cuda_runtime'] or 'n/a'}, driver {rt['cuda_driver'] or 'none'}", "",
               "Compiled kernels:"] + _kernel_table(cap["kernels"]) + [""]
+    smem_cap = cap.get("sm80_smem_cap")
+    if smem_cap:
+        lines += [f"sm80 shared-memory cap: {smem_cap['bytes'] / 1024:g} KB ({smem_cap['bytes']} bytes) per block, set by "
+                  f"{smem_cap['set_by']}",
+                  "  the sm80 kernels pick their tiles as on a device with that limit (cc 8.6/8.9 allow 99 KB) and are "
+                  "declined where none fits", ""]
     if not cap["devices"]:
         lines += ["GPUs: none visible. CPU tensors are served by the reference backend "
                   "(and backend='sm80-emulated' runs the sm80 kernel under host emulation, for tests)."]
