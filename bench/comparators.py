@@ -3,6 +3,11 @@
     sinkattn        sinkattn's public API with backend "auto": the kernel a user of this GPU gets (on a CPU
                     that is the PyTorch reference backend); the column every ratio is taken against
     sinkattn-sm80   sinkattn forced onto its sm80 kernels, on a cc 9.0 GPU only (sm_80 code runs there too)
+    sinkattn-sm80-99k
+                    the same under a 99 KB shared-memory cap (sinkattn.sm80_smem_limit, around the preparation
+                    and every timed call): the sm80 tiles of cc 8.6/8.9 (A10, L4, RTX 4090), timed beside the
+                    sm80 table's in the same run on a cc 9.0 GPU only; a kernel none of whose tiles fits 99 KB
+                    (the head-dim-256 backward) is n/a with dispatch's reason
     reference       sinkattn's PyTorch reference backend, where it fits in time (REF_MAX_FLOPS on a GPU)
     sdpa-flash      torch.nn.functional.scaled_dot_product_attention restricted to its flash backend.
                     It has no sink: for a forward with learnable sinks the sink is added exactly from the
@@ -209,6 +214,37 @@ def prep_sinkattn_sm80(case, x, device):
     return _sinkattn(case, x, device, "sm80")
 
 
+SM86_SMEM = 99 * 1024  # the opt-in shared memory per block of cc 8.6 / 8.9 (A10, L4, RTX 3090/4090)
+
+
+def _capped(fn, nbytes: int):
+    """fn run under sinkattn's sm80 shared-memory cap (the cap is process-wide: set around each call only, so the
+    other columns see the device's own limit). Costs a Python setter per call; CUDA graphs keep the tiles they were
+    captured with."""
+    if fn is None:
+        return None
+    import sinkattn
+
+    def run():
+        with sinkattn.sm80_smem_limit(nbytes):
+            return fn()
+    return run
+
+
+def prep_sinkattn_sm80_99k(case, x, device):
+    if device.type != "cuda":
+        raise Unsupported("needs a CUDA GPU")
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        raise Unsupported("run only on a cc 9.0 GPU (on cc 8.6/8.9 'sinkattn' already runs the 99 KB tiles)")
+    import sinkattn
+
+    with sinkattn.sm80_smem_limit(SM86_SMEM):
+        prep = _sinkattn(case, x, device, "sm80")
+    prep.fn, prep.output = _capped(prep.fn, SM86_SMEM), _capped(prep.output, SM86_SMEM)
+    prep.note = "; ".join(n for n in ("sm80 tiles under a 99 KB shared-memory cap", prep.note) if n)
+    return prep
+
+
 def prep_reference(case, x, device):
     if device.type != "cuda":
         raise Unsupported("on the CPU the 'sinkattn' column already is the reference backend")
@@ -398,6 +434,7 @@ def prep_vllm_triton(case: Case, x: Inputs, device: torch.device) -> Prepared:
 COMPARATORS = {
     "sinkattn": prep_sinkattn,
     "sinkattn-sm80": prep_sinkattn_sm80,
+    "sinkattn-sm80-99k": prep_sinkattn_sm80_99k,
     "reference": prep_reference,
     "sdpa-flash": prep_sdpa,
     "flex": prep_flex,
