@@ -266,6 +266,64 @@ def test_shared_memory_of_the_kernel_against_the_device(gpu, fake_registry):
     assert dispatch.why_not("sm80", BWD_256) is None
 
 
+def test_sm80_smem_cap_declines_like_a_99k_device(gpu, fake_registry):
+    """sinkattn.sm80_smem_limit / SINKATTN_SM80_MAX_SMEM on an H200: the sm80 kernels are judged against the cap
+    where it is below the device's limit, with a reason that names it; sm90 does not read it; a cap above the
+    device's limit changes nothing."""
+    fake_registry((entry("sm80", "bwd", headdim=256, smem_bytes=144 * 1024),
+                   entry("sm80", "fwd", headdim=256, smem_bytes=96 * 1024),
+                   entry("sm90", "fwd", headdim=256, smem_bytes=161 * 1024)))
+    gpu["cap"] = (9, 0)
+    fwd_256 = dataclasses.replace(CUDA_PROBLEM, headdim=256, headdim_v=256)
+    assert dispatch.why_not("sm80", BWD_256) is None
+    with sinkattn.sm80_smem_limit("99K"):
+        assert dispatch.why_not("sm80", BWD_256) == (
+            "the sm80 backward for head dim 256 needs 144 KB of shared memory per block; the sm80 shared-memory cap "
+            "sinkattn.sm80_smem_limit('99K') allows 99 KB (cc 9.0 allows 227 KB); the reference backend serves it")
+        with pytest.warns(sinkattn.ReferenceFallbackWarning, match=r"cap sinkattn.sm80_smem_limit\('99K'\)"):
+            assert dispatch.choose(BWD_256, "auto") == "reference"
+        with pytest.raises(SinkattnRuntimeError, match="allows 99 KB"):
+            dispatch.choose(BWD_256, "sm80")
+        assert dispatch.why_not("sm80", fwd_256) is None  # the 96 KB tile fits
+        assert dispatch.why_not("sm90", fwd_256) is None  # sm90 does not read the sm80 cap
+        # The report's pretended devices are judged under it too; a device below the cap keeps its own reason.
+        assert "cap sinkattn.sm80_smem_limit('99K') allows 99 KB (cc 8.0 allows 163 KB)" in \
+            dispatch.why_not("sm80", BWD_256, capability=(8, 0))
+        assert dispatch.why_not("sm80", BWD_256, capability=(8, 6)).endswith("cc 8.6 allows 99 KB; the reference "
+                                                                              "backend serves it")
+    with sinkattn.sm80_smem_limit(300 * 1024):  # above the device's limit: the device decides
+        assert dispatch.why_not("sm80", BWD_256) is None
+        assert dispatch.why_not("sm80", BWD_256, capability=(8, 9)) == (
+            "the sm80 backward for head dim 256 needs 144 KB of shared memory per block; cc 8.9 allows 99 KB; the "
+            "reference backend serves it")
+    assert dispatch.why_not("sm80", BWD_256) is None
+
+
+def test_sm80_launches_get_the_cap(gpu, monkeypatch):
+    """Every sm80 launch dispatch makes (forward, backward, KV cache) carries the cap as max_smem; sm90's never."""
+    seen = {}
+    for name in ("launch_fwd", "launch_bwd", "launch_kvcache"):
+        monkeypatch.setattr(kernels, name, lambda backend, *a, _n=name, **kw: seen.setdefault(_n, []).append(
+            (backend, kw["max_smem"])))
+    gpu["serve"]("sm80", "sm90")
+    monkeypatch.setattr(dispatch, "choose", lambda problem, requested: requested)
+    monkeypatch.setattr(dispatch, "choose_backward", lambda problem, requested: requested)
+    q = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16)
+    scalars = dict(softmax_scale=0.125, window_left=-1, window_right=0, sink_tokens=0, softcap=0.0)
+    cache_seqlens = torch.tensor([4], dtype=torch.int32)
+    for cap in (None, 99 * 1024):
+        with sinkattn.sm80_smem_limit(cap):
+            for backend in ("sm80", "sm90"):
+                dispatch.run_fwd(q, q, q, None, None, None, 0, 0, *scalars.values(), False, backend)
+            dispatch.run_bwd(q, None, q, q, q, None, q, torch.zeros(1, 2, 4), None, None, 0, 0, *scalars.values(),
+                             False, "sm80")
+            dispatch.run_kvcache(q, q.clone(), q.clone(), None, None, None, cache_seqlens, None, None, None, False,
+                                 *scalars.values(), 0, "sm80")
+    assert seen == {"launch_fwd": [("sm80", 0), ("sm90", 0), ("sm80", 99 * 1024), ("sm90", 0)],
+                    "launch_bwd": [("sm80", 0), ("sm80", 99 * 1024)],
+                    "launch_kvcache": [("sm80", 0), ("sm80", 99 * 1024)]}
+
+
 def test_emulated_kernels_have_no_device_limit(gpu, fake_registry):
     fake_registry((entry("sm80-emulated", "bwd", headdim=256, smem_bytes=10 ** 6),))
     cpu = dataclasses.replace(BWD_256, device_type="cpu", device_index=None)
