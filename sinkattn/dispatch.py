@@ -149,29 +149,37 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
         return (f"no {backend} {what} kernel for head dim {hd} {dtype} in this build (compiled: "
                 f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
                 f"including {dtype}")
-    need = registry.smem_bytes(kernel)
     # The process's cap on the sm80 kernels' limit (_device.sm80_smem_limit, SINKATTN_SM80_MAX_SMEM): where it is
     # below the device's limit it decides, as a device with that limit would; under host emulation it is the limit.
-    cap = _device.sm80_smem_cap() if backend != "sm90" else None
-    needs = f"the {backend} {_WHAT[op]} for head dim {hd} needs {_kb(need)} KB of shared memory per block"
+    cap = _device._sm80_cap if backend != "sm90" else None
     if capability is None:
-        if cap is not None and need > cap.nbytes:
-            return f"{needs}; the sm80 shared-memory cap {cap.source} allows {_kb(cap.nbytes)} KB; " \
-                   "the reference backend serves it"
+        if cap is not None and registry.smem_bytes(kernel) > cap.nbytes:
+            return _smem_gap(backend, op, hd, kernel, cap, None, None)
         return None
-    allowed = _device.smem_per_block_optin(capability, problem.device_index)
-    cc = f"cc {capability[0]}.{capability[1]}"
+    need, allowed = registry.smem_bytes(kernel), _device.smem_per_block_optin(capability, problem.device_index)
     if cap is not None and (allowed is None or cap.nbytes < allowed):
         if need > cap.nbytes:
-            return (f"{needs}; the sm80 shared-memory cap {cap.source} allows {_kb(cap.nbytes)} KB"
-                    + (f" ({cc} allows {_kb(allowed)} KB)" if allowed is not None else "")
-                    + "; the reference backend serves it")
+            return _smem_gap(backend, op, hd, kernel, cap, capability, allowed)
     elif allowed is not None and need > allowed:
-        return f"{needs}; {cc} allows {_kb(allowed)} KB; the reference backend serves it"
+        return _smem_gap(backend, op, hd, kernel, None, capability, allowed)
     if registry.how_it_runs(kernel["archs"], capability) is None:
         return (f"the {backend} kernels in this build are compiled for {kernel['archs']}, none of which runs on "
                 f"cc {capability[0]}.{capability[1]}; {registry.rebuild_hint(capability)}")
     return None
+
+
+def _smem_gap(backend, op, hd, kernel, cap, capability, allowed) -> str:
+    """Why `kernel` does not fit: under the sm80 cap (`cap`, else None) and/or the device's limit (`allowed`)."""
+    reason = f"the {backend} {_WHAT[op]} for head dim {hd} needs {_kb(registry.smem_bytes(kernel))} KB of shared " \
+             "memory per block; "
+    cc = None if capability is None else f"cc {capability[0]}.{capability[1]}"
+    if cap is not None:
+        reason += f"the sm80 shared-memory cap {cap.source} allows {_kb(cap.nbytes)} KB"
+        if allowed is not None:
+            reason += f" ({cc} allows {_kb(allowed)} KB)"
+    else:
+        reason += f"{cc} allows {_kb(allowed)} KB"
+    return reason + "; the reference backend serves it"
 
 
 # ---- which backend runs the call ---------------------------------------------------------------------------
