@@ -188,10 +188,12 @@ _SMEM_BYTES = {
 # template, the enum, and per head dim the parts beyond the first as (enumerator, unit name suffix).
 _PARTS = {
     "fwd_sm80": ("sm80::launch_fwd_part", "sm80::FwdUnit", "FwdParams",
-                 {h: (("kKeyGroups", "_keys"),) for h in ALL_HEADDIMS}),
-    "bwd_sm80": ("sm80::launch_bwd_part", "sm80::BwdUnit", "BwdParams", {128: (("kSmallSmem", "_small"),)}),
+                 {h: (("kKeyGroups", "_keys"), ("kSoftcap", "_softcap")) for h in ALL_HEADDIMS}),
+    "bwd_sm80": ("sm80::launch_bwd_part", "sm80::BwdUnit", "BwdParams",
+                 {h: ((("kSmallSmem", "_small"),) if h == 128 else ()) + (("kSoftcap", "_softcap"),)
+                  for h in ALL_HEADDIMS}),
     "fwd_emu": ("sm80::launch_fwd_part_emulated", "sm80::FwdUnit", "FwdParams",
-                {h: (("kKeyGroups", "_keys"),) for h in ALL_HEADDIMS}),
+                {h: (("kKeyGroups", "_keys"), ("kSoftcap", "_softcap")) for h in ALL_HEADDIMS}),
 }
 
 

@@ -193,10 +193,13 @@ def test_units_full_grid_with_fwd(with_fwd):
     want |= {f"bwd_{f}_hdim{h}_{d}" for f in ("sm80", "emu") for h in (64, 128, 256) for d in ("bf16", "fp16")}
     want |= {f"fwd_sm90_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
     # the tile tables' other parts, each in a unit of its own (built in parallel with the launcher's)
-    want |= {f"fwd_{f}_hdim{h}_{d}_keys" for f in ("sm80", "emu") for h in (64, 128, 256) for d in ("bf16", "fp16")}
+    want |= {f"fwd_{f}_hdim{h}_{d}{p}" for f in ("sm80", "emu") for h in (64, 128, 256) for d in ("bf16", "fp16")
+             for p in ("_keys", "_softcap")}
     want |= {f"bwd_sm80_hdim128_{d}_small" for d in ("bf16", "fp16")}
+    want |= {f"bwd_sm80_hdim{h}_{d}_softcap" for h in (64, 128, 256) for d in ("bf16", "fp16")}
     assert set(names) == want and len(names) == len(want)
-    assert {u.name for u in gen.units(g) if not u.registers} == {n for n in want if n.endswith(("_keys", "_small"))}
+    assert {u.name for u in gen.units(g) if not u.registers} == {n for n in want
+                                                                  if n.endswith(("_keys", "_small", "_softcap"))}
     fam = {u.name: u.family for u in gen.units(g)}
     assert fam["fwd_sm80_hdim64_bf16"] == "sm80" and fam["fwd_emu_hdim64_bf16"] == "emu" and fam["merge_fp32"] == "common"
     assert fam["fwd_sm90_hdim128_bf16"] == "sm90"
@@ -213,14 +216,16 @@ def test_sm90_units_only_with_90a():
 def test_units_narrowed_with_fwd(with_fwd):
     g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "86", "SINKATTN_HEADDIMS": "128", "SINKATTN_DTYPES": "fp16",
                         "SINKATTN_EMULATION": "0"})
-    assert _names(g) == ["bwd_sm80_hdim128_fp16", "bwd_sm80_hdim128_fp16_small", "fwd_sm80_hdim128_fp16",
-                         "fwd_sm80_hdim128_fp16_keys", "merge_fp16", "merge_fp32"]
+    assert _names(g) == ["bwd_sm80_hdim128_fp16", "bwd_sm80_hdim128_fp16_small", "bwd_sm80_hdim128_fp16_softcap",
+                         "fwd_sm80_hdim128_fp16", "fwd_sm80_hdim128_fp16_keys", "fwd_sm80_hdim128_fp16_softcap",
+                         "merge_fp16", "merge_fp32"]
     g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "90a", "SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "bf16",
                         "SINKATTN_EMULATION": "1"})
     # 90a builds the sm90 forward, and still the sm80 family (as sm_90) and the emulated kernel
-    assert _names(g) == ["bwd_emu_hdim64_bf16", "bwd_sm80_hdim64_bf16", "fwd_emu_hdim64_bf16", "fwd_emu_hdim64_bf16_keys",
-                         "fwd_sm80_hdim64_bf16", "fwd_sm80_hdim64_bf16_keys", "fwd_sm90_hdim64_bf16", "merge_bf16",
-                         "merge_fp32"]
+    assert _names(g) == ["bwd_emu_hdim64_bf16", "bwd_sm80_hdim64_bf16", "bwd_sm80_hdim64_bf16_softcap",
+                         "fwd_emu_hdim64_bf16", "fwd_emu_hdim64_bf16_keys", "fwd_emu_hdim64_bf16_softcap",
+                         "fwd_sm80_hdim64_bf16", "fwd_sm80_hdim64_bf16_keys", "fwd_sm80_hdim64_bf16_softcap",
+                         "fwd_sm90_hdim64_bf16", "merge_bf16", "merge_fp32"]
     bwd = next(u for u in gen.units(g) if u.name == "bwd_sm80_hdim64_bf16")
     assert "run_bwd_sm80<64, cutlass::bfloat16_t>" in bwd.text and '"sm80", "bwd", 64, "bf16"' in bwd.text
     fwd = next(u for u in gen.units(g) if u.name == "fwd_sm80_hdim64_bf16")
@@ -289,8 +294,12 @@ def test_parts_are_declared_extern_where_launched_and_defined_once():
     by = {u.name: u.text for u in gen.units(g)}
     for launcher, part, fn in [("fwd_sm80_hdim128_bf16", "_keys", "launch_fwd_part<128, cutlass::bfloat16_t, "
                                 "sm80::FwdUnit::kKeyGroups>"),
+                               ("fwd_sm80_hdim128_bf16", "_softcap", "launch_fwd_part<128, cutlass::bfloat16_t, "
+                                "sm80::FwdUnit::kSoftcap>"),
                                ("bwd_sm80_hdim128_bf16", "_small", "launch_bwd_part<128, cutlass::bfloat16_t, "
-                                "sm80::BwdUnit::kSmallSmem>")]:
+                                "sm80::BwdUnit::kSmallSmem>"),
+                               ("bwd_sm80_hdim128_bf16", "_softcap", "launch_bwd_part<128, cutlass::bfloat16_t, "
+                                "sm80::BwdUnit::kSoftcap>")]:
         assert f"extern template void sm80::{fn}" in by[launcher]
         assert f"\ntemplate void sm80::{fn}" in by[launcher + part]
         assert "SINKATTN_REGISTER_KERNEL" in by[launcher] and "SINKATTN_REGISTER_KERNEL" not in by[launcher + part]

@@ -51,9 +51,18 @@ SA_DEVICE float quad_sum(float x) {
   return x + Shfl::shfl_xor(x, 2);
 }
 
+// Whether a kernel caps its scores (softcap > 0), and when that is decided. kOff / kOn: compiled in, for the
+// compute-bound tiles (prefill forward, every backward): a run-time test was if-converted by ptxas into
+// FMUL/MUFU.TANH/FMUL issued with a false predicate over every score of every block, about 12% of the forward's
+// key-block loop (peer_sass FINDINGS, cause 3). kRunTime: one kernel for both, for the decode tiles, which wait
+// on K/V bytes, not on instructions. The launcher (fwd_config.h, bwd_config.h) picks kOff or kOn from
+// p.softcap, so kOff never sees a softcap.
+enum class Softcap { kOff, kOn, kRunTime };
+
 // Raw dot products -> scores. Forward: bound() in place (softcap only), then OnlineSoftmax folds `log2` (the
 // scale, or 1 with softcap, times log2 e) into its exp2, and `natural` converts its max to natural-log units.
 // Backward: score() gives the natural-log score of one element and the tanh derivative it needs.
+template <Softcap kCap = Softcap::kRunTime>
 struct ScoreScale {
   bool softcap;
   float cap, scale;
@@ -62,12 +71,19 @@ struct ScoreScale {
   float tanh_in;       // softmax_scale / softcap
 
   SA_HOST_DEVICE ScoreScale(float softmax_scale, float softcap_)
-      : softcap(softcap_ > 0.f), cap(softcap_), scale(softmax_scale), natural(softcap ? 1.f : softmax_scale),
-        log2(natural * float(M_LOG2E)), tanh_in(softcap ? softmax_scale / softcap_ : 0.f) {}
+      : softcap(kCap == Softcap::kRunTime ? softcap_ > 0.f : kCap == Softcap::kOn), cap(softcap_),
+        scale(softmax_scale), natural(on() ? 1.f : softmax_scale), log2(natural * float(M_LOG2E)),
+        tanh_in(on() ? softmax_scale / softcap_ : 0.f) {}
+
+  // A constant unless kRunTime, so the compiler drops the other branch.
+  SA_HOST_DEVICE constexpr bool on() const {
+    if constexpr (kCap == Softcap::kRunTime) return softcap;
+    return kCap == Softcap::kOn;
+  }
 
   template <class Frag>
   SA_DEVICE void bound(Frag& acc) const {
-    if (softcap) {
+    if (on()) {
       SA_UNROLL
       for (int i = 0; i < int(size(acc)); ++i) acc(i) = cap * tanhf(acc(i) * tanh_in);
     }
@@ -75,7 +91,7 @@ struct ScoreScale {
 
   // The natural-log score of raw dot product x; dtanh = d score / d (scale x) over the softcap (1 without).
   SA_HOST_DEVICE float score(float x, float& dtanh) const {
-    if (softcap) {
+    if (on()) {
       float const t = tanhf(x * tanh_in);
       dtanh = 1.f - t * t;
       return cap * t;

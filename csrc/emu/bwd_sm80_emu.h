@@ -16,7 +16,7 @@ void run_bwd_sm80_emulated(BwdParams const& p, EmuLaunch const& launch) {
   for (int b = 0; b < p.batch; ++b)
     for (int h = 0; h < p.nheads; ++h)
       for (int i = 0; i < p.seqlen_q; ++i) bwd_preprocess_row<Element>(p, b, h, i);
-  sm80::with_bwd_config<kHeadDim, Element, emu::EmuPrims>(launch.max_smem_per_block, [&]<class Kt>() {
+  sm80::with_bwd_config<kHeadDim, Element, emu::EmuPrims>(launch.max_smem_per_block, p.softcap, [&]<class Kt>() {
     BwdTileOrder const grid = sm80::bwd_tile_order<Kt::kBlockN>(p);
     emu::launch(grid.count(), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
       int n_block, split, head, batch;

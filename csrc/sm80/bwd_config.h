@@ -18,15 +18,23 @@ namespace sinkattn::sm80 {
 
 // Which translation unit compiles a tile configuration (bwd_launch.cuh, generate_kernels.py _PARTS):
 // the hd128 backward's two tiles took 126-129 s in one unit on the 2-core dev machine under load.
-enum class BwdUnit { kMain, kSmallSmem };
+// The softcap kernels (softcap compiled in, Softcap::kOn) are a part of their own.
+enum class BwdUnit { kMain, kSmallSmem, kSoftcap };
 template <class Kt>
-inline constexpr BwdUnit bwd_unit_of = std::is_same_v<typename Kt::TileTag, bwd_tiles::Hd128Small> ? BwdUnit::kSmallSmem
-                                                                                               : BwdUnit::kMain;
+inline constexpr BwdUnit bwd_unit_of = Kt::kCap == Softcap::kOn ? BwdUnit::kSoftcap
+                                       : std::is_same_v<typename Kt::TileTag, bwd_tiles::Hd128Small> ? BwdUnit::kSmallSmem
+                                                                                                     : BwdUnit::kMain;
 
+// Calls f.template operator()<Traits>() with the tile for this shared-memory limit, softcap (> 0: on) compiled in.
 template <int kHeadDim, class Element, class Prims, class F>
-void with_bwd_config(int max_smem_per_block, F&& f) {
-  with_bwd_tile<kHeadDim>(choose_bwd_tile(kHeadDim, max_smem_per_block),
-                          [&]<class Tile>() { f.template operator()<BwdTraits<Tile, Element, Prims>>(); });
+void with_bwd_config(int max_smem_per_block, float softcap, F&& f) {
+  with_bwd_tile<kHeadDim>(choose_bwd_tile(kHeadDim, max_smem_per_block), [&]<class Tile>() {
+    if (softcap > 0.f) {
+      f.template operator()<BwdTraits<Tile, Element, Prims, Softcap::kOn>>();
+    } else {
+      f.template operator()<BwdTraits<Tile, Element, Prims, Softcap::kOff>>();
+    }
+  });
 }
 
 // One CTA per (N tile, query head, sequence), N tiles from the first up (common/tile_order.h says why).

@@ -144,7 +144,7 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   constexpr int kRows = decltype(size<0>(tScS))::value, kCols = decltype(size<1>(tScS))::value;
   Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kDqCols>>{}));
 
-  ScoreScale const score{p.softmax_scale, p.softcap};
+  ScoreScale<Kt::kCap> const score{p.softmax_scale, p.softcap};
   float const log2e = float(M_LOG2E);
 
   for (int m_block = m_begin; m_block < m_end; ++m_block) {

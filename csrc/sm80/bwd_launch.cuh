@@ -67,7 +67,7 @@ void launch_bwd_tile(BwdParams const& p, cudaStream_t stream) {
 // of the tile table in its own translation unit and declares it extern in the launcher's.
 template <int kHeadDim, class Element, BwdUnit kUnit>
 void launch_bwd_part(BwdParams const& p, cudaStream_t stream) {
-  with_bwd_config<kHeadDim, Element, GpuPrims>(p.max_smem_per_block, [&]<class Kt>() {
+  with_bwd_config<kHeadDim, Element, GpuPrims>(p.max_smem_per_block, p.softcap, [&]<class Kt>() {
     if constexpr (bwd_unit_of<Kt> == kUnit) launch_bwd_tile<Kt>(p, stream);
   });
 }
@@ -78,7 +78,7 @@ template <int kHeadDim, class Element>
 void run_bwd_sm80(BwdParams const& p, cudaStream_t stream) {
   int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
   if (rows > 0) sm80::bwd_preprocess_kernel<Element><<<sm80::elementwise_blocks(rows), 256, 0, stream>>>(p);
-  sm80::with_bwd_config<kHeadDim, Element, sm80::GpuPrims>(p.max_smem_per_block, [&]<class Kt>() {
+  sm80::with_bwd_config<kHeadDim, Element, sm80::GpuPrims>(p.max_smem_per_block, p.softcap, [&]<class Kt>() {
     sm80::launch_bwd_part<kHeadDim, Element, sm80::bwd_unit_of<Kt>>(p, stream);
   });
   int64_t const n = int64_t(p.total_q) * p.nheads * p.headdim;

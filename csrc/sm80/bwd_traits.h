@@ -18,6 +18,7 @@
 #include <cute/atom/copy_atom.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "common/online_softmax.h"
 #include "sm80/bwd_tiles.h"
 
 namespace sinkattn::sm80 {
@@ -25,11 +26,13 @@ namespace sinkattn::sm80 {
 using namespace cute;
 
 // Tile: one of bwd_tiles.h's types; its BwdTile gives the shape.
-template <class Tile_, class Element_, class Prims_>
+// Cap: softcap compiled in (kOff / kOn: every backward tile is compute-bound; bwd_config.h picks it).
+template <class Tile_, class Element_, class Prims_, Softcap kCap_>
 struct BwdTraits {
   using TileTag = Tile_;
   using Element = Element_;
   using Prims = Prims_;
+  static constexpr Softcap kCap = kCap_;
   static constexpr BwdTile kTile = Tile_::tile;
   static constexpr int kHeadDim = kTile.head_dim;
   static constexpr int kBlockM = kTile.block_m;

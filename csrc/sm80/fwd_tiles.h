@@ -50,6 +50,15 @@ SINKATTN_FWD_TILE(Hd256RowsSmall, 256, 64, 32, 4);        // 96 KB: sm86 / sm89
 #undef SINKATTN_FWD_TILE
 }  // namespace fwd_tiles
 
+// The tiles that serve prefill: bound by their instructions, not by K/V bytes, so a run-time feature test left
+// in their key-block loop costs time. They are compiled once per softcap setting, softcap a constant; the
+// others (decode) once, softcap a run-time flag (fwd_config.h).
+template <class Tile> inline constexpr bool kComputeBound = false;
+template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64Rows> = true;
+template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128Rows> = true;
+template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Rows> = true;
+template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256RowsSmall> = true;
+
 template <class... Tiles>
 struct TileList {};
 

@@ -10,18 +10,21 @@
 #include <cutlass/numeric_types.h>
 #include <type_traits>
 
+#include "common/online_softmax.h"
 #include "sm80/fwd_tiles.h"
 
 namespace sinkattn::sm80 {
 
 using namespace cute;
 
-// Tile: one of fwd_tiles.h's types; its FwdTile gives the shape.
-template <class Tile_, class Element_, class Prims_>
+// Tile: one of fwd_tiles.h's types; its FwdTile gives the shape. Cap: softcap compiled in or read at run time
+// (common/online_softmax.h, Softcap; fwd_config.h picks it).
+template <class Tile_, class Element_, class Prims_, Softcap kCap_>
 struct FwdTraits {
   using TileTag = Tile_;
   using Element = Element_;
   using Prims = Prims_;
+  static constexpr Softcap kCap = kCap_;
   static constexpr FwdTile kTile = Tile_::tile;
   static constexpr int kHeadDim = kTile.head_dim;
   static constexpr int kBlockM = kTile.block_m;

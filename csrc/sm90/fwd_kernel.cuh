@@ -197,7 +197,7 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
   constexpr int kRows = decltype(size<0>(scores))::value;
   constexpr int kCols = decltype(size<1>(scores))::value;
   static_assert(kRows == 2);
-  ScoreScale const score{p.softmax_scale, p.softcap};
+  ScoreScale<> const score{p.softmax_scale, p.softcap};
 
   int q_round = 0, kv_it = 0;
   for (int64_t t = blockIdx.x; t < sched.count(); t += gridDim.x) {
