@@ -411,6 +411,8 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
     p.block_table = block_table->data_ptr<int>();
     p.block_table_batch_stride = block_table->stride(0);
     p.page_size = k_cache.size(1);
+    for (int s = 0; s < 31; ++s)
+      if (p.page_size == (1 << s)) p.page_shift = s;
     capacity = block_table->size(1) * p.page_size;
   }
   p.seqlen_k = int(capacity);

@@ -65,4 +65,13 @@ DECODE_CASES = [
     ("gqa8-3queries-paged16-split2", dict(h=8, hk=1, sq=3, sn=3, causal=True, page_size=16, capacity=200,
                                           lens=(150, 5, 0), num_splits=2)),
     ("sinks-neginf-paged64", dict(sq=1, sn=1, page_size=64, capacity=192, lens=(120, 64, 1), sinks="-inf", num_splits=0)),
+    # Pages holding whole key blocks: interior blocks load as tiles from one page (sm80/fwd_kernel.h load_kv).
+    # Decode tile (128 keys) over 128-key pages; a prefill chunk (10 x 8 rows: the 64-key row tile) over
+    # 64-key pages; 192-key pages (whole blocks, not a power of two: divisions, not shifts).
+    ("paged128-whole-blocks-split2", dict(sq=1, sn=1, causal=True, page_size=128, capacity=640, lens=(600, 128, 257),
+                                          num_splits=2)),
+    ("chunked-prefill-paged64-tiles", dict(h=8, hk=1, sq=10, sn=10, causal=True, page_size=64, capacity=384,
+                                           lens=(300, 64, 200), window_size=(150, 0), sink_tokens=3)),
+    ("chunked-prefill-paged192", dict(h=8, hk=1, sq=10, sn=10, causal=True, page_size=192, capacity=576,
+                                      lens=(500, 192, 10))),
 ]

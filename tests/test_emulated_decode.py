@@ -21,6 +21,9 @@ D128_CASES = [
                                       num_splits=3)),
     ("d128-gqa-window-sinktok", dict(d=128, capacity=400, lens=(390, 130, 64), causal=True, window_size=(100, 0),
                                      sink_tokens=4)),
+    # 64-key pages hold whole blocks of the 64-key decode tile: interior blocks load as tiles from one page.
+    ("d128-paged64-whole-blocks", dict(d=128, h=16, hk=2, capacity=384, lens=(330, 64, 129), page_size=64,
+                                       causal=True)),
 ]
 
 

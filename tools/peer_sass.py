@@ -26,7 +26,7 @@ SHARED = os.environ.get("PEER_SASS_TOOL", os.path.join(ROOT, "..", "shared", "to
 # "hot" loop count.
 COLD = [
     ("sm80/row_loader.h", r"Kt::Prims::zero_fill\(", 0, "load_rows: zero-fill of tail vectors"),
-    ("sm80/fwd_kernel.h", r"if \(pages\) return", 0, "kv_row: paged K/V"),
+    ("sm80/fwd_kernel.h", r"int const page = p\.page_shift", 2, "kv_offset: paged K/V"),
     ("sm80/fwd_kernel.h", r"if \(!warp_active\) \{", 3, "warps without real rows"),
     ("common/online_softmax.h", r"acc\(i\) = cap \* tanhf", 0, "softcap (forward)"),
     ("common/online_softmax.h", r"float const t = tanhf\(x \* tanh_in\)", 3, "softcap (backward)"),
@@ -63,7 +63,9 @@ def tiles(header: str, macro: str, fields: list[str]) -> dict[str, dict[str, int
 
 def mangled(kind: str, name: str) -> str:
     traits, ns = ("9FwdTraits", "9fwd_tiles") if kind == "fwd" else ("9BwdTraits", "9bwd_tiles")
-    return (rf"^_ZN8sinkattn4sm8010{kind}_kernelINS0_{traits}INS0_{ns}{len(name)}{name}EN7cutlass10bfloat16_tENS0_8GpuPrims")
+    # Softcap::kOff (the enum's 0): the kernel a run without softcap takes (common/online_softmax.h).
+    return (rf"^_ZN8sinkattn4sm8010{kind}_kernelINS0_{traits}INS0_{ns}{len(name)}{name}EN7cutlass10bfloat16_tENS0_8GpuPrims"
+            r"ELNS_7SoftcapE0E")
 
 
 def main(argv=None) -> None:

@@ -152,17 +152,29 @@ struct TileMask {
 
   // True when some pair of the block (valid rows x block columns) is not visible, so the kernel must apply
   // the element mask. Exact: a block reported false has every pair visible.
-  SA_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {
+  SA_HOST_DEVICE bool needs_mask(int m_block, int n_block) const { return mask_test(m_block).needs(n_block); }
+
+  // needs_mask for the blocks of one M tile, with the tile's part (its first and last query, the window's edges
+  // there) worked out once: kernels ask it every key block (it took ~40 instructions per block in the sm80
+  // forward's loop when recomputed).
+  struct MaskTest {
+    int block_n, seqlen_k, sink_tokens;
+    int64_t right;  // keys past it are hidden from the tile's first row (int64: no overflow without a window)
+    int64_t left;   // non-sink keys before it are hidden from the tile's last row
+    SA_HOST_DEVICE bool needs(int n_block) const {
+      int const j0 = n_block * block_n, j1 = j0 + block_n - 1;
+      if (j1 >= seqlen_k || j1 > right) return true;
+      int const first_non_sink = max_i(j0, sink_tokens);
+      return first_non_sink <= j1 && first_non_sink < left;
+    }
+  };
+  SA_HOST_DEVICE MaskTest mask_test(int m_block) const {
     int m0, m_last;
     tile_queries(m_block, m0, m_last);
-    int j0 = n_block * kBlockN, j1 = j0 + kBlockN - 1;
-    if (j1 >= p.seqlen_k) return true;
-    if (p.window_right >= 0 && j1 > m0 + p.offset() + p.window_right) return true;
-    if (p.window_left >= 0) {
-      int first_non_sink = max_i(j0, p.sink_tokens);
-      if (first_non_sink <= j1 && first_non_sink < m_last + p.offset() - p.window_left) return true;
-    }
-    return false;
+    int64_t const off = p.offset();
+    return MaskTest{kBlockN, p.seqlen_k, p.sink_tokens,
+                    p.window_right >= 0 ? m0 + off + p.window_right : int64_t(INT32_MAX) + kBlockN,
+                    p.window_left >= 0 ? m_last + off - p.window_left : int64_t(INT32_MIN)};
   }
 };
 

@@ -52,6 +52,7 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   TileMask const tile_mask{MaskPolicy{ext.seqlen_q, ext.seqlen_k, p.window_left, p.window_right, p.sink_tokens},
                            kBlockM, kBlockN, group};
   BlockRange const range = tile_mask.range(m_block);
+  TileMask::MaskTest const mask_test = tile_mask.mask_test(m_block);
   int t_begin = 0, t_end = range.count();
   if (p.num_splits > 1) split_share(range.count(), split, p.num_splits, t_begin, t_end);
 
@@ -65,9 +66,13 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   Element const* v_seq = static_cast<Element const*>(p.v) + int64_t(bidh_k) * p.v_head_stride +
                          (p.block_table || varlen ? ext.k_start * p.v_row_stride : bidb * p.v_batch_stride);
   int const* pages = p.block_table ? p.block_table + bidb * p.block_table_batch_stride : nullptr;
-  auto kv_row = [&](Element const* seq, int64_t page_stride, int64_t row_stride, int j) {
-    if (pages) return seq + int64_t(pages[j / p.page_size]) * page_stride + int64_t(j % p.page_size) * row_stride;
-    return seq + int64_t(j) * row_stride;
+  // Key j's offset from *_seq: in a paged cache slot j % page_size of page pages[j / page_size] (shifts for the
+  // usual power-of-two page sizes).
+  auto kv_offset = [&](int64_t page_stride, int64_t row_stride, int j) {
+    if (!pages) return int64_t(j) * row_stride;
+    int const page = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
+    int const slot = p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size;
+    return int64_t(pages[page]) * page_stride + int64_t(slot) * row_stride;
   };
 
   // ---- shared memory: Q, then K stages, then V stages ---------------------------------------------------
@@ -86,13 +91,30 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   auto const vec = gmem_vector<Element, kBlockN, kHeadDim>(gmem_thr);
+  // Interior key blocks (every key < seqlen_k, the kernel's whole head dim, in a contiguous cache or inside one
+  // page) load as whole tiles (load_tile): a block offset and unpredicated copies. The others (the last block,
+  // pages smaller than a block, a head dim below the kernel's) go through load_rows, row by row with bounds and
+  // zero-fill.
+  bool const tile_kv = p.headdim == kHeadDim && (!pages || p.page_size % kBlockN == 0);
+  int const whole_blocks = tile_kv ? ext.seqlen_k / kBlockN : 0;  // blocks n < whole_blocks load as tiles
+  auto const k_plan = tile_plan(tKVcKV, p.k_row_stride);
+  auto const v_plan = tile_plan(tKVcKV, p.v_row_stride);
+  Element const* const k_thr = k_seq + k_plan.first;  // this thread's first vector of key block 0
+  Element const* const v_thr = v_seq + v_plan.first;
   auto load_kv = [&](int t) {
-    int const n = range.block(t), s = (t - t_begin) % Kt::kStages, j0 = n * kBlockN;
+    int const n = range.block(t), s = int(unsigned(t - t_begin) % Kt::kStages), j0 = n * kBlockN;
     typename Kt::SmemLayoutKV const whole;
-    load_rows<Kt>(gmem_thr.partition_D(stage(smem_k, s, 0, whole)), tKVcKV, vec, ext.seqlen_k - j0, p.headdim,
-                  [&](int r) { return kv_row(k_seq, p.k_batch_stride, p.k_row_stride, j0 + r); });
-    load_rows<Kt>(gmem_thr.partition_D(stage(smem_v, s, 0, whole)), tKVcKV, vec, ext.seqlen_k - j0, p.headdim,
-                  [&](int r) { return kv_row(v_seq, p.v_batch_stride, p.v_row_stride, j0 + r); });
+    auto tKsK = gmem_thr.partition_D(stage(smem_k, s, 0, whole));
+    auto tVsV = gmem_thr.partition_D(stage(smem_v, s, 0, whole));
+    if (n < whole_blocks) {
+      load_tile<Kt>(tKsK, tKVcKV, vec, k_thr + kv_offset(p.k_batch_stride, p.k_row_stride, j0), k_plan);
+      load_tile<Kt>(tVsV, tKVcKV, vec, v_thr + kv_offset(p.v_batch_stride, p.v_row_stride, j0), v_plan);
+      return;
+    }
+    load_rows<Kt>(tKsK, tKVcKV, vec, ext.seqlen_k - j0, p.headdim,
+                  [&](int r) { return k_seq + kv_offset(p.k_batch_stride, p.k_row_stride, j0 + r); });
+    load_rows<Kt>(tVsV, tKVcKV, vec, ext.seqlen_k - j0, p.headdim,
+                  [&](int r) { return v_seq + kv_offset(p.v_batch_stride, p.v_row_stride, j0 + r); });
   };
 
   // One cp.async group per key block, committed even when empty (past the last block), so the group of
@@ -135,12 +157,12 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   // keys hands an empty state to the merge). Decode tiles (GQA-packed: seqlen_q * group real rows) leave some
   // warps so. Uniform per warp.
   bool const warp_active = m0 + get<0>(tScS(0, 0)) / 16 * 16 < rows;
-  ScoreScale const score{p.softmax_scale, p.softcap};
+  ScoreScale<Kt::kCap> const score{p.softmax_scale, p.softcap};
   OnlineSoftmax<kRows, Prims> softmax;
 
   // ---- the key blocks ----------------------------------------------------------------------------------------
   for (int t = t_begin; t < t_end; ++t) {
-    int const n = range.block(t), s = (t - t_begin) % Kt::kStages;
+    int const n = range.block(t), s = int(unsigned(t - t_begin) % Kt::kStages);
     if constexpr (Kt::kStages == 2) {
       // Two stages: block t + 1 goes into the other stage, freed by the barrier that ended iteration t - 1,
       // before the wait for block t, so its copy overlaps that wait too. (This order, with two barriers per
@@ -175,7 +197,7 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     Tensor scores = rowcol_view(acc_s);
     static_assert(decltype(size<0>(scores))::value == kRows);
     score.bound(acc_s);
-    if (tile_mask.needs_mask(m_block, n)) {
+    if (mask_test.needs(n)) {
       tile_mask.apply<kRows, kCols>(tScS, m0, n * kBlockN + key0, [&](int r, int c) { scores(r, c) = -INFINITY; });
     }
 
