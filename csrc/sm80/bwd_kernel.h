@@ -146,15 +146,14 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   // dQ accumulation (FlashAttention-2's way): this thread's dq_accum address is computed once per CTA and moved
   // kBlockM rows per M tile; each element's add goes to a row pointer (one per row of the thread's fragment,
   // per M tile) plus a compile-time column offset. The rows and columns come from the identity partition
-  // (rows x cols view): the thread's part is tdQcdQ(0, 0), the rest is its static layout. Full M tiles add
-  // every element unpredicated: all rows are in the sequence, and every column is inside dq_accum's rows
-  // (headdim_rounded = the compiled head dim; columns at and past headdim hold the zero-filled K columns'
-  // zeros and the postprocess never reads them). The tail tile tests rows and columns.
+  // (rows x cols view): the thread's part is tdQcdQ(0, 0), the rest is its static layout. Every column is
+  // added: dq_accum's rows are the compiled head dim long (headdim_rounded == kHeadDim, the launchers check),
+  // and columns at and past headdim get the zero-filled K columns' zeros, which the postprocess never reads.
+  // Full M tiles add every element unpredicated; the tail tile skips the rows past the sequence.
   Tensor tdQcdQ = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kDqCols>>{})));
   constexpr int kDqRows = decltype(size<0>(tdQcdQ))::value, kDqColsPerThr = decltype(size<1>(tdQcdQ))::value;
   int const dq_r0 = get<0>(tdQcdQ(0, 0)), dq_c0 = get<1>(tdQcdQ(0, 0));
   int const dq_row_stride = p.nheads * p.headdim_rounded;  // floats from one row of dq_accum to the next
-  bool const dq_cols_inside = p.headdim_rounded >= kHeadDim;
   float* dq_thr = p.dq_accum + (q_row0 + int64_t(m_begin) * kBlockM + dq_r0) * dq_row_stride +
                   int64_t(bidh) * p.headdim_rounded + dq_c0;  // at (m_begin's row dq_r0, column dq_c0)
 
@@ -241,7 +240,7 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
       Prims::sync_threads();
     }
     // dQ_i = dS K in column chunks of at most 128 (the fp32 tile stays small beside dK and dV), added to dq_accum.
-    bool const dq_full = dq_cols_inside && i0 + kBlockM <= seqlen_q;
+    bool const dq_full = i0 + kBlockM <= seqlen_q;
     CUTE_UNROLL
     for (int ch = 0; ch < kHeadDim / Kt::kDqCols; ++ch) {
       Tensor sKt_ch = local_tile(sKt, Shape<Int<Kt::kDqCols>, Int<kBlockN>>{}, make_coord(ch, 0));
@@ -251,23 +250,12 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
       clear(acc_dq);
       gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, copy_bt, tid);
       Tensor dq = rowcol_view(acc_dq);
-      if (dq_full) {
+      CUTE_UNROLL
+      for (int r = 0; r < kDqRows; ++r) {
+        if (!dq_full && i0 + get<0>(tdQcdQ(r, 0)) >= seqlen_q) continue;  // the tail tile's rows past the sequence
+        float* row = dq_thr + (get<0>(tdQcdQ(r, 0)) - dq_r0) * dq_row_stride + ch * Kt::kDqCols;
         CUTE_UNROLL
-        for (int r = 0; r < kDqRows; ++r) {
-          float* row = dq_thr + (get<0>(tdQcdQ(r, 0)) - dq_r0) * dq_row_stride + ch * Kt::kDqCols;
-          CUTE_UNROLL
-          for (int c = 0; c < kDqColsPerThr; ++c) Prims::atomic_add(row + (get<1>(tdQcdQ(r, c)) - dq_c0), dq(r, c));
-        }
-      } else {
-        CUTE_UNROLL
-        for (int r = 0; r < kDqRows; ++r) {
-          if (i0 + get<0>(tdQcdQ(r, 0)) >= seqlen_q) continue;
-          float* row = dq_thr + (get<0>(tdQcdQ(r, 0)) - dq_r0) * dq_row_stride + ch * Kt::kDqCols;
-          CUTE_UNROLL
-          for (int c = 0; c < kDqColsPerThr; ++c) {
-            if (ch * Kt::kDqCols + get<1>(tdQcdQ(r, c)) < p.headdim) Prims::atomic_add(row + (get<1>(tdQcdQ(r, c)) - dq_c0), dq(r, c));
-          }
-        }
+        for (int c = 0; c < kDqColsPerThr; ++c) Prims::atomic_add(row + (get<1>(tdQcdQ(r, c)) - dq_c0), dq(r, c));
       }
     }
     dq_thr += int64_t(kBlockM) * dq_row_stride;
