@@ -65,8 +65,8 @@ struct FwdParams : AttnParams {
 //   preprocess (common/bwd_prepost.h): per row, delta_i = rowsum(dO_i * O_i) - dlse_i, and the row's dsinks
 //     term -exp(sink - lse_i) * delta_i into dsink_rows (same layout as lse);
 //   main kernel, one CTA per (n-block, query head, sequence): dK, dV of the block in registers (written to
-//     the fp32 dk_accum / dv_accum per query head), dQ added in fp32 into dq_accum;
-//   postprocess: dq = sum over dq slots, dk/dv = sum over the query-head group, dsinks[h] = sum of its rows,
+//     the fp32 dk_accum / dv_accum per query head), dQ = dS K added in fp32 into dq_accum (unscaled);
+//   postprocess: dq = softmax_scale * dq_accum, dk/dv = sum over the query-head group, dsinks[h] = sum of its rows,
 //     every sum in a fixed order.
 // Accumulators: dq_accum (q_rows, nheads, headdim_rounded) zero-filled, q_rows = batch * seqlen_q (or
 // total_q when varlen); fp32 atomics, in any order unless deterministic. Deterministic: dq_semaphore

@@ -46,6 +46,9 @@ def bwd_cases(headdims, dtypes) -> list[BwdCase]:
             BwdCase(f"d{d}-softcap-sinks", d, seqlen_q=77, seqlen_k=77, causal=True, softcap=5.0),
             BwdCase(f"d{d}-varlen-empty", d, varlen=[(17, 40), (0, 5), (70, 0), (129, 130), (1, 1)], nheads=4,
                     nheads_k=2, causal=True, window=(50, 0), sink_tokens=2),
+            # Only full M tiles (seqlen_q a multiple of every block_m): the unpredicated dQ adds reach the last row
+            # of each sequence, next to the following sequence's rows.
+            BwdCase(f"d{d}-even-tiles-gqa", d, batch=2, seqlen_q=128, seqlen_k=192, nheads=2, nheads_k=1, dlse=False),
             BwdCase(f"d{d}-tiny", d, seqlen_q=1, seqlen_k=1),
             BwdCase(f"d{d}-seqlen-q0", d, seqlen_q=0, seqlen_k=5),
             BwdCase(f"d{d}-seqlen-k0", d, seqlen_q=5, seqlen_k=0),

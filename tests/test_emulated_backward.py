@@ -35,6 +35,8 @@ def _cases():
                              window=(60, 0), sink_tokens=2, max_smem=99 * 1024))
     if (64, "bf16") in EMU:  # a head dim below the compiled one: zero-filled columns, none written back
         cases.append(BwdCase("d48-on-hdim64-causal", 48, seqlen_q=70, seqlen_k=90, causal=True, nheads=2, nheads_k=1))
+    if (128, "bf16") in EMU:  # the same at head dim 128 (dQ columns 96..127 are dq_accum padding, never read)
+        cases.append(BwdCase("d96-on-hdim128", 96, seqlen_q=140, seqlen_k=90, nheads=2, nheads_k=1))
     return cases
 
 

@@ -41,14 +41,14 @@ SA_HOST_DEVICE void bwd_preprocess_row(BwdParams const& p, int b, int h, int i) 
   }
 }
 
-// dq element (row of q, head, column): the dq slots summed in order, converted.
+// dq element (row of q, head, column): the dq slots summed in order (dS K, unscaled), times softmax_scale, converted.
 template <class Element>
 SA_HOST_DEVICE void bwd_convert_dq(BwdParams const& p, int64_t idx) {
   int const c = int(idx % p.headdim);
   int64_t const rh = idx / p.headdim;
   int const h = int(rh % p.nheads);
   int64_t const row = rh / p.nheads;
-  float const acc = p.dq_accum[(row * p.nheads + h) * p.headdim_rounded + c];
+  float const acc = p.dq_accum[(row * p.nheads + h) * p.headdim_rounded + c] * p.softmax_scale;
   int64_t const dst = p.cu_seqlens_q ? row * p.dq_row_stride
                                      : (row / p.seqlen_q) * p.dq_batch_stride + (row % p.seqlen_q) * p.dq_row_stride;
   static_cast<Element*>(p.dq)[dst + int64_t(h) * p.dq_head_stride + c] = Element(acc);

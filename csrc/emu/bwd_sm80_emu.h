@@ -1,6 +1,9 @@
 // bwd_sm80_emu.h: the sm80 backward (preprocess, main kernel body, postprocess) run on the CPU under host
 // emulation. Same configurations, grid order and block indices as run_bwd_sm80.
 #pragma once
+#include <stdexcept>
+#include <string>
+
 #include "build_info.h"
 #include "common/bwd_prepost.h"
 #include "emu/emu_launch.h"
@@ -13,6 +16,9 @@ namespace sinkattn {
 
 template <int kHeadDim, class Element>
 void run_bwd_sm80_emulated(BwdParams const& p, EmuLaunch const& launch) {
+  if (p.headdim_rounded != kHeadDim)  // the kernel adds dQ over whole dq_accum rows of kHeadDim columns
+    throw std::runtime_error("sinkattn bwd: headdim_rounded " + std::to_string(p.headdim_rounded) +
+                             " is not the kernel's head dim " + std::to_string(kHeadDim));
   for (int b = 0; b < p.batch; ++b)
     for (int h = 0; h < p.nheads; ++h)
       for (int i = 0; i < p.seqlen_q; ++i) bwd_preprocess_row<Element>(p, b, h, i);

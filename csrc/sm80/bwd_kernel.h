@@ -6,8 +6,8 @@
 // P = exp(S - lse) (lse includes the sink, so P is the forward's probabilities), dS = P * (dP - delta)
 // (delta = rowsum(dO * O) - dlse from the preprocess; with softcap times 1 - tanh^2), P and dS staged in
 // shared memory; dV += P^T dO and dK += dS^T Q in registers; dQ_i = dS K added in fp32 into dq_accum
-// (Prims::atomic_add; in increasing key-block order per M tile when deterministic). dK and dV
-// go out in fp32 per query head; the postprocess sums the GQA group and converts.
+// (Prims::atomic_add, unscaled: the postprocess applies softmax_scale; in increasing key-block order per M tile
+// when deterministic). dK and dV go out in fp32 per query head; the postprocess sums the GQA group and converts.
 #pragma once
 #include <cmath>
 #include <cute/tensor.hpp>
@@ -142,7 +142,20 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
 
   Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
   constexpr int kRows = decltype(size<0>(tScS))::value, kCols = decltype(size<1>(tScS))::value;
-  Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kDqCols>>{}));
+
+  // dQ accumulation (FlashAttention-2's way): this thread's dq_accum address is computed once per CTA and moved
+  // kBlockM rows per M tile; each element's add goes to a row pointer (one per row of the thread's fragment,
+  // per M tile) plus a compile-time column offset. The rows and columns come from the identity partition
+  // (rows x cols view): the thread's part is tdQcdQ(0, 0), the rest is its static layout. Every column is
+  // added: dq_accum's rows are the compiled head dim long (headdim_rounded == kHeadDim, the launchers check),
+  // and columns at and past headdim get the zero-filled K columns' zeros, which the postprocess never reads.
+  // Full M tiles add every element unpredicated; the tail tile skips the rows past the sequence.
+  Tensor tdQcdQ = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kDqCols>>{})));
+  constexpr int kDqRows = decltype(size<0>(tdQcdQ))::value, kDqColsPerThr = decltype(size<1>(tdQcdQ))::value;
+  int const dq_r0 = get<0>(tdQcdQ(0, 0)), dq_c0 = get<1>(tdQcdQ(0, 0));
+  int const dq_row_stride = p.nheads * p.headdim_rounded;  // floats from one row of dq_accum to the next
+  float* dq_thr = p.dq_accum + (q_row0 + int64_t(m_begin) * kBlockM + dq_r0) * dq_row_stride +
+                  int64_t(bidh) * p.headdim_rounded + dq_c0;  // at (m_begin's row dq_r0, column dq_c0)
 
   ScoreScale<Kt::kCap> const score{p.softmax_scale, p.softcap};
   float const log2e = float(M_LOG2E);
@@ -227,6 +240,7 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
       Prims::sync_threads();
     }
     // dQ_i = dS K in column chunks of at most 128 (the fp32 tile stays small beside dK and dV), added to dq_accum.
+    bool const dq_full = i0 + kBlockM <= seqlen_q;
     CUTE_UNROLL
     for (int ch = 0; ch < kHeadDim / Kt::kDqCols; ++ch) {
       Tensor sKt_ch = local_tile(sKt, Shape<Int<Kt::kDqCols>, Int<kBlockN>>{}, make_coord(ch, 0));
@@ -235,14 +249,16 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
       Tensor acc_dq = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<Kt::kDqCols>>{});
       clear(acc_dq);
       gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, copy_bt, tid);
+      Tensor dq = rowcol_view(acc_dq);
       CUTE_UNROLL
-      for (int e = 0; e < size(acc_dq); ++e) {
-        int const i = i0 + get<0>(tdQcdQ(e)), c = ch * Kt::kDqCols + get<1>(tdQcdQ(e));
-        if (i < seqlen_q && c < p.headdim) {
-          Prims::atomic_add(p.dq_accum + ((q_row0 + i) * p.nheads + bidh) * p.headdim_rounded + c, acc_dq(e) * p.softmax_scale);
-        }
+      for (int r = 0; r < kDqRows; ++r) {
+        if (!dq_full && i0 + get<0>(tdQcdQ(r, 0)) >= seqlen_q) continue;  // the tail tile's rows past the sequence
+        float* row = dq_thr + (get<0>(tdQcdQ(r, 0)) - dq_r0) * dq_row_stride + ch * Kt::kDqCols;
+        CUTE_UNROLL
+        for (int c = 0; c < kDqColsPerThr; ++c) Prims::atomic_add(row + (get<1>(tdQcdQ(r, c)) - dq_c0), dq(r, c));
       }
     }
+    dq_thr += int64_t(kBlockM) * dq_row_stride;
     if (sem) Prims::thread_fence();  // this thread's adds visible before the next key block's turn
     Prims::sync_threads();  // every read of this stage's Q, dO and of P, dS done before they are overwritten
     if (sem && tid == 0) Prims::signal(sem, turn + 1);

@@ -76,6 +76,9 @@ void launch_bwd_part(BwdParams const& p, cudaStream_t stream) {
 
 template <int kHeadDim, class Element>
 void run_bwd_sm80(BwdParams const& p, cudaStream_t stream) {
+  if (p.headdim_rounded != kHeadDim)  // the kernel adds dQ over whole dq_accum rows of kHeadDim columns
+    throw std::runtime_error("sinkattn bwd: headdim_rounded " + std::to_string(p.headdim_rounded) +
+                             " is not the kernel's head dim " + std::to_string(kHeadDim));
   int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
   if (rows > 0) sm80::bwd_preprocess_kernel<Element><<<sm80::elementwise_blocks(rows), 256, 0, stream>>>(p);
   sm80::with_bwd_config<kHeadDim, Element, sm80::GpuPrims>(p.max_smem_per_block, p.softcap, [&]<class Kt>() {
