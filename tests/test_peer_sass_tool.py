@@ -19,8 +19,8 @@ spec.loader.exec_module(peer)
 
 def test_every_cold_pattern_matches_one_line():
     lines = peer.cold_lines()  # exits with a message when a pattern matches 0 or 2+ lines
-    assert len(lines) == len(peer.COLD) + 1
-    for rel, first, last in lines[:-1]:
+    assert len(lines) == len(peer.COLD) + 2  # + the two include files (fill.hpp, device_atomic_functions.hpp)
+    for rel, first, last in lines[:-2]:
         text = (ROOT / "csrc" / rel).read_text().splitlines()
         assert 1 <= first <= last <= len(text), (rel, first, last)
 

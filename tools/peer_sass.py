@@ -25,7 +25,10 @@ SHARED = os.environ.get("PEER_SASS_TOOL", os.path.join(ROOT, "..", "shared", "to
 # line, lines after it that belong to it): compare.py drops basic blocks attributed only to these lines from its
 # "hot" loop count.
 COLD = [
-    ("sm80/row_loader.h", r"Kt::Prims::zero_fill\(", 0, "load_rows: zero-fill of tail vectors"),
+    # Interior tiles (key blocks of the forward, Q/dO tiles of the backward) load through load_tile; load_rows
+    # and its zero-fill serve the tail tile, small pages and padded head dims only.
+    ("sm80/row_loader.h", r"SA_DEVICE void load_rows\(", 15, "load_rows: tail tiles, small pages, padded head dims"),
+    ("sm80/fwd_kernel.h", r"if \(!pages\) return int64_t\(j\)", 0, "kv_offset: the row loader's per-row offsets"),
     ("sm80/fwd_kernel.h", r"int const page = p\.page_shift", 2, "kv_offset: paged K/V"),
     ("sm80/fwd_kernel.h", r"if \(!warp_active\) \{", 3, "warps without real rows"),
     ("common/online_softmax.h", r"acc\(i\) = cap \* tanhf", 0, "softcap (forward)"),
@@ -49,6 +52,7 @@ def cold_lines() -> list[tuple[str, int, int]]:
         if len(hits) != 1:
             sys.exit(f"peer_sass: {len(hits)} lines of csrc/{rel} match {pattern!r} ({what}); update COLD")
         out.append((rel, hits[0], hits[0] + after))
+    out.append(("include/cute/algorithm/fill.hpp", 0, 1 << 30))  # zero-fill: only load_rows' tail vectors
     out.append(("include/device_atomic_functions.hpp", 0, 1 << 30))  # int atomics: only the dQ semaphore
     return out
 

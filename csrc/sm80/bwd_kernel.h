@@ -93,12 +93,25 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
                 [&](int r) { return k_seq + int64_t(j0 + r) * p.k_row_stride; });
   load_rows<Kt>(gmem_thr.partition_D(sV), tKVcKV, vec, seqlen_k - j0, p.headdim,
                 [&](int r) { return v_seq + int64_t(j0 + r) * p.v_row_stride; });
+  // Q and dO of an M tile: whole tiles (every row < seqlen_q, the kernel's whole head dim) through load_tile, from
+  // per-thread pointers and row offsets computed once (as the forward's interior key blocks); the tail tile and
+  // padded head dims through load_rows.
+  auto const q_plan = tile_plan(tQcQ, p.q_row_stride);
+  auto const do_plan = tile_plan(tQcQ, p.o_row_stride);
+  Element const* const q_thr = q_seq + q_plan.first;
+  Element const* const do_thr = do_seq + do_plan.first;
   auto load_qdo = [&](int m_block, int s) {
     int const i0 = m_block * kBlockM;
-    load_rows<Kt>(gmem_thr.partition_D(make_tensor(make_smem_ptr(q_stage(s)), typename Kt::SmemLayoutQ{})), tQcQ, vec,
-                  seqlen_q - i0, p.headdim, [&](int r) { return q_seq + int64_t(i0 + r) * p.q_row_stride; });
-    load_rows<Kt>(gmem_thr.partition_D(make_tensor(make_smem_ptr(do_stage(s)), typename Kt::SmemLayoutQ{})), tQcQ, vec,
-                  seqlen_q - i0, p.headdim, [&](int r) { return do_seq + int64_t(i0 + r) * p.o_row_stride; });
+    auto tQsQ = gmem_thr.partition_D(make_tensor(make_smem_ptr(q_stage(s)), typename Kt::SmemLayoutQ{}));
+    auto tdOsdO = gmem_thr.partition_D(make_tensor(make_smem_ptr(do_stage(s)), typename Kt::SmemLayoutQ{}));
+    if (i0 + kBlockM <= seqlen_q && p.headdim == kHeadDim) {
+      load_tile<Kt>(tQsQ, tQcQ, vec, q_thr + int64_t(i0) * p.q_row_stride, q_plan);
+      load_tile<Kt>(tdOsdO, tQcQ, vec, do_thr + int64_t(i0) * p.o_row_stride, do_plan);
+      return;
+    }
+    load_rows<Kt>(tQsQ, tQcQ, vec, seqlen_q - i0, p.headdim, [&](int r) { return q_seq + int64_t(i0 + r) * p.q_row_stride; });
+    load_rows<Kt>(tdOsdO, tQcQ, vec, seqlen_q - i0, p.headdim,
+                  [&](int r) { return do_seq + int64_t(i0 + r) * p.o_row_stride; });
   };
   if (m_end > m_begin) load_qdo(m_begin, 0);
   Prims::cp_async_fence();
@@ -194,9 +207,17 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
     // element by element in one pass (the mask's row bounds, TileMask::row_keys, decide each element's
     // visibility in the same pass: P = 0 and dS = 0 where hidden). Rows past the sequence, and rows that see no
     // key and have no sink (lse = -inf), take lse = +inf: P = 0 there, never NaN.
+    // Without softcap the mask is TileMask::apply on the raw scores (-inf: exp2 gives P = 0 and dS = 0), as in the
+    // forward, and the pass over the elements has no test in it: a visibility test per element in the pass cost
+    // ~170 instructions per tile on sm_90. With softcap (tanh(-inf) would be -1) each element's test stays.
     Tensor scores = rowcol_view(acc_s);
     Tensor dps = rowcol_view(acc_dp);
     bool const masked = tile_mask.needs_mask(m_block, n_block);
+    constexpr bool kTestEach = Kt::kCap != Softcap::kOff;
+    if (!kTestEach && masked) {
+      tile_mask.apply<kRows, kCols>(tScS, i0, j0, [&](int r, int c) { scores(r, c) = -INFINITY; });
+    }
+    float const scale_log2 = p.softmax_scale * log2e;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       int const i = i0 + get<0>(tScS(r, 0));
@@ -207,11 +228,17 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
       TileMask::RowKeys const keys = tile_mask.row_keys(i, j0);
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
-        float dtanh;
-        float const s = score.score(scores(r, c), dtanh);
-        float const prob = !masked || keys.visible(get<1>(tScS(r, c))) ? exp2f(s * log2e - lse_log2) : 0.f;
-        scores(r, c) = prob;
-        dps(r, c) = prob * (dps(r, c) - delta) * dtanh;
+        if constexpr (kTestEach) {
+          float dtanh;
+          float const s = score.score(scores(r, c), dtanh);
+          float const prob = !masked || keys.visible(get<1>(tScS(r, c))) ? exp2f(s * log2e - lse_log2) : 0.f;
+          scores(r, c) = prob;
+          dps(r, c) = prob * (dps(r, c) - delta) * dtanh;
+        } else {
+          float const prob = exp2f(scores(r, c) * scale_log2 - lse_log2);
+          scores(r, c) = prob;
+          dps(r, c) = prob * (dps(r, c) - delta);
+        }
       }
     }
     Tensor rP = make_tensor<Element>(acc_s.layout());
