@@ -154,27 +154,38 @@ struct TileMask {
   // the element mask. Exact: a block reported false has every pair visible.
   SA_HOST_DEVICE bool needs_mask(int m_block, int n_block) const { return mask_test(m_block).needs(n_block); }
 
-  // needs_mask for the blocks of one M tile, with the tile's part (its first and last query, the window's edges
-  // there) worked out once: kernels ask it every key block (it took ~40 instructions per block in the sm80
-  // forward's loop when recomputed).
+  // needs_mask for the blocks of one M tile as block-index bounds, the tile's part (its first and last query,
+  // the window's edges there) worked out once: kernels ask it every key block (recomputed, it took ~40
+  // instructions per block in the sm80 forward's loop), and three ints keep it light on registers. Block n
+  // needs the mask iff n >= hi (it holds a key past seqlen_k, or past the first row's right edge) or
+  // lo_a <= n < lo_b (a non-sink key of it lies left of the last row's left edge; blocks below lo_a hold only
+  // sink tokens).
   struct MaskTest {
-    int block_n, seqlen_k, sink_tokens;
-    int64_t right;  // keys past it are hidden from the tile's first row (int64: no overflow without a window)
-    int64_t left;   // non-sink keys before it are hidden from the tile's last row
-    SA_HOST_DEVICE bool needs(int n_block) const {
-      int const j0 = n_block * block_n, j1 = j0 + block_n - 1;
-      if (j1 >= seqlen_k || j1 > right) return true;
-      int const first_non_sink = max_i(j0, sink_tokens);
-      return first_non_sink <= j1 && first_non_sink < left;
-    }
+    int hi, lo_a, lo_b;
+    SA_HOST_DEVICE bool needs(int n_block) const { return n_block >= hi || (n_block >= lo_a && n_block < lo_b); }
   };
   SA_HOST_DEVICE MaskTest mask_test(int m_block) const {
     int m0, m_last;
     tile_queries(m_block, m0, m_last);
-    int64_t const off = p.offset();
-    return MaskTest{kBlockN, p.seqlen_k, p.sink_tokens,
-                    p.window_right >= 0 ? m0 + off + p.window_right : int64_t(INT32_MAX) + kBlockN,
-                    p.window_left >= 0 ? m_last + off - p.window_left : int64_t(INT32_MIN)};
+    int64_t const off = p.offset(), B = kBlockN;
+    auto floor_div = [](int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); };
+    auto clamp = [](int64_t v) { return int(v < INT32_MIN ? INT32_MIN : v > INT32_MAX ? INT32_MAX : v); };
+    // j1 = nB + B - 1 >= seqlen_k  <=>  n >= seqlen_k / B;  j1 > right  <=>  n >= floor((right + 1) / B).
+    int64_t hi = p.seqlen_k / B;
+    if (p.window_right >= 0) {
+      int64_t const right = m0 + off + p.window_right;
+      int64_t const h = floor_div(right + 1, B);
+      hi = h < hi ? h : hi;
+    }
+    // The first non-sink key of block n is max(nB, sink_tokens) (blocks n < sink_tokens / B hold none); it lies
+    // left of `left` iff sink_tokens < left and nB < left.
+    int const lo_a = p.sink_tokens / kBlockN;
+    int lo_b = lo_a;
+    if (p.window_left >= 0) {
+      int64_t const left = m_last + off - p.window_left;
+      if (p.sink_tokens < left) lo_b = clamp(-floor_div(-left, B));  // ceil(left / B)
+    }
+    return MaskTest{clamp(hi), lo_a, lo_b};
   }
 };
 

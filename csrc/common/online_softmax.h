@@ -51,13 +51,14 @@ SA_DEVICE float quad_sum(float x) {
   return x + Shfl::shfl_xor(x, 2);
 }
 
-// Whether a kernel caps its scores (softcap > 0), and when that is decided. kOff / kOn: compiled in, for the
-// compute-bound tiles (prefill forward, every backward): a run-time test was if-converted by ptxas into
-// FMUL/MUFU.TANH/FMUL issued with a false predicate over every score of every block, about 12% of the forward's
-// key-block loop (peer_sass FINDINGS, cause 3). kRunTime: one kernel for both, for the decode tiles, which wait
-// on K/V bytes, not on instructions. The launcher (fwd_config.h, bwd_config.h) picks kOff or kOn from
-// p.softcap, so kOff never sees a softcap.
-enum class Softcap { kOff, kOn, kRunTime };
+// Whether softcap is compiled out (kOff) or read at run time (kRunTime). The compute-bound tiles (prefill
+// forward, every backward tile) are compiled twice, and the launcher (fwd_config.h, bwd_config.h) runs the kOff
+// kernel when softcap is 0: a run-time test there was if-converted by ptxas into FMUL/MUFU.TANH/FMUL issued
+// with a false predicate over every score of every block, about 12% of the forward's key-block loop (peer_sass
+// FINDINGS, cause 3). With softcap on, the kRunTime kernel issues the same instructions a softcap-only kernel
+// would (one compiled with softcap always on spilled 170-180 bytes in the hd64 prefill tile). Decode tiles,
+// which wait on K/V bytes, are compiled once, kRunTime.
+enum class Softcap { kOff, kRunTime };
 
 // Raw dot products -> scores. Forward: bound() in place (softcap only), then OnlineSoftmax folds `log2` (the
 // scale, or 1 with softcap, times log2 e) into its exp2, and `natural` converts its max to natural-log units.
@@ -71,14 +72,14 @@ struct ScoreScale {
   float tanh_in;       // softmax_scale / softcap
 
   SA_HOST_DEVICE ScoreScale(float softmax_scale, float softcap_)
-      : softcap(kCap == Softcap::kRunTime ? softcap_ > 0.f : kCap == Softcap::kOn), cap(softcap_),
+      : softcap(kCap == Softcap::kRunTime && softcap_ > 0.f), cap(softcap_),
         scale(softmax_scale), natural(on() ? 1.f : softmax_scale), log2(natural * float(M_LOG2E)),
         tanh_in(on() ? softmax_scale / softcap_ : 0.f) {}
 
-  // A constant unless kRunTime, so the compiler drops the other branch.
+  // A constant (false) under kOff, so the compiler drops the softcap branch.
   SA_HOST_DEVICE constexpr bool on() const {
     if constexpr (kCap == Softcap::kRunTime) return softcap;
-    return kCap == Softcap::kOn;
+    return false;
   }
 
   template <class Frag>

@@ -18,19 +18,20 @@ namespace sinkattn::sm80 {
 
 // Which translation unit compiles a tile configuration (bwd_launch.cuh, generate_kernels.py _PARTS):
 // the hd128 backward's two tiles took 126-129 s in one unit on the 2-core dev machine under load.
-// The softcap kernels (softcap compiled in, Softcap::kOn) are a part of their own.
+// The kernels that serve softcap (Softcap::kRunTime; the others have it compiled out) are a part of their own.
 enum class BwdUnit { kMain, kSmallSmem, kSoftcap };
 template <class Kt>
-inline constexpr BwdUnit bwd_unit_of = Kt::kCap == Softcap::kOn ? BwdUnit::kSoftcap
+inline constexpr BwdUnit bwd_unit_of = Kt::kCap == Softcap::kRunTime ? BwdUnit::kSoftcap
                                        : std::is_same_v<typename Kt::TileTag, bwd_tiles::Hd128Small> ? BwdUnit::kSmallSmem
                                                                                                      : BwdUnit::kMain;
 
-// Calls f.template operator()<Traits>() with the tile for this shared-memory limit, softcap (> 0: on) compiled in.
+// Calls f.template operator()<Traits>() with the tile for this shared-memory limit; softcap 0 takes the kernel
+// with softcap compiled out.
 template <int kHeadDim, class Element, class Prims, class F>
 void with_bwd_config(int max_smem_per_block, float softcap, F&& f) {
   with_bwd_tile<kHeadDim>(choose_bwd_tile(kHeadDim, max_smem_per_block), [&]<class Tile>() {
     if (softcap > 0.f) {
-      f.template operator()<BwdTraits<Tile, Element, Prims, Softcap::kOn>>();
+      f.template operator()<BwdTraits<Tile, Element, Prims, Softcap::kRunTime>>();
     } else {
       f.template operator()<BwdTraits<Tile, Element, Prims, Softcap::kOff>>();
     }

@@ -93,20 +93,15 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
                 [&](int r) { return k_seq + int64_t(j0 + r) * p.k_row_stride; });
   load_rows<Kt>(gmem_thr.partition_D(sV), tKVcKV, vec, seqlen_k - j0, p.headdim,
                 [&](int r) { return v_seq + int64_t(j0 + r) * p.v_row_stride; });
-  // Q and dO of an M tile: whole tiles (every row < seqlen_q, the kernel's whole head dim) through load_tile, from
-  // per-thread pointers and row offsets computed once (as the forward's interior key blocks); the tail tile and
-  // padded head dims through load_rows.
-  auto const q_plan = tile_plan(tQcQ, p.q_row_stride);
-  auto const do_plan = tile_plan(tQcQ, p.o_row_stride);
-  Element const* const q_thr = q_seq + q_plan.first;
-  Element const* const do_thr = do_seq + do_plan.first;
+  // Q and dO of an M tile: whole tiles (every row < seqlen_q, the kernel's whole head dim) through load_tile, as
+  // the forward's interior key blocks; the tail tile and padded head dims through load_rows.
   auto load_qdo = [&](int m_block, int s) {
     int const i0 = m_block * kBlockM;
     auto tQsQ = gmem_thr.partition_D(make_tensor(make_smem_ptr(q_stage(s)), typename Kt::SmemLayoutQ{}));
     auto tdOsdO = gmem_thr.partition_D(make_tensor(make_smem_ptr(do_stage(s)), typename Kt::SmemLayoutQ{}));
     if (i0 + kBlockM <= seqlen_q && p.headdim == kHeadDim) {
-      load_tile<Kt>(tQsQ, tQcQ, vec, q_thr + int64_t(i0) * p.q_row_stride, q_plan);
-      load_tile<Kt>(tdOsdO, tQcQ, vec, do_thr + int64_t(i0) * p.o_row_stride, do_plan);
+      load_tile<Kt>(tQsQ, tQcQ, vec, q_seq + int64_t(i0) * p.q_row_stride, p.q_row_stride);
+      load_tile<Kt>(tdOsdO, tQcQ, vec, do_seq + int64_t(i0) * p.o_row_stride, p.o_row_stride);
       return;
     }
     load_rows<Kt>(tQsQ, tQcQ, vec, seqlen_q - i0, p.headdim, [&](int r) { return q_seq + int64_t(i0 + r) * p.q_row_stride; });

@@ -26,7 +26,7 @@ namespace sinkattn::sm80 {
 using namespace cute;
 
 // Tile: one of bwd_tiles.h's types; its BwdTile gives the shape.
-// Cap: softcap compiled in (kOff / kOn: every backward tile is compute-bound; bwd_config.h picks it).
+// Cap: softcap compiled out (kOff) or read at run time (every backward tile is compute-bound; bwd_config.h picks).
 template <class Tile_, class Element_, class Prims_, Softcap kCap_>
 struct BwdTraits {
   using TileTag = Tile_;

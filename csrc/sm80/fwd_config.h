@@ -14,26 +14,25 @@
 namespace sinkattn::sm80 {
 
 // Which translation unit compiles a tile configuration (fwd_launch.cuh, generate_kernels.py _PARTS): the row
-// tiles (prefill without softcap, few-row decode tiles), the key-group tiles, and the prefill tiles with
-// softcap compiled in; each a part of the compile time that builds in parallel with the others.
+// tiles (prefill with softcap compiled out, few-row decode tiles), the key-group tiles, and the prefill tiles
+// that serve softcap; each a part of the compile time that builds in parallel with the others.
 enum class FwdUnit { kRows, kKeyGroups, kSoftcap };
 template <class Kt>
-inline constexpr FwdUnit fwd_unit_of = Kt::kSplitKeys                ? FwdUnit::kKeyGroups
-                                       : Kt::kCap == Softcap::kOn ? FwdUnit::kSoftcap
-                                                                  : FwdUnit::kRows;
+inline constexpr FwdUnit fwd_unit_of =
+    Kt::kSplitKeys ? FwdUnit::kKeyGroups
+    : kComputeBound<typename Kt::TileTag> && Kt::kCap == Softcap::kRunTime ? FwdUnit::kSoftcap
+                                                                           : FwdUnit::kRows;
 
 // Calls f.template operator()<Traits>() with the kernel traits of the tile this problem takes under this
-// shared-memory limit (choose_fwd_tile), softcap compiled in for the compute-bound tiles (kComputeBound).
+// shared-memory limit (choose_fwd_tile); a compute-bound tile (kComputeBound) without softcap takes its kernel
+// with softcap compiled out.
 template <int kHeadDim, class Element, class Prims, class F>
 void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
   with_fwd_tile<kHeadDim>(choose_fwd_tile(kHeadDim, fwd_shape(p), max_smem_per_block), [&]<class Tile>() {
-    if constexpr (!kComputeBound<Tile>) {
-      f.template operator()<FwdTraits<Tile, Element, Prims, Softcap::kRunTime>>();
-    } else if (p.softcap > 0.f) {
-      f.template operator()<FwdTraits<Tile, Element, Prims, Softcap::kOn>>();
-    } else {
-      f.template operator()<FwdTraits<Tile, Element, Prims, Softcap::kOff>>();
+    if constexpr (kComputeBound<Tile>) {
+      if (!(p.softcap > 0.f)) return f.template operator()<FwdTraits<Tile, Element, Prims, Softcap::kOff>>();
     }
+    f.template operator()<FwdTraits<Tile, Element, Prims, Softcap::kRunTime>>();
   });
 }
 

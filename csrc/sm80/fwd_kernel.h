@@ -91,24 +91,27 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   auto const vec = gmem_vector<Element, kBlockN, kHeadDim>(gmem_thr);
-  // Interior key blocks (every key < seqlen_k, the kernel's whole head dim, in a contiguous cache or inside one
-  // page) load as whole tiles (load_tile): a block offset and unpredicated copies. The others (the last block,
-  // pages smaller than a block, a head dim below the kernel's) go through load_rows, row by row with bounds and
-  // zero-fill.
-  bool const tile_kv = p.headdim == kHeadDim && (!pages || p.page_size % kBlockN == 0);
-  int const whole_blocks = tile_kv ? ext.seqlen_k / kBlockN : 0;  // blocks n < whole_blocks load as tiles
-  auto const k_plan = tile_plan(tKVcKV, p.k_row_stride);
-  auto const v_plan = tile_plan(tKVcKV, p.v_row_stride);
-  Element const* const k_thr = k_seq + k_plan.first;  // this thread's first vector of key block 0
-  Element const* const v_thr = v_seq + v_plan.first;
+  // Interior key blocks (every key < seqlen_k, the kernel's whole head dim) in a contiguous cache or inside one
+  // page load as whole tiles (load_tile): a block offset and unpredicated copies. Decode tiles over pages
+  // smaller than a block load them row by row from their pages, still without bounds or zero-fill
+  // (load_whole_rows; in the 255-register prefill tiles this third path made ptxas spill, so they take
+  // load_rows there). The last block and a head dim below the kernel's go through load_rows, row by row with
+  // bounds and zero-fill.
+  int const whole_blocks = p.headdim == kHeadDim ? ext.seqlen_k / kBlockN : 0;  // blocks n < whole_blocks
+  bool const block_in_page = !pages || p.page_size % kBlockN == 0;
   auto load_kv = [&](int t) {
     int const n = range.block(t), s = int(unsigned(t - t_begin) % Kt::kStages), j0 = n * kBlockN;
     typename Kt::SmemLayoutKV const whole;
     auto tKsK = gmem_thr.partition_D(stage(smem_k, s, 0, whole));
     auto tVsV = gmem_thr.partition_D(stage(smem_v, s, 0, whole));
-    if (n < whole_blocks) {
-      load_tile<Kt>(tKsK, tKVcKV, vec, k_thr + kv_offset(p.k_batch_stride, p.k_row_stride, j0), k_plan);
-      load_tile<Kt>(tVsV, tKVcKV, vec, v_thr + kv_offset(p.v_batch_stride, p.v_row_stride, j0), v_plan);
+    if (n < whole_blocks && block_in_page) {
+      load_tile<Kt>(tKsK, tKVcKV, vec, k_seq + kv_offset(p.k_batch_stride, p.k_row_stride, j0), p.k_row_stride);
+      load_tile<Kt>(tVsV, tKVcKV, vec, v_seq + kv_offset(p.v_batch_stride, p.v_row_stride, j0), p.v_row_stride);
+      return;
+    }
+    if (!kComputeBound<typename Kt::TileTag> && n < whole_blocks) {
+      load_whole_rows<Kt>(tKsK, tKVcKV, vec, [&](int r) { return k_seq + kv_offset(p.k_batch_stride, p.k_row_stride, j0 + r); });
+      load_whole_rows<Kt>(tVsV, tKVcKV, vec, [&](int r) { return v_seq + kv_offset(p.v_batch_stride, p.v_row_stride, j0 + r); });
       return;
     }
     load_rows<Kt>(tKsK, tKVcKV, vec, ext.seqlen_k - j0, p.headdim,

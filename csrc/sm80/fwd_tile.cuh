@@ -14,8 +14,10 @@ namespace sinkattn {
 
 namespace sm80 {
 
+// Key-group (decode) tiles declare at least one CTA per SM: without it ptxas held their 128 threads to 168
+// registers and spilled 16-40 bytes; their shared memory, not registers, bounds how many CTAs share an SM.
 template <class Kt>
-__global__ void __launch_bounds__(Kt::kNThreads) fwd_kernel(__grid_constant__ const FwdParams p, FwdTileOrder const grid) {
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kSplitKeys ? 1 : 0) fwd_kernel(__grid_constant__ const FwdParams p, FwdTileOrder const grid) {
   extern __shared__ __align__(128) char smem[];
   int m_block, split, head, batch;
   grid.decode(blockIdx.x, m_block, split, head, batch);

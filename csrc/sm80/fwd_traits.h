@@ -17,7 +17,7 @@ namespace sinkattn::sm80 {
 
 using namespace cute;
 
-// Tile: one of fwd_tiles.h's types; its FwdTile gives the shape. Cap: softcap compiled in or read at run time
+// Tile: one of fwd_tiles.h's types; its FwdTile gives the shape. Cap: softcap compiled out or read at run time
 // (common/online_softmax.h, Softcap; fwd_config.h picks it).
 template <class Tile_, class Element_, class Prims_, Softcap kCap_>
 struct FwdTraits {

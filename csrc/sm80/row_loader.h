@@ -33,38 +33,38 @@ SA_DEVICE void load_rows(TS&& tXsX, TC const& tXcX, Vec const& vec, int valid_ro
   }
 }
 
-// Where one thread's copies of a whole (rows x d) tile of a row-major matrix read, relative to the tile's
-// first element: its first vector at `first`, vector (m, k) at first + row[m] + its column offset (a
-// constant). Computed once per CTA (tile_plan), so that each interior tile costs a pointer add and its copies.
-template <int kM>
-struct TilePlan {
-  int64_t first;
-  int64_t row[kM];
-};
-
-template <class TC>
-SA_DEVICE auto tile_plan(TC const& tXcX, int64_t row_stride) {
-  constexpr int kM = decltype(size<1>(tXcX))::value;
-  TilePlan<kM> plan;
-  int const r0 = get<0>(tXcX(0, 0, 0));
-  plan.first = int64_t(r0) * row_stride + get<1>(tXcX(0, 0, 0));
-  CUTE_UNROLL
-  for (int m = 0; m < kM; ++m) plan.row[m] = int64_t(get<0>(tXcX(0, m, 0)) - r0) * row_stride;
-  return plan;
-}
-
-// Copies a whole tile, every row and column inside the tensor (an interior key block), from `src`, this thread's
-// first vector (the tile's first element + plan.first): no bounds, no zero-fill, no per-row pointers; columns are
-// immediate offsets (FlashAttention-2's even-block path: load_rows costs ~150 instructions per warp per tile).
-template <class Kt, class TS, class TC, class Vec, class Element, class Plan>
-SA_DEVICE void load_tile(TS&& tXsX, TC const& tXcX, Vec const& vec, Element const* src, Plan const& plan) {
+// Copies a tile whose rows are all valid and whole (the kernel's head dim) from rows that sit anywhere (pages
+// smaller than the tile): load_rows without its bounds, predicates and zero-fill; one row_ptr per row.
+template <class Kt, class TS, class TC, class Vec, class RowPtr>
+SA_DEVICE void load_whole_rows(TS&& tXsX, TC const& tXcX, Vec const& vec, RowPtr const& row_ptr) {
   typename Kt::GmemTiledCopyLoad tiled_copy;
   CUTE_UNROLL
   for (int m = 0; m < size<1>(tXsX); ++m) {
-    Element const* row = src + plan.row[m];
+    auto const* src = row_ptr(get<0>(tXcX(0, m, 0)));
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tXsX); ++k) {
-      int const dc = get<1>(tXcX(0, m, k)) - get<1>(tXcX(0, 0, 0));  // a constant
+      copy(tiled_copy, make_tensor(make_gmem_ptr(src + get<1>(tXcX(0, m, k))), vec), tXsX(_, m, k));
+    }
+  }
+}
+
+// Copies a whole tile, every row and column inside the tensor (an interior tile), whose element (0, 0) is at
+// `tile` and whose rows are row_stride apart: no bounds, no zero-fill, no per-row pointers; this thread's rows
+// are a pass of kNThreads / 8 rows apart and its columns immediate offsets (FlashAttention-2's even-block path:
+// load_rows costs ~150 instructions per warp per tile). Nothing is held across tiles: holding per-thread
+// pointers and pass offsets in registers made the 255-register hd64 prefill tile spill; recomputing them from
+// the kernel parameters (constant bank) costs a few integer instructions per tile.
+template <class Kt, class TS, class TC, class Vec, class Element>
+SA_DEVICE void load_tile(TS&& tXsX, TC const& tXcX, Vec const& vec, Element const* tile, int64_t row_stride) {
+  typename Kt::GmemTiledCopyLoad tiled_copy;
+  int const r0 = get<0>(tXcX(0, 0, 0)), c0 = get<1>(tXcX(0, 0, 0));
+  Element const* src = tile + int64_t(r0) * row_stride + c0;
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tXsX); ++m) {
+    Element const* row = src + int64_t(get<0>(tXcX(0, m, 0)) - r0) * row_stride;  // a constant times row_stride
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tXsX); ++k) {
+      int const dc = get<1>(tXcX(0, m, k)) - c0;  // a constant
       copy(tiled_copy, make_tensor(make_gmem_ptr(row + dc), vec), tXsX(_, m, k));
     }
   }
