@@ -446,12 +446,18 @@ static int64_t num_splits_heuristic(int64_t ctas, int64_t num_sms, int64_t n_blo
 }
 
 // ---- host entry points to the shared logic, for the CPU tests -----------------------------------------
-// (m_block, n_block, needs_mask) for every block each M tile visits, in visiting order.
+// (m_block, n_block, needs_mask) for every block each M tile visits, in visiting order. Also checks that
+// TileMask::mask_test (the forward's per-tile form) agrees with needs_mask on every block of every tile.
 static at::Tensor mask_tile_blocks(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n, int group) {
   TileMask tm{MaskPolicy{sq, sk, wl, wr, ns}, block_m, block_n, group};
   std::vector<int32_t> rows;
   int m_blocks = ceil_div(sq * group, block_m);
   for (int m = 0; m < m_blocks; ++m) {
+    TileMask::MaskTest const test = tm.mask_test(m);
+    for (int n = 0; n <= ceil_div(sk, block_n); ++n) {
+      TORCH_CHECK(test.needs(n) == tm.needs_mask(m, n), "mask_tile_blocks: TileMask::mask_test and needs_mask disagree at",
+                  " m_block ", m, ", n_block ", n);
+    }
     BlockRange r = tm.range(m);
     for (int t = 0; t < r.count(); ++t) {
       int n = r.block(t);

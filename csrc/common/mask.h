@@ -151,12 +151,25 @@ struct TileMask {
   }
 
   // True when some pair of the block (valid rows x block columns) is not visible, so the kernel must apply
-  // the element mask. Exact: a block reported false has every pair visible.
-  SA_HOST_DEVICE bool needs_mask(int m_block, int n_block) const { return mask_test(m_block).needs(n_block); }
+  // the element mask. Exact: a block reported false has every pair visible. (One question; a kernel that asks
+  // it for every key block of one M tile takes mask_test below.)
+  SA_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {
+    int m0, m_last;
+    tile_queries(m_block, m0, m_last);
+    int j0 = n_block * kBlockN, j1 = j0 + kBlockN - 1;
+    if (j1 >= p.seqlen_k) return true;
+    if (p.window_right >= 0 && j1 > m0 + p.offset() + p.window_right) return true;
+    if (p.window_left >= 0) {
+      int first_non_sink = max_i(j0, p.sink_tokens);
+      if (first_non_sink <= j1 && first_non_sink < m_last + p.offset() - p.window_left) return true;
+    }
+    return false;
+  }
 
   // needs_mask for the blocks of one M tile as block-index bounds, the tile's part (its first and last query,
-  // the window's edges there) worked out once: kernels ask it every key block (recomputed, it took ~40
-  // instructions per block in the sm80 forward's loop), and three ints keep it light on registers. Block n
+  // the window's edges there) worked out once: the forward asks it every key block (needs_mask took ~40
+  // instructions per block in the sm80 forward's loop), and three ints keep it light on registers. The host
+  // entry mask_tile_blocks checks it against needs_mask for every block of every tile the tests sweep. Block n
   // needs the mask iff n >= hi (it holds a key past seqlen_k, or past the first row's right edge) or
   // lo_a <= n < lo_b (a non-sink key of it lies left of the last row's left edge; blocks below lo_a hold only
   // sink tokens).
