@@ -123,6 +123,9 @@ def kernel_cases(headdims, dtypes) -> list[Case]:
             Case(f"d{d}-causal-sq>sk-empty-rows", d, seqlen_q=100, seqlen_k=30, causal=True, sinks="random"),
             Case(f"d{d}-sinks-neginf", d, seqlen_q=65, seqlen_k=129, sinks="-inf"),
             Case(f"d{d}-no-sinks-softcap", d, seqlen_q=33, seqlen_k=97, sinks="none", softcap=15.0),
+            # More than 64 rows: the prefill tile, whose softcap kernel is its own (softcap compiled out of the other).
+            Case(f"d{d}-prefill-tile-softcap-window", d, seqlen_q=150, seqlen_k=170, causal=True, window=(90, 0),
+                 sink_tokens=2, softcap=12.0),
             Case(f"d{d}-tiny", d, seqlen_q=1, seqlen_k=1),
             Case(f"d{d}-sinktok>seqlen", d, seqlen_q=50, seqlen_k=70, causal=True, window=(3, 0), sink_tokens=90),
             Case(f"d{d}-varlen-empty", d, varlen=[(17, 40), (0, 5), (70, 0), (129, 130), (1, 1)], nheads=4,
