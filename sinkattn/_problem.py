@@ -29,3 +29,4 @@ class Problem:
     paged: bool = False
     deterministic: bool = False
     device_index: int | None = None
+    positive_scale: bool = True  # softmax_scale > 0 (the kernels' running max is over the raw scores)

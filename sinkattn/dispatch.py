@@ -53,12 +53,12 @@ class ReferenceFallbackWarning(UserWarning):
 
 def make_problem(kind: str, q, k, sinks, *, window_left: int, window_right: int, sink_tokens: int,
                  softcap: float, varlen: bool = False, paged: bool = False,
-                 deterministic: bool = False) -> Problem:
+                 deterministic: bool = False, softmax_scale: float = 1.0) -> Problem:
     return Problem(kind=kind, device_type=q.device.type, dtype=q.dtype, headdim=q.shape[-1],
                    headdim_v=q.shape[-1], nheads=q.shape[-2], nheads_k=k.shape[-2],
                    window_left=window_left, window_right=window_right, sink_tokens=sink_tokens,
                    softcap=softcap, has_sinks=sinks is not None, varlen=varlen, paged=paged,
-                   deterministic=deterministic, device_index=q.device.index)
+                   deterministic=deterministic, device_index=q.device.index, positive_scale=softmax_scale > 0)
 
 
 def _capability(device_index) -> tuple[int, int]:
@@ -119,6 +119,10 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
         if backend == "sm90":
             return "sinkattn has no sm90 backward kernels yet; the sm80 backward serves cc 9.0"
         return f"no backward kernel is built yet for backend {backend!r}; the reference backend serves it"
+    if not problem.positive_scale:
+        # The online softmax takes its running max over the raw scores and masks with -inf: a scale <= 0 turns
+        # that into NaN (measured on the emulated sm80 kernels: scale 0 and -0.125 gave NaN rows).
+        return "the kernels take softmax_scale > 0; the reference backend serves softmax_scale <= 0"
     dtype = registry.dtype_name(problem.dtype)
     if dtype not in ("bf16", "fp16"):
         return f"kernels take bf16 or fp16 (got {problem.dtype}); the reference backend serves fp32"
@@ -263,7 +267,7 @@ def run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     varlen = cu_seqlens_q is not None
     problem = make_problem("fwd", q, k, sinks, window_left=window_left, window_right=window_right,
                            sink_tokens=sink_tokens, softcap=softcap, varlen=varlen,
-                           deterministic=deterministic)
+                           deterministic=deterministic, softmax_scale=softmax_scale)
     chosen = choose(problem, backend)
     if varlen and _checks.value_checks_on(cu_seqlens_q):
         _checks.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
@@ -303,7 +307,7 @@ def run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, ma
     """Body of the sinkattn::bwd op -> (dq, dk, dv, dsinks); dsinks is zeros without sinks."""
     problem = make_problem("bwd", q, k, sinks, window_left=window_left, window_right=window_right,
                            sink_tokens=sink_tokens, softcap=softcap, varlen=cu_seqlens_q is not None,
-                           deterministic=deterministic)
+                           deterministic=deterministic, softmax_scale=softmax_scale)
     chosen = choose_backward(problem, backend)
     sink_dtype = sinks.dtype if sinks is not None else acc_dtype(q.dtype)
     if chosen == "reference":
@@ -330,7 +334,8 @@ def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, ro
     """Body of the sinkattn::kvcache_fwd op -> (out, lse): rotary and the append (kvcache.prepare), then
     attention over the cache on the chosen backend."""
     problem = make_problem("kvcache", q, k_cache, sinks, window_left=window_left, window_right=window_right,
-                           sink_tokens=sink_tokens, softcap=softcap, paged=block_table is not None)
+                           sink_tokens=sink_tokens, softcap=softcap, paged=block_table is not None,
+                           softmax_scale=softmax_scale)
     chosen = choose(problem, backend)
     q, seqlens_k = kvcache.prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                                    rotary_interleaved)

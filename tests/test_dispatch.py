@@ -356,3 +356,34 @@ def test_device_smem_table_and_own_property(monkeypatch):
     assert _device.smem_per_block_optin((8, 0), 0) == 166912  # pretended: not this device's capability
     assert _device.smem_per_block_optin((8, 6), 1) == 101376  # no such device
     _device.smem_per_block_optin.cache_clear()
+
+
+# ---- softmax_scale <= 0: the kernels decline it (their running max is over raw scores, masks are -inf) -------
+def test_kernels_decline_a_nonpositive_scale():
+    for backend in ("sm80", "sm90", "sm80-emulated"):
+        reason = dispatch.why_not(backend, dataclasses.replace(CUDA_PROBLEM, positive_scale=False,
+                                                               device_type="cpu" if "emulated" in backend else "cuda"),
+                                  capability=None if "emulated" in backend else (9, 0))
+        assert reason is not None and "softmax_scale > 0" in reason, (backend, reason)
+
+
+@pytest.mark.skipif(not any(k["family"] == "sm80-emulated" and k["headdim"] == 64 and k["dtype"] == "bf16"
+                            for k in _ext.registry()), reason="no emulated hdim64 bf16 kernel in this build")
+@pytest.mark.parametrize("scale", [0.0, -0.125])
+def test_nonpositive_scale_runs_on_the_reference_without_nan(scale):
+    """The emulated sm80 kernel gave NaN rows for these scales (masked -inf times a scale <= 0); forcing it now
+    raises with the reason, and auto takes the reference, which matches the float64 oracle."""
+    from oracle import attention_oracle
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, n, 2, 64, generator=g).to(torch.bfloat16) for n in (70, 90, 90))
+    sinks = torch.randn(2, generator=g)
+    with pytest.raises(SinkattnRuntimeError, match="softmax_scale > 0"):
+        sinkattn.flash_attn_with_sinks(q, k, v, sinks, causal=True, softmax_scale=scale, backend="sm80-emulated")
+    out = sinkattn.flash_attn_with_sinks(q, k, v, sinks, causal=True, softmax_scale=scale)
+    ref = attention_oracle(q, k, v, sinks, causal=True, softmax_scale=scale)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    assert not out.isnan().any()
+    assert (out.double() - ref.double()).abs().max().item() < 2e-2
+    # a positive scale still runs on the kernel
+    out = sinkattn.flash_attn_with_sinks(q, k, v, sinks, causal=True, softmax_scale=0.125, backend="sm80-emulated")
+    assert not out.isnan().any()
