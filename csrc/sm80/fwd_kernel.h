@@ -94,8 +94,8 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   // Interior key blocks (every key < seqlen_k, the kernel's whole head dim) in a contiguous cache or inside one
   // page load as whole tiles (load_tile): a block offset and unpredicated copies. Decode tiles over pages
   // smaller than a block load them row by row from their pages, still without bounds or zero-fill
-  // (load_whole_rows; in the 255-register prefill tiles this third path made ptxas spill, so they take
-  // load_rows there). The last block and a head dim below the kernel's go through load_rows, row by row with
+  // (load_rows<kWhole>; in the 255-register prefill tiles this third path made ptxas spill, so they take the
+  // checked load_rows there). The last block and a head dim below the kernel's go through load_rows, row by row with
   // bounds and zero-fill.
   int const whole_blocks = p.headdim == kHeadDim ? ext.seqlen_k / kBlockN : 0;  // blocks n < whole_blocks
   bool const block_in_page = !pages || p.page_size % kBlockN == 0;
@@ -110,8 +110,10 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
       return;
     }
     if (!kComputeBound<typename Kt::TileTag> && n < whole_blocks) {
-      load_whole_rows<Kt>(tKsK, tKVcKV, vec, [&](int r) { return k_seq + kv_offset(p.k_batch_stride, p.k_row_stride, j0 + r); });
-      load_whole_rows<Kt>(tVsV, tKVcKV, vec, [&](int r) { return v_seq + kv_offset(p.v_batch_stride, p.v_row_stride, j0 + r); });
+      load_rows<Kt, true>(tKsK, tKVcKV, vec, kBlockN, kHeadDim,
+                          [&](int r) { return k_seq + kv_offset(p.k_batch_stride, p.k_row_stride, j0 + r); });
+      load_rows<Kt, true>(tVsV, tKVcKV, vec, kBlockN, kHeadDim,
+                          [&](int r) { return v_seq + kv_offset(p.v_batch_stride, p.v_row_stride, j0 + r); });
       return;
     }
     load_rows<Kt>(tKsK, tKVcKV, vec, ext.seqlen_k - j0, p.headdim,
