@@ -18,7 +18,7 @@ STAMP := build/.installed
 STAMP_EMU := build/.installed-emulation
 GRID := build/.grid
 
-.PHONY: install deps cutlass run test report bench build-all build-times gpu-check gpu-prebuilt peer-vllm streaming-perplexity clean FORCE
+.PHONY: install deps cutlass run test report bench build-all build-times gpu-check gpu-prebuilt sweep-prebuilt gpu-sweep peer-vllm streaming-perplexity clean FORCE
 
 deps:
 	@mkdir -p build/logs
@@ -30,12 +30,12 @@ deps:
 cutlass:
 	$(PYTHON) third_party/fetch_cutlass.py
 
-# The grid the environment asks for (SINKATTN_CUDA_ARCHS / _HEADDIMS / _DTYPES), rewritten only when it changes,
-# so that narrowing or widening the grid rebuilds and an unchanged one does not.
+# The grid the environment asks for (SINKATTN_CUDA_ARCHS / _HEADDIMS / _DTYPES / _SWEEP), rewritten only when it
+# changes, so that narrowing or widening the grid rebuilds and an unchanged one does not.
+GRID_STRING = $(SINKATTN_CUDA_ARCHS)|$(SINKATTN_HEADDIMS)|$(SINKATTN_DTYPES)|$(SINKATTN_SWEEP)
 $(GRID): FORCE
 	@mkdir -p build
-	@echo "$(SINKATTN_CUDA_ARCHS)|$(SINKATTN_HEADDIMS)|$(SINKATTN_DTYPES)" | cmp -s - $@ 2>/dev/null || \
-	  echo "$(SINKATTN_CUDA_ARCHS)|$(SINKATTN_HEADDIMS)|$(SINKATTN_DTYPES)" > $@
+	@echo "$(GRID_STRING)" | cmp -s - $@ 2>/dev/null || echo "$(GRID_STRING)" > $@
 
 # $(1): SINKATTN_EMULATION of the build. pip runs -v under the progress wrapper, which shows the kernel build's
 # "[n/N] ..." lines and a heartbeat; the whole output is in build/logs/pip-install.log.
@@ -85,13 +85,28 @@ gpu-check:
 	bash bench/gpu_check.sh
 
 # Kernel objects for a borrowed GPU machine, whose minutes are scarce: the default grid (80;90a) built here,
-# copied to .prebuilt/ (git-ignored). There, with carry=[".prebuilt", "third_party/cutlass/include"]:
+# copied to .prebuilt/ (git-ignored) with the CUTLASS version they were built with. There, with carry=[".prebuilt"]
+# (api.cpp needs no CUTLASS header, so the 27 MB of headers stay here):
 #   SINKATTN_PREBUILT_KERNELS=$$PWD/.prebuilt SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh
 # compiles only api.cpp against that machine's torch (about 50 s on an H200 machine instead of minutes).
 gpu-prebuilt: install
 	rm -rf .prebuilt && mkdir -p .prebuilt
-	cp build/kernels/*.cu.o build/kernels/build_info.cpp.o .prebuilt/
-	@echo "gpu-prebuilt: $$(ls .prebuilt | wc -l) kernel objects in .prebuilt/ ($$(du -sh .prebuilt | cut -f1))"
+	cp build/kernels/*.cu.o build/kernels/build_info.cpp.o build/kernels/cutlass_version.txt .prebuilt/
+	@echo "gpu-prebuilt: $$(ls .prebuilt | wc -l) files in .prebuilt/ ($$(du -sh .prebuilt | cut -f1); a carry holds 64 MiB)"
+
+# The tuning sweep of a short GPU lease (issue 17; DESIGN.md section 8). Here: `make sweep-prebuilt` builds the
+# sweep's grid (the tuning variants of generate_kernels.py beside the default kernels, bf16, 80;90a, no emulation;
+# SINKATTN_SWEEP=<substrings> narrows it) into .prebuilt/. There, with carry=[".prebuilt"]:
+#   run(command="make gpu-sweep", carry=[".prebuilt"], timeout_s=600)
+# links api.cpp to those objects, checks every variant against the oracle, times them all on the target shapes
+# and prints the ranked tables last (bench/gpu_sweep.sh; results under $$OUT).
+SWEEP_ENV = SINKATTN_SWEEP="$(or $(SINKATTN_SWEEP),1)" SINKATTN_DTYPES=bf16 SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0
+sweep-prebuilt:
+	$(SWEEP_ENV) $(MAKE) gpu-prebuilt
+	@echo "$(or $(SINKATTN_SWEEP),1)" > .prebuilt/sweep.txt
+
+gpu-sweep:
+	bash bench/gpu_sweep.sh
 
 # vLLM's Triton unified attention (the peer of the vLLM backend's GPU bench), extracted from the vllm wheel into
 # third_party/.cache/vllm-peer (git-ignored; carry it to a GPU machine, which has no network).

@@ -175,10 +175,17 @@ def cuda_extension():
         fail(f"nvcc is CUDA {major}.{minor} ({cuda_home}) but torch {torch.__version__} was built with CUDA "
              f"{torch_cuda}; the extension would not load. Point CUDA_HOME at a CUDA {torch_cuda.split('.')[0]}.x "
              "toolkit or install a torch built for CUDA {major}.")
+    # Kernel objects hold no torch and no Python, so a machine whose time is scarce (the borrowed GPU) can
+    # link objects compiled elsewhere for the same grid and compile only api.cpp against its own torch. api.cpp
+    # includes no CUTLASS header, so the headers (27 MB of a 64 MiB carry) need not travel with the objects:
+    # the CUTLASS version they were built with comes from cutlass_version.txt beside them.
+    prebuilt = os.environ.get("SINKATTN_PREBUILT_KERNELS")
     cutlass_inc = find_cutlass()
-    if cutlass_inc is None:
+    version_file = os.path.join(prebuilt or "", "cutlass_version.txt")
+    if cutlass_inc is None and not (prebuilt and os.path.isfile(version_file)):
         fail(f"CUTLASS/CuTe headers not found (looked in SINKATTN_CUTLASS_DIR, third_party/cutlass/include and an "
              f"installed cutlass_library). Fetch them with: {FETCH_HINT}")
+    cutlass_ver = cutlass_version(cutlass_inc) if cutlass_inc else open(version_file).read().strip()
 
     units = gen.generate(os.path.join(CSRC, "instantiations"), grid)
     units += [(os.path.join(CSRC, "build_info_cuda.cu"), "common")]
@@ -186,11 +193,11 @@ def cuda_extension():
     build_dir = os.path.join(ROOT, "build", "kernels")
     os.makedirs(build_dir, exist_ok=True)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    objects = write_ninja(build_dir, units, cuda_home, cutlass_inc, grid, f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
+    objects = write_ninja(build_dir, units, cuda_home, cutlass_inc or "", grid, f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
+    if cutlass_inc:
+        with open(os.path.join(build_dir, "cutlass_version.txt"), "w") as f:
+            f.write(cutlass_ver + "\n")
     jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
-    # Kernel objects hold no torch and no Python, so a machine whose time is scarce (the borrowed GPU) can
-    # link objects compiled elsewhere for the same grid and compile only api.cpp against its own torch.
-    prebuilt = os.environ.get("SINKATTN_PREBUILT_KERNELS")
     if prebuilt:
         objects = [os.path.join(prebuilt, os.path.basename(o)) for o in objects]
         missing = [o for o in objects if not os.path.isfile(o)]
@@ -210,7 +217,7 @@ def cuda_extension():
                   "(about a minute on 2 cores)", flush=True)
             super().build_extensions()
 
-    defines = [f"-DSINKATTN_CUTLASS_VERSION=\"{cutlass_version(cutlass_inc)}\"",
+    defines = [f"-DSINKATTN_CUTLASS_VERSION=\"{cutlass_ver}\"",
                f"-DSINKATTN_TORCH_VERSION_AT_BUILD=\"{torch.__version__}\"",
                f"-DSINKATTN_REQUESTED_ARCHS=\"{';'.join(grid.archs)}\"",
                f"-DSINKATTN_NATIVE_GPUS=\"{gen.native_string(grid)}\"",

@@ -17,7 +17,8 @@
 # On the device tool: run(command="bash bench/gpu_check.sh", carry=["third_party/cutlass/include"],
 # timeout_s=540). The CUTLASS headers are git-ignored, so they travel only when carried. To spend the lease on
 # tests rather than compiles, `make gpu-prebuilt` here first and run SINKATTN_PREBUILT_KERNELS=$PWD/.prebuilt
-# SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh with ".prebuilt" carried too.
+# SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh with only ".prebuilt" carried (linking
+# prebuilt objects needs no CUTLASS header).
 #
 # Knobs (environment): SINKATTN_CUDA_ARCHS / SINKATTN_HEADDIMS / SINKATTN_DTYPES / SINKATTN_EMULATION
 # (build grid; defaults: by GPU, all head dims, bf16+fp16, no emulation), GPU_CHECK_JOBS (default: nproc;
@@ -119,7 +120,7 @@ if [ "${GPU_CHECK_SKIP_BUILD:-0}" = "1" ]; then
   say "build: skipped (GPU_CHECK_SKIP_BUILD=1)"
   STEPS+=("build: skipped by request")
 else
-  if [ -z "${SINKATTN_CUTLASS_DIR:-}" ] && [ ! -f third_party/cutlass/include/cute/tensor.hpp ]; then
+  if [ -z "${SINKATTN_PREBUILT_KERNELS:-}" ] && [ -z "${SINKATTN_CUTLASS_DIR:-}" ] && [ ! -f third_party/cutlass/include/cute/tensor.hpp ]; then
     say "build: CUTLASS headers missing at third_party/cutlass/include (git-ignored; there is no network here):"
     say "       carry them (device tool: carry=[\"third_party/cutlass/include\"]) or set SINKATTN_CUTLASS_DIR"
   fi

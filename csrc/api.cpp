@@ -156,6 +156,34 @@ static KernelInfo const* fwd_kernel_for(std::string const& backend, at::Tensor c
   return info;
 }
 
+// A tuning-grid variant (generate_kernels.py SWEEP_*; bench/sweep.py runs them): backend "variant:<registry name>"
+// of a "*-sweep" family, which dispatch never picks. It serves its own head dim and dtype, only the features its
+// registry entry lists, and only where its one tile fits the shared memory (a variant has no fallback tile).
+static constexpr char kVariantPrefix[] = "variant:";
+
+static bool is_variant(std::string const& backend) { return backend.rfind(kVariantPrefix, 0) == 0; }
+
+static KernelInfo const* variant_kernel(std::string const& backend, at::Tensor const& q, double softcap) {
+  std::string const name = backend.substr(sizeof(kVariantPrefix) - 1);
+  KernelInfo const* info = nullptr;
+  for (auto const& k : kernel_registry())
+    if (name == k.name) info = &k;
+  std::string const family = info ? info->family : "";
+  TORCH_CHECK(info && std::string(info->op) == "fwd" && family.size() > 6 && family.ends_with("-sweep"),
+              "sinkattn fwd: no tuning-grid forward variant named '", name, "' in this build (build with SINKATTN_SWEEP; "
+              "sinkattn._C.registry() lists what it holds)");
+  int const d = q.size(-1);
+  TORCH_CHECK(d % 8 == 0 && served_headdim(d) == info->headdim && dtype_name(q.scalar_type()) == info->dtype,
+              "sinkattn fwd: variant ", name, " serves head dim ", info->headdim, " ", info->dtype, ", not ", d, " ",
+              dtype_name(q.scalar_type()));
+  std::string const features = std::string(",") + info->features + ",";
+  TORCH_CHECK(!(softcap > 0) || features.find(",softcap,") != std::string::npos, "sinkattn fwd: variant ", name,
+              " is compiled without softcap");
+  return info;
+}
+
+static bool variant_emulated(KernelInfo const* info) { return std::string(info->family) == "sm80-emulated-sweep"; }
+
 // The shared-memory limit per block that picks the tiles (p.max_smem_per_block): the device's opt-in limit, or
 // under emulation an A100's (EmuLaunch); max_smem > 0 overrides it (tests: the sm86 / sm89 tiles), on a GPU
 // never above the device's.
@@ -250,8 +278,10 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
                 at::Tensor out, at::Tensor lse, std::optional<at::Tensor> cu_seqlens_q,
                 std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                 int64_t window_left, int64_t window_right, int64_t sink_tokens, double softcap, int64_t max_smem) {
-  bool const emulated = backend == "sm80-emulated";
-  TORCH_CHECK(emulated || backend == "sm80" || backend == "sm90", "sinkattn fwd: unknown backend '", backend, "'");
+  auto const* variant = is_variant(backend) ? variant_kernel(backend, q, softcap) : nullptr;
+  bool const emulated = variant ? variant_emulated(variant) : backend == "sm80-emulated";
+  TORCH_CHECK(variant || emulated || backend == "sm80" || backend == "sm90", "sinkattn fwd: unknown backend '", backend,
+              "'");
   int const rank = cu_seqlens_q.has_value() ? 3 : 4;
   TORCH_CHECK(q.dim() == rank && k.dim() == rank && v.dim() == rank, "sinkattn fwd: q/k/v rank must be ", rank);
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() && out.scalar_type() == q.scalar_type(),
@@ -260,7 +290,7 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   check_kernel_tensors({&q, &k, &v, &out}, emulated, backend);
   int const d = q.size(-1);
   TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, "sinkattn fwd: q, k and v head dims must match");
-  auto const* info = fwd_kernel_for(backend, q);
+  auto const* info = variant ? variant : fwd_kernel_for(backend, q);
 
   FwdParams p;
   float const* sinks_ptr = nullptr;
@@ -270,6 +300,8 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
                    smem_limit(emulated, max_smem, q.device()), "fwd");
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
+  TORCH_CHECK(!variant || variant->smem_bytes <= p.max_smem_per_block, "sinkattn fwd: variant ", variant->name,
+              " needs ", variant->smem_bytes, " bytes of shared memory per block; the limit is ", p.max_smem_per_block);
   launch_fwd(info, p, emulated, q.device());
 }
 
@@ -577,7 +609,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &build_info, "versions baked in at build time");
   m.def("runtime_info", &runtime_info, "CUDA runtime and driver versions now");
   m.def("merge_states", &merge_states, "merge two partial (out, lse) states, adding the sink once (CUDA)");
-  m.def("fwd", &fwd, "attention forward on a kernel backend (sm80, sm80-emulated)");
+  m.def("fwd", &fwd, "attention forward on a kernel backend (sm90, sm80, sm80-emulated, variant:<tuning-grid name>)");
   m.def("bwd", &bwd, "attention backward on a kernel backend (sm80, sm80-emulated): dq, dk, dv, dsinks");
   m.def("mask_col_blocks", &mask_col_blocks, "host entry: M tiles each key block visits in the backward",
         py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"));

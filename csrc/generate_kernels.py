@@ -16,7 +16,13 @@ Environment knobs (read by setup.py and passed in as `Grid`):
     SINKATTN_HEADDIMS    "64,128,256" (default)
     SINKATTN_DTYPES      "bf16,fp16" (default)
     SINKATTN_EMULATION   "0" (default): the host-emulated sm80 kernels are a test facility (the CPU tests run
-                         the kernels' logic through them); `make test` builds them with "1".
+                         the kernels' logic through them); `make test` builds them with "1". An emulation build
+                         also holds SWEEP_EMU_SMOKE, the one emulated tuning variant the CPU tests run the sweep with.
+    SINKATTN_SWEEP       "0" (default): no tuning variants. "1": the whole tuning grid of `make gpu-sweep`
+                         (SWEEP_SM90, SWEEP_SM80 below, at the grid's head dims and dtypes; with emulation on,
+                         the sm80 variants' emulated twins too); or comma-separated substrings: only the variants
+                         whose name holds one of them (e.g. "sm90_hdim128"). Variants are registered by name
+                         (family "<family>-sweep") and never picked by dispatch; bench/sweep.py runs them.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class Grid:
     headdims: list[int]
     dtypes: list[str]
     emulation: bool = False
+    sweep: list[str] = field(default_factory=list)  # SINKATTN_SWEEP: [] off, [""] everything, else name substrings
     families: list[str] = field(default_factory=lambda: ["common", "sm80", "sm90"])
     # With SINKATTN_CUDA_ARCHS=native: (GPU name, (major, minor), arch) of each GPU the archs came from.
     native: list[tuple[str, tuple[int, int], str]] = field(default_factory=list)
@@ -108,8 +115,15 @@ def parse_grid(env=os.environ, native=None) -> Grid:
     emu = env.get("SINKATTN_EMULATION", "0").strip().lower()
     if emu not in TRUE_WORDS + FALSE_WORDS:
         raise SystemExit(f"sinkattn build: SINKATTN_EMULATION={emu!r}; accepted: 1/true/on/yes or 0/false/off/no")
+    sweep_raw = env.get("SINKATTN_SWEEP", "0").strip()
+    if sweep_raw.lower() in FALSE_WORDS + ("",):
+        sweep = []
+    elif sweep_raw.lower() in TRUE_WORDS + ("all",):
+        sweep = [""]
+    else:
+        sweep = [x.strip() for x in sweep_raw.split(",") if x.strip()]
     return Grid(archs=archs, headdims=sorted(set(headdims)), dtypes=sorted(set(dtypes)), emulation=emu in TRUE_WORDS,
-                native=found)
+                sweep=sweep, native=found)
 
 
 def family_targets(family: str, archs: list[str]) -> list[tuple[str, str]]:
@@ -247,6 +261,155 @@ SINKATTN_REGISTER_KERNEL(merge_{dtype}, "common", "merge", 0, "{dtype}", "sinks"
     return Unit(f"merge_{dtype}", "common", text)
 
 
+# ---- the tuning grid of `make gpu-sweep` (issue 17 item 4, DESIGN.md section 8) --------------------------------
+# Kernel variants beside the default tables, each its own unit (they build in parallel), registered by name and
+# run by bench/sweep.py, which checks every one against the oracle and times them all on the target shapes. Off
+# by default: every unit costs every build. A round's winners move into the tables (sm90/fwd_tiles.h,
+# sm80/fwd_tiles.h); the grid stays for the next round. Each entry states why it is here.
+@dataclass(frozen=True)
+class Sm90Variant:
+    """An sm90 forward tile (sm90/fwd_tiles.h FwdTile): the defaults are the table's."""
+    head_dim: int
+    block_n: int
+    stages: int
+    block_m: int = 128
+    producer_regs: int = 40
+    consumer_regs: int = 232
+    pingpong: bool = True
+    q_buffers: int = 1
+
+    def tag(self) -> str:
+        t = f"m{self.block_m}n{self.block_n}s{self.stages}"
+        if (self.producer_regs, self.consumer_regs) != (40, 232):
+            t += f"r{self.producer_regs}x{self.consumer_regs}"
+        return t + ("" if self.pingpong else "_nopp") + ("_q2" if self.q_buffers == 2 else "")
+
+    def smem_bytes(self) -> int:  # FwdTile::smem_bytes, for the static checks in tests
+        return (self.q_buffers * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 1024
+
+    def cpp(self) -> str:
+        return (f"sm90::FwdTile{{.head_dim = {self.head_dim}, .block_n = {self.block_n}, .stages = {self.stages}, "
+                f".producer_regs = {self.producer_regs}, .consumer_regs = {self.consumer_regs}, "
+                f".block_m = {self.block_m}, .pingpong = {str(self.pingpong).lower()}, .q_buffers = {self.q_buffers}}}")
+
+
+@dataclass(frozen=True)
+class Sm80Variant:
+    """An sm80 forward tile (sm80/fwd_tiles.h FwdTile), softcap compiled out."""
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int = 2
+
+    def tag(self) -> str:
+        return f"m{self.block_m}n{self.block_n}w{self.warps}" + (f"s{self.stages}" if self.stages != 2 else "")
+
+    def smem_bytes(self) -> int:
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+
+    def cpp(self) -> str:
+        return (f"sm80::FwdTile{{.head_dim = {self.head_dim}, .block_m = {self.block_m}, .block_n = {self.block_n}, "
+                f".warps = {self.warps}, .stages = {self.stages}}}")
+
+
+_R3 = dict(block_m=192, producer_regs=24, consumer_regs=160)  # three consumer warpgroups: 128 * (24 + 3 * 160) = 64512
+SWEEP_SM90 = [
+    # hd64 (table: m128 n128 s3; 446 / 381 TFLOP/s non-causal / causal on the H200, FA3 on an H100 497 / 473).
+    Sm90Variant(64, 128, 3, q_buffers=2),         # the next tile's Q loads during this tile's main loop
+    Sm90Variant(64, 128, 4),                      # deeper K/V pipeline
+    Sm90Variant(64, 176, 2), Sm90Variant(64, 192, 2), Sm90Variant(64, 192, 3),  # longer key blocks: fewer softmax rounds
+    Sm90Variant(64, 128, 3, pingpong=False),      # is the turn-taking worth its barriers at hd64?
+    Sm90Variant(64, 128, 3, **_R3, pingpong=False),  # FA4's sm90 hd64 M tile (192 rows)
+    Sm90Variant(64, 128, 3, **_R3),               # ... with a three-way ping-pong
+    Sm90Variant(64, 128, 2, **_R3, q_buffers=2, pingpong=False),
+    # hd128 (table: m128 n128 s2; 618 / 545, FA3 648 / 616).
+    Sm90Variant(128, 128, 2, q_buffers=2),        # 193 KB
+    Sm90Variant(128, 176, 2, producer_regs=24, consumer_regs=240),  # FA3's hd128 tile (213 KB; ptxas: 20 B spill)
+    Sm90Variant(128, 144, 2, q_buffers=2, producer_regs=24, consumer_regs=240),  # 212 KB
+    Sm90Variant(128, 128, 3),                     # 225 KB
+    Sm90Variant(128, 96, 4),                      # 225 KB: shorter blocks, deeper pipeline (windows, causal edges)
+    Sm90Variant(128, 128, 2, pingpong=False),
+    # (192 rows at hd128 were dropped: O 64 + S 48 + P 24 registers spill 56/72 B at 160 per thread, n96 s2.)
+    # hd256 (table: m128 n48 s2 r24x240; 470 / 307, FA3 756 / 642).
+    Sm90Variant(256, 64, 2, producer_regs=24, consumer_regs=240),   # 193 KB; O 128 + S 32 + P 16 registers
+    Sm90Variant(256, 80, 2, producer_regs=24, consumer_regs=240),   # 225 KB (ptxas: 12 B spill)
+    Sm90Variant(256, 48, 2, producer_regs=24, consumer_regs=240, q_buffers=2),  # 225 KB
+    Sm90Variant(256, 32, 4, producer_regs=24, consumer_regs=240),   # 193 KB: short blocks, 4 in flight
+    Sm90Variant(256, 64, 2, producer_regs=24, consumer_regs=240, pingpong=False),
+]
+
+SWEEP_SM80 = [
+    # hd64 (table: Hd64Rows m128 n64 w4).
+    Sm80Variant(64, 128, 128, 4),   # FlashAttention-2's hd64 tile (S 128 registers per thread; ptxas: 164 B spill)
+    Sm80Variant(64, 128, 64, 8),    # 8 warps x 16 rows
+    Sm80Variant(64, 128, 64, 4, 3),  # a third K/V stage
+    # hd128 (table: Hd128Rows m128 n64 w8; static: 0.56 LDSM per HMMA against FA2's 0.31, peer_sass).
+    Sm80Variant(128, 128, 64, 4),   # FlashAttention-2's tile on sm80/sm90: 0.31 LDSM/HMMA (ptxas: 48 B spill on sm_90)
+    Sm80Variant(128, 128, 32, 4),   # 4 x 32 rows with half the S registers (255 registers, no spill on sm_90)
+    Sm80Variant(128, 128, 128, 8),  # 160 KB: longer key blocks, fewer rescale rounds
+    Sm80Variant(128, 64, 64, 4),    # 64 rows: twice the CTAs
+    Sm80Variant(128, 128, 64, 8, 3),  # a third stage (128 KB)
+    # hd256 (table: Hd256Rows m64 n64 w4).
+    Sm80Variant(256, 128, 32, 8),   # 128 rows with 32-key blocks (128 KB)
+    Sm80Variant(256, 64, 32, 4, 3),  # 32-key blocks, 3 stages (128 KB)
+]
+
+# The emulated variant every emulation build holds (the CPU tests run the sweep's variant path through it):
+# FlashAttention-2's hd128 tile, issue 15's open question, so its correctness is checked on the CPU too.
+SWEEP_EMU_SMOKE = Sm80Variant(128, 128, 64, 4)
+
+
+def variant_name(family: str, v, dtype: str) -> str:
+    return f"sweep_fwd_{family}_hdim{v.head_dim}_{dtype}_{v.tag()}"
+
+
+def _variant_unit(family: str, v, dtype: str) -> Unit:
+    name = variant_name(family, v, dtype)
+    arch = {"sm90": "sm90", "sm80": "sm80", "emu": "sm80"}[family]
+    header, fn_template, launch_arg, features = {
+        "sm90": ("sm90/fwd_launch.cuh", "sm90::launch_fwd", "cudaStream_t", "SINKATTN_FWD_SM90_FEATURES"),
+        "sm80": ("sm80/fwd_launch.cuh", "sm80::launch_fwd_variant", "cudaStream_t", "SINKATTN_FWD_VARIANT_FEATURES"),
+        "emu": ("emu/fwd_sm80_emu.h", "sm80::launch_fwd_variant_emulated", "EmuLaunch const&",
+                "SINKATTN_FWD_VARIANT_FEATURES"),
+    }[family]
+    registry_family = {"sm90": "sm90-sweep", "sm80": "sm80-sweep", "emu": "sm80-emulated-sweep"}[family]
+    tile = f"SweepTile_{name}"
+    fn = f"{fn_template}<{tile}, {CPP_DTYPE[dtype]}>"
+    text = f"""// Generated by csrc/generate_kernels.py: do not edit.
+// A tuning-grid variant (SINKATTN_SWEEP): registered by name, run by bench/sweep.py, never picked by dispatch.
+#include "{header}"
+namespace sinkattn {{
+struct {tile} {{ static constexpr {arch}::FwdTile tile = {v.cpp()}; }};
+template void {fn}(FwdParams const&, {launch_arg});
+SINKATTN_REGISTER_KERNEL({name}, "{registry_family}", "fwd", {v.head_dim}, "{dtype}", {features},
+                         {tile}::tile.smem_bytes(), ({fn}))
+}}  // namespace sinkattn
+"""
+    return Unit(name, family, text)
+
+
+def sweep_units(grid: Grid) -> list[Unit]:
+    """The tuning variants the grid asks for (SINKATTN_SWEEP), at its head dims and dtypes, plus the emulation
+    build's smoke variant."""
+    want = lambda name: any(pat in name for pat in grid.sweep)  # noqa: E731
+    out = []
+    for family, table, on in (("sm90", SWEEP_SM90, "sm90" in grid.families and family_targets("sm90", grid.archs)),
+                              ("sm80", SWEEP_SM80, "sm80" in grid.families and family_targets("sm80", grid.archs)),
+                              ("emu", SWEEP_SM80, grid.emulation)):
+        if not on:
+            continue
+        for v in table:
+            for d in grid.dtypes:
+                if v.head_dim in grid.headdims and want(variant_name(family, v, d)):
+                    out.append(_variant_unit(family, v, d))
+    if grid.emulation and SWEEP_EMU_SMOKE.head_dim in grid.headdims:
+        smoke = _variant_unit("emu", SWEEP_EMU_SMOKE, grid.dtypes[0])
+        if smoke.name not in {u.name for u in out}:
+            out.append(smoke)
+    return out
+
+
 def units(grid: Grid) -> list[Unit]:
     out = [_merge_unit(d) for d in (*grid.dtypes, "fp32")]
     kinds = []
@@ -259,7 +422,7 @@ def units(grid: Grid) -> list[Unit]:
     out += [_kernel_unit(kind, h, d) for kind in kinds for h in grid.headdims for d in grid.dtypes]
     out += [_part_unit(kind, h, d, part, suffix) for kind in kinds for h in grid.headdims for d in grid.dtypes
             for part, suffix in _parts(kind, h)]
-    return out
+    return out + sweep_units(grid)
 
 
 def generate(out_dir: str, grid: Grid) -> list[tuple[str, str]]:

@@ -6,7 +6,8 @@ serves the call) and outputs dispatch allocated, brings the tensors to the layou
 aligned rows, dense int32 index tensors), calls _C and writes the outputs in place.
 
 Backends: "sm90", "sm80" (CUDA tensors) and "sm80-emulated" (the sm80 kernel body on the CPU under host
-emulation, for tests).
+emulation, for tests). launch_fwd also takes "variant:<registry name>": a tuning-grid variant (family
+"*-sweep", built with SINKATTN_SWEEP; bench/sweep.py runs them, dispatch never picks them).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def launch_fwd(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, 
     has validated shapes and checked `dispatch.why_not` first. `max_smem` overrides the shared-memory limit that
     picks the tile configuration (tests use it to run the sm86 configuration under emulation)."""
     C = _ext.require()
-    # The sm90 kernel reads q/k/v through TMA descriptors, which take no zero (broadcast) strides.
-    tma = backend == "sm90"
+    # The sm90 kernels read q/k/v through TMA descriptors, which take no zero (broadcast) strides.
+    tma = backend == "sm90" or backend.startswith("variant:sweep_fwd_sm90")
     q, k, v = (t if _aligned(t) and not (tma and _broadcast(t)) else t.contiguous() for t in (q, k, v))
     target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     cu_seqlens_q, cu_seqlens_k = _dense_index(cu_seqlens_q), _dense_index(cu_seqlens_k)

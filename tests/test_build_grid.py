@@ -197,6 +197,8 @@ def test_units_full_grid_with_fwd(with_fwd):
              for p in ("_keys", "_softcap")}
     want |= {f"bwd_sm80_hdim128_{d}_small" for d in ("bf16", "fp16")}
     want |= {f"bwd_sm80_hdim{h}_{d}_softcap" for h in (64, 128, 256) for d in ("bf16", "fp16")}
+    # the emulation build's one tuning variant (the CPU tests run bench/sweep.py's variant path through it)
+    want |= {"sweep_fwd_emu_hdim128_bf16_m128n64w4"}
     assert set(names) == want and len(names) == len(want)
     assert {u.name for u in gen.units(g) if not u.registers} == {n for n in want
                                                                   if n.endswith(("_keys", "_small", "_softcap"))}
@@ -303,3 +305,58 @@ def test_parts_are_declared_extern_where_launched_and_defined_once():
         assert f"extern template void sm80::{fn}" in by[launcher]
         assert f"\ntemplate void sm80::{fn}" in by[launcher + part]
         assert "SINKATTN_REGISTER_KERNEL" in by[launcher] and "SINKATTN_REGISTER_KERNEL" not in by[launcher + part]
+
+
+# ---- the tuning grid (SINKATTN_SWEEP; make gpu-sweep) ----------------------------------------------------------
+def _sweep(env) -> list:
+    return [u for u in gen.units(gen.parse_grid(env)) if u.name.startswith("sweep_")]
+
+
+def test_sweep_off_by_default_every_user_build():
+    assert _sweep({}) == [] and _sweep({"SINKATTN_SWEEP": "0"}) == [] and _sweep({"SINKATTN_SWEEP": ""}) == []
+    # an emulation (test) build holds exactly the smoke variant, at its head dim, in the first dtype
+    assert [u.name for u in _sweep({"SINKATTN_EMULATION": "1"})] == ["sweep_fwd_emu_hdim128_bf16_m128n64w4"]
+    assert _sweep({"SINKATTN_EMULATION": "1", "SINKATTN_HEADDIMS": "64"}) == []
+
+
+def test_sweep_grid_whole_and_narrowed():
+    env = {"SINKATTN_SWEEP": "1", "SINKATTN_DTYPES": "bf16"}
+    names = [u.name for u in _sweep(env)]
+    assert len(names) == len(set(names)) == len(gen.SWEEP_SM90) + len(gen.SWEEP_SM80)
+    assert all(gen.variant_name(f, v, "bf16") in names for f, t in (("sm90", gen.SWEEP_SM90), ("sm80", gen.SWEEP_SM80))
+               for v in t)
+    # narrowed by head dims, by arch (no 90a: no sm90 variants), and by name substrings
+    assert {u.name.split("_")[3] for u in _sweep({**env, "SINKATTN_HEADDIMS": "64"})} == {"hdim64"}
+    assert not any("sm90" in u.name for u in _sweep({**env, "SINKATTN_CUDA_ARCHS": "80"}))
+    only = [u.name for u in _sweep({**env, "SINKATTN_SWEEP": "sm90_hdim128,_q2"})]
+    assert only and all("sm90_hdim128" in n or "_q2" in n for n in only)
+    assert any("hdim64" in n for n in only)  # _q2 at hd64
+    # with emulation on, the sm80 variants' emulated twins too
+    emu = [u.name for u in _sweep({**env, "SINKATTN_EMULATION": "1"}) if u.family == "emu"]
+    assert len(emu) == len(gen.SWEEP_SM80)
+
+
+def test_sweep_units_register_by_name_in_their_own_family():
+    units = {u.name: u for u in _sweep({"SINKATTN_SWEEP": "1", "SINKATTN_DTYPES": "fp16", "SINKATTN_EMULATION": "1"})}
+    sm90 = units["sweep_fwd_sm90_hdim128_fp16_m128n128s2_q2"]
+    assert sm90.family == "sm90" and sm90.registers
+    assert '"sm90-sweep", "fwd", 128, "fp16"' in sm90.text and "sm90::launch_fwd<" in sm90.text
+    assert ".q_buffers = 2" in sm90.text and "cutlass::half_t" in sm90.text
+    sm80 = units["sweep_fwd_sm80_hdim64_fp16_m128n128w4"]
+    assert sm80.family == "sm80" and '"sm80-sweep"' in sm80.text and "sm80::launch_fwd_variant<" in sm80.text
+    emu = units["sweep_fwd_emu_hdim64_fp16_m128n128w4"]
+    assert emu.family == "emu" and '"sm80-emulated-sweep"' in emu.text and "EmuLaunch const&" in emu.text
+
+
+def test_sweep_variants_fit_the_machine():
+    """What the kernels' static_asserts will say, said here before a compile: shared memory and registers."""
+    for v in gen.SWEEP_SM90:
+        assert v.smem_bytes() <= 227 * 1024, v
+        assert v.block_m % 64 == 0 and 1 <= v.block_m // 64 <= 3 and v.q_buffers in (1, 2), v
+        assert 128 * (v.producer_regs + v.block_m // 64 * v.consumer_regs) <= 64512, v
+        assert v.block_n % 16 == 0 and v.block_n <= 256 and v.head_dim % 64 == 0, v
+    for v in gen.SWEEP_SM80 + [gen.SWEEP_EMU_SMOKE]:
+        assert v.smem_bytes() <= 163 * 1024 and v.block_m % (16 * v.warps) == 0, v
+    # the defaults are not repeated as variants (the sweep times the default kernels beside them)
+    assert gen.Sm90Variant(128, 128, 2) not in gen.SWEEP_SM90 and gen.Sm90Variant(64, 128, 3) not in gen.SWEEP_SM90
+    assert gen.Sm80Variant(128, 128, 64, 8) not in gen.SWEEP_SM80

@@ -37,7 +37,8 @@ HEARTBEAT_S = float(os.environ.get("SINKATTN_HEARTBEAT_S", "25"))
 # uses them, rescaled by the pace of the finished units.
 UNIT_COST_S = {"fwd_sm80": 40.0, "fwd_sm80_keys": 36.0, "fwd_sm80_softcap": 24.0, "bwd_sm80": 30.0,
                "bwd_sm80_small": 31.0, "bwd_sm80_softcap": 22.0, "fwd_sm90": 19.0, "fwd_emu": 55.0, "fwd_emu_keys": 40.0,
-               "fwd_emu_softcap": 12.0, "bwd_emu": 40.0, "merge": 4.0, "build_info": 2.0}
+               "fwd_emu_softcap": 12.0, "bwd_emu": 40.0, "merge": 4.0, "build_info": 2.0,
+               "sweep_fwd_sm90": 16.0, "sweep_fwd_sm80": 25.0, "sweep_fwd_emu": 12.0}
 DEFAULT_COST_S = 30.0
 
 
@@ -54,6 +55,8 @@ def unit_kind(name: str) -> str:
         return "merge"
     if base.startswith("build_info"):
         return "build_info"
+    if base.startswith("sweep_"):  # sweep_fwd_sm90_hdim128_bf16_m128n176s2 -> sweep_fwd_sm90
+        return "_".join(base.split("_")[:3])
     return base
 
 

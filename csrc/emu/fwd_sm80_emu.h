@@ -13,20 +13,30 @@ namespace sinkattn {
 
 namespace sm80 {
 
+// One kernel configuration's grid, as launch_fwd_tile launches it on the GPU.
+template <class Kt>
+void launch_fwd_tile_emulated(FwdParams const& p) {
+  FwdTileOrder const grid = fwd_tile_order<Kt::kBlockM>(p);
+  emu::launch(grid.count(), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
+    int m_block, split, head, batch;
+    grid.decode(bid, m_block, split, head, batch);
+    fwd_block<Kt>(p, smem, tid, m_block, batch, head, split);
+  });
+}
+
 // The tiles of `kUnit` (fwd_config.h FwdUnit), compiled in their own translation unit as on the GPU
-// (sm80/fwd_launch.cuh), so the emulated forward of one head dim and dtype builds in two parallel halves.
+// (sm80/fwd_launch.cuh), so the emulated forward of one head dim and dtype builds in parallel parts.
 template <int kHeadDim, class Element, FwdUnit kUnit>
 void launch_fwd_part_emulated(FwdParams const& p, EmuLaunch const& launch) {
   with_fwd_config<kHeadDim, Element, emu::EmuPrims>(p, launch.max_smem_per_block, [&]<class Kt>() {
-    if constexpr (fwd_unit_of<Kt> == kUnit) {
-      FwdTileOrder const grid = fwd_tile_order<Kt::kBlockM>(p);
-      emu::launch(grid.count(), Kt::kNThreads, Kt::kSmemBytes, [&](int64_t bid, int tid, char* smem) {
-        int m_block, split, head, batch;
-        grid.decode(bid, m_block, split, head, batch);
-        fwd_block<Kt>(p, smem, tid, m_block, batch, head, split);
-      });
-    }
+    if constexpr (fwd_unit_of<Kt> == kUnit) launch_fwd_tile_emulated<Kt>(p);
   });
+}
+
+// A tuning-grid variant under emulation (sm80/fwd_launch.cuh launch_fwd_variant): its tile checked on the CPU.
+template <class Tile, class Element>
+void launch_fwd_variant_emulated(FwdParams const& p, EmuLaunch const&) {
+  launch_fwd_tile_emulated<FwdTraits<Tile, Element, emu::EmuPrims, Softcap::kOff>>(p);
 }
 
 }  // namespace sm80

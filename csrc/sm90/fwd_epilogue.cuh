@@ -14,9 +14,10 @@ namespace sinkattn::sm90 {
 
 using namespace cute;
 
-// Named barriers (ids above CUTLASS's reserved ones): 0/1 give consumer warpgroup 0/1 the tensor cores,
-// 2/3 order each warpgroup's O writes to shared memory before its own global stores.
-enum : uint32_t { kBarTurn0 = 0, kBarTurn1 = 1, kBarEpilogue0 = 2 };
+// Named barriers (ids above CUTLASS's reserved ones): kBarTurn0 + w gives consumer warpgroup w the tensor cores
+// (ping-pong), kBarTurn0 + warpgroups + w orders warpgroup w's O writes to shared memory before its own global
+// stores (2 + w in the two-warpgroup tiles).
+enum : uint32_t { kBarTurn0 = 0 };
 
 // 16-byte shared-memory load through a 32-bit shared address (a generic pointer would hold 64 bits per
 // precomputed address, which the epilogue then spills).
@@ -27,18 +28,18 @@ __device__ __forceinline__ uint4 lds128(void const* ptr) {
   return v;
 }
 
-// O (finalized, in registers) into warpgroup wg's 64 rows of Q's buffer (its own wgmmas were their last
-// readers and have completed), the LSE of its rows, then 16-byte stores of the rows inside the sequence.
-// tid: the thread's index in its warpgroup.
+// O (finalized, in registers) into warpgroup wg's 64 rows of this tile's Q buffer `smem_q` (its own wgmmas
+// were their last readers and have completed), the LSE of its rows, then 16-byte stores of the rows inside
+// the sequence. tid: the thread's index in its warpgroup.
 template <class Kt, class ThrMma, class AccO, class CoordsO, int kRows>
-__device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::SharedStorage& ss, ThrMma const& thr_o,
+__device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::Element* smem_q, ThrMma const& thr_o,
                                               AccO const& tOrO, CoordsO const& tOcO, float const (&lse)[kRows],
                                               int m_block, int head, int batch, SeqExtent const& ext, int wg, int tid) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kHeadDim = Kt::kHeadDim;
   int const m0 = m_block * kBlockM;
   bool const varlen = ext.varlen;
-  Tensor sO = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});
+  Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
   Tensor tOsO = thr_o.partition_C(sO);
   CUTE_UNROLL
   for (int i = 0; i < size(tOrO); ++i) tOsO(i) = Element(tOrO(i));
@@ -52,7 +53,7 @@ __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::S
     }
   }
 
-  cutlass::arch::NamedBarrier::sync(128, kBarEpilogue0 + wg);
+  cutlass::arch::NamedBarrier::sync(128, kBarTurn0 + Kt::kConsumerWarpgroups + wg);
   Element* o_seq = static_cast<Element*>(p.out) + int64_t(head) * p.o_head_stride +
                    (varlen ? ext.q_start * p.o_row_stride : int64_t(batch) * p.o_batch_stride);
   constexpr int kVecsPerRow = kHeadDim / 8;

@@ -62,7 +62,7 @@ template <class Kt>
 __device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
                         typename Kt::SharedStorage& ss) {
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQs{});  // (M, d, Q buffer)
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutKV{});
   bool const varlen = p.cu_seqlens_q != nullptr;
@@ -94,12 +94,13 @@ __device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persistent
       FullBarrier::arrive_and_expect_tx(&ss.k_full[st], Kt::kKVBytes);
       copy(tma.k.with(ss.k_full[st]), tKgK(_, w.range.block(i)), tKsK(_, st));
     };
-    // The first K block goes out before the wait for Q's buffer, which also carries the previous tile's O
-    // out: its load then overlaps the consumers' epilogue.
+    // The first K block goes out before the wait for Q's buffer, which also carries an earlier tile's O out
+    // (with one buffer the previous tile's: this K load then overlaps the consumers' epilogue).
     if (nblocks > 0) load_k(0, kv_it);
-    EmptyBarrier::wait(&ss.q_empty, (q_round & 1) ^ 1);
-    FullBarrier::arrive_and_expect_tx(&ss.q_full, Kt::kQBytes);
-    copy(tma.q.with(ss.q_full), tQgQ, tQsQ);
+    int const qb = q_round % Kt::kQBuffers;
+    EmptyBarrier::wait(&ss.q_empty[qb], ((q_round / Kt::kQBuffers) & 1) ^ 1);
+    FullBarrier::arrive_and_expect_tx(&ss.q_full[qb], Kt::kQBytes);
+    copy(tma.q.with(ss.q_full[qb]), tQgQ, tQsQ(_, qb));
     ++q_round;
 
     for (int i = 0; i < nblocks; ++i, ++kv_it) {
@@ -154,17 +155,26 @@ struct WarpShuffle {
 };
 
 // Ping-pong: a consumer warpgroup waits for its turn at the tensor cores, issues its GEMMs, then hands
-// the turn to the other. Per tile each warpgroup takes nblocks + 1 turns; warpgroup 1 gives warpgroup 0
-// the first turn up front and skips handing over after its last, so every barrier is balanced per tile.
+// the turn to the next (round robin over kWarpgroups; two in the default tiles). Per tile each warpgroup
+// takes nblocks + 1 turns; the last warpgroup gives warpgroup 0 the first turn up front and skips handing
+// over after its last, so every barrier is balanced per tile. kOn false: no turns (each issues when ready).
+template <int kWarpgroups, bool kOn>
 struct PingPong {
   int wg;
-  __device__ void begin() const { cutlass::arch::NamedBarrier::sync(256, wg == 0 ? kBarTurn0 : kBarTurn1); }
+  static constexpr bool kActive = kOn && kWarpgroups > 1;
+  __device__ void begin() const {
+    if constexpr (kActive) cutlass::arch::NamedBarrier::sync(256, kBarTurn0 + wg);
+  }
   __device__ void end(bool last_of_tile) const {
-    if (wg == 0) cutlass::arch::NamedBarrier::arrive(256, kBarTurn1);
-    else if (!last_of_tile) cutlass::arch::NamedBarrier::arrive(256, kBarTurn0);
+    if constexpr (kActive) {
+      if (wg + 1 < kWarpgroups) cutlass::arch::NamedBarrier::arrive(256, kBarTurn0 + wg + 1);
+      else if (!last_of_tile) cutlass::arch::NamedBarrier::arrive(256, kBarTurn0);
+    }
   }
   __device__ void tile_start() const {
-    if (wg == 1) cutlass::arch::NamedBarrier::arrive(256, kBarTurn0);
+    if constexpr (kActive) {
+      if (wg == kWarpgroups - 1) cutlass::arch::NamedBarrier::arrive(256, kBarTurn0);
+    }
   }
 };
 
@@ -173,16 +183,16 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
   int const wg = ctid / 128;
-  PingPong const turn{wg};
+  PingPong<Kt::kConsumerWarpgroups, Kt::kPingPong> const turn{wg};
 
   typename Kt::TiledMmaS mma_s;
   typename Kt::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(ctid);
   auto thr_o = mma_o.get_thread_slice(ctid);
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQs{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutVt{});
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors (MMA, MMA_M, MMA_K, Q buffer)
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
   Tensor tScS = rowcol_view(thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
@@ -222,14 +232,15 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
       for (int i = 0; i < size(tSrS); ++i) rP(i) = Element(tSrS(i));
     };
 
-    FullBarrier::wait(&ss.q_full, q_round & 1);
+    int const qb = q_round % Kt::kQBuffers;
+    FullBarrier::wait(&ss.q_full[qb], (q_round / Kt::kQBuffers) & 1);
     int const nblocks = w.range.count();
     if (nblocks > 0) {
       turn.tile_start();
       int st = kv_it % kStages, phase = (kv_it / kStages) & 1;
       FullBarrier::wait(&ss.k_full[st], phase);
       turn.begin();
-      wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, st), tSrS);
+      wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, st), tSrS);
       turn.end(false);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
@@ -244,7 +255,7 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
         phase = (kv_it / kStages) & 1;
         FullBarrier::wait(&ss.k_full[st], phase);
         turn.begin();
-        wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, st), tSrS);
+        wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, st), tSrS);
         FullBarrier::wait(&ss.v_full[st_prev], phase_prev);
         warpgroup_fence_operand(tOrP);
         wgmma<false>(mma_o, tOrP, tOrV(_, _, _, st_prev), tOrO);
@@ -283,11 +294,12 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
       CUTE_UNROLL
       for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
     }
-    store_out_lse<Kt>(p, ss, thr_o, tOrO, tOcO, lse, w.m_block, w.head, w.batch, w.ext, wg, ctid % 128);
+    store_out_lse<Kt>(p, ss.q + qb * cosize_v<typename Kt::SmemLayoutQ>, thr_o, tOrO, tOcO, lse, w.m_block, w.head,
+                      w.batch, w.ext, wg, ctid % 128);
     // Every read of O's shared memory is done before the producer's next Q load (an async-proxy write)
     // may land there.
     cutlass::arch::fence_view_async_shared();
-    EmptyBarrier::arrive(&ss.q_empty);
+    EmptyBarrier::arrive(&ss.q_empty[qb]);
     ++q_round;
   }
 }
@@ -298,8 +310,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   extern __shared__ __align__(1024) char smem[];
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(smem);
   if (threadIdx.x == 0) {
-    FullBarrier::init(&ss.q_full, 1);
-    EmptyBarrier::init(&ss.q_empty, 128 * Kt::kConsumerWarpgroups);
+    CUTE_UNROLL
+    for (int b = 0; b < Kt::kQBuffers; ++b) {
+      FullBarrier::init(&ss.q_full[b], 1);
+      EmptyBarrier::init(&ss.q_empty[b], 128 * Kt::kConsumerWarpgroups);
+    }
     CUTE_UNROLL
     for (int s = 0; s < Kt::kStages; ++s) {
       FullBarrier::init(&ss.k_full[s], 1);

@@ -28,12 +28,12 @@ inline int sm_count() {
   return n;
 }
 
-}  // namespace sm90
-
-template <int kHeadDim, class Element>
-void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
+// The kernel of one tile: the table's (run_fwd_sm90 below) or a tuning-grid variant's (registered by name,
+// never picked by dispatch; generate_kernels.py SWEEP_SM90).
+template <class Tile, class Element>
+void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   using namespace cute;
-  using Kt = sm90::FwdTraits<sm90::FwdTileOf<kHeadDim>, Element>;
+  using Kt = FwdTraits<Tile, Element>;
   bool const varlen = p.cu_seqlens_q != nullptr;
   int const bdim = varlen ? 1 : p.batch;
   // A TMA descriptor wants every extent >= 1 and every stride a multiple of 16 bytes; an extent-1 mode's
@@ -50,7 +50,7 @@ void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   auto const gQ = tensor(p.q, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   auto const gK = tensor(p.k, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
   auto const gV = tensor(p.v, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
-  sm90::TmaParams<Kt> const tma{
+  TmaParams<Kt> const tma{
       make_tma_copy(SM90_TMA_LOAD{}, gQ, typename Kt::SmemLayoutQ{}),
       make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(typename Kt::SmemLayoutKV{})),
       make_tma_copy(SM90_TMA_LOAD{}, gV, take<0, 2>(typename Kt::SmemLayoutKV{}))};
@@ -58,11 +58,18 @@ void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   PersistentTileOrder const sched{(p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM, 1, p.nheads, p.batch};
   int64_t const tiles = sched.count();
   if (tiles == 0) return;
-  int const sms = sm90::sm_count();
+  int const sms = sm_count();
   int const grid = int(tiles < sms ? tiles : sms);
-  auto kernel = sm90::fwd_kernel<Kt>;
+  auto kernel = fwd_kernel<Kt>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
   kernel<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, tma, sched);
+}
+
+}  // namespace sm90
+
+template <int kHeadDim, class Element>
+void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
+  sm90::launch_fwd<sm90::FwdTileOf<kHeadDim>, Element>(p, stream);
 }
 
 }  // namespace sinkattn

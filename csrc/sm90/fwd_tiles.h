@@ -1,18 +1,27 @@
 // fwd_tiles.h: the tile table of the sm90 forward (no CuTe, no CUDA: the kernel's traits, the launcher and the
-// registry read it). One tile per head dim: M 128 (two consumer warpgroups of 64 rows).
+// registry read it). One tile per head dim; the tuning grid of `make gpu-sweep` (generate_kernels.py SWEEP_SM90)
+// compiles other FwdTile values beside them, which dispatch never picks.
 #pragma once
 
 namespace sinkattn::sm90 {
 
 struct FwdTile {
   int head_dim, block_n, stages;
-  // setmaxnreg budgets, 128 * producer + 256 * consumer <= 64512 registers per SM (one CTA per SM). The
-  // producer only computes block ranges and TMA coordinates; the consumers hold S, P and O.
+  // setmaxnreg budgets, 128 * (producer + consumer warpgroups * consumer) <= 64512 registers per SM (one CTA per
+  // SM). The producer only computes block ranges and TMA coordinates; the consumers hold S, P and O.
   int producer_regs = 40, consumer_regs = 232;
+  // M rows: one consumer warpgroup per 64 (a wgmma is 64 rows tall, so a row's softmax stays in one warpgroup).
+  int block_m = 128;
+  // Consumer warpgroups take turns at the tensor cores (named barriers, round robin): one issues its GEMMs
+  // while the others run their softmax. false: each issues when ready.
+  bool pingpong = true;
+  // Q buffers: with 2 the producer loads the next tile's Q while this tile's main loop still reads its own
+  // (Q's buffer also carries the tile's O out, so with 1 the next Q waits for the epilogue).
+  int q_buffers = 1;
 
-  static constexpr int kBlockM = 128;
-  // Q, then `stages` K and V blocks, each 1024-byte aligned, and one more 1024 bytes for the barriers.
-  constexpr int smem_bytes() const { return (kBlockM + 2 * stages * block_n) * head_dim * 2 + 1024; }
+  // Q (q_buffers of them), then `stages` K and V blocks, each 1024-byte aligned, and 1024 bytes for the barriers.
+  constexpr int smem_bytes() const { return (q_buffers * block_m + 2 * stages * block_n) * head_dim * 2 + 1024; }
+  constexpr int consumer_warpgroups() const { return block_m / 64; }
 };
 
 // Shared memory 113 / 161 / 193 KB for head dim 64 / 128 / 256; a block of 48 keys at head dim 256 keeps O

@@ -1,8 +1,8 @@
 // fwd_traits.h: tile shapes, shared-memory layouts, wgmma and TMA types of the sm90 forward kernel.
 //
-// One CTA = three warpgroups: warpgroup 0 produces (one thread issues every TMA load), warpgroups 1 and 2
-// consume, each owning 64 rows of the 128-row M tile (a wgmma is 64 rows tall, and a row's softmax then
-// stays inside one warpgroup). No torch and no host-only code here: kernels and the launcher include it.
+// One CTA = 1 + block_m / 64 warpgroups: warpgroup 0 produces (one thread issues every TMA load), the others
+// consume, each owning 64 rows of the M tile (a wgmma is 64 rows tall, and a row's softmax then stays inside
+// one warpgroup). No torch and no host-only code here: kernels and the launcher include it.
 #pragma once
 #include <utility>
 
@@ -18,21 +18,26 @@ namespace sinkattn::sm90 {
 
 using namespace cute;
 
-// Tile: FwdTileOf<head dim> (fwd_tiles.h), whose FwdTile gives the shape.
+// Tile: FwdTileOf<head dim> (fwd_tiles.h) or a tuning-grid tile, whose FwdTile gives the shape.
 template <class Tile_, class Element_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr FwdTile kTile = Tile_::tile;
   static constexpr int kHeadDim = kTile.head_dim;
-  static constexpr int kBlockM = FwdTile::kBlockM;
+  static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
-  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kConsumerWarpgroups = kTile.consumer_warpgroups();
+  static constexpr bool kPingPong = kTile.pingpong;
+  static constexpr int kQBuffers = kTile.q_buffers;
   static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kProducerRegs = kTile.producer_regs;
   static constexpr int kConsumerRegs = kTile.consumer_regs;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 64512 && kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0);
+  static_assert(128 * (kProducerRegs + kConsumerWarpgroups * kConsumerRegs) <= 64512 && kProducerRegs % 8 == 0 &&
+                kConsumerRegs % 8 == 0);
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
+  static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups >= 1 && kConsumerWarpgroups <= 3);
+  static_assert(kQBuffers == 1 || kQBuffers == 2);
 
   // S = Q K^T: both operands from shared memory, K-major. O += P V: P from registers (the S accumulator
   // converted in place), V from shared memory read MN-major (the transposed view below).
@@ -47,7 +52,8 @@ struct FwdTraits {
   // 128-byte swizzle: what both TMA and wgmma read without bank conflicts. Head dims are multiples of 64
   // elements, one swizzle row.
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // one buffer
+  using SmemLayoutQs = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQBuffers>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   // V as the B operand of P V is indexed (d, key): the same bytes with the first two modes swapped.
   using SmemLayoutVt = decltype(composition(
@@ -64,12 +70,14 @@ struct FwdTraits {
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
 
   struct SharedStorage {
-    alignas(1024) Element q[cosize_v<SmemLayoutQ>];  // Q, then this tile's O on its way out
+    alignas(1024) Element q[cosize_v<SmemLayoutQs>];  // Q, then this tile's O on its way out
     alignas(1024) Element k[cosize_v<SmemLayoutKV>];
     alignas(1024) Element v[cosize_v<SmemLayoutKV>];
-    alignas(8) uint64_t q_full, q_empty;
+    alignas(8) uint64_t q_full[kQBuffers], q_empty[kQBuffers];
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
   };
+  // Q buffer b starts at q + b * cosize(SmemLayoutQ) (the buffer mode is the outermost; the epilogue's O uses it).
+  static_assert(cosize_v<SmemLayoutQs> == kQBuffers * cosize_v<SmemLayoutQ>);
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "over the sm90 shared-memory limit per block");
   static_assert(kSmemBytes == kTile.smem_bytes(), "the table's size is the layouts' size");
