@@ -159,6 +159,8 @@ def test_deadline_cuts_the_run_lists_what_did_not_run_and_exits_2(tmp_path):
                              {"budget_ms": 1, "max_reps": 1}, **QUIET)
     assert clock.cut and {(r["variant"], r["status"], r["note"]) for r in rows} == {
         ("sweep_fake", "NOT RUN", "deadline"), ("sdpa-flash", "NOT RUN", "deadline")}
+    assert sweep.winners(rows, _one_shape()) == ["winner hd64-full: none, nothing was timed (see NOT RUN)"]
+    assert "- NOT RUN: sweep_fake: deadline" in sweep.tables(rows, _one_shape())
 
 
 def test_a_lost_cuda_context_stops_the_run_and_exits_1(tmp_path):
