@@ -354,10 +354,11 @@ def _row(label, case, name, kind, **kw) -> dict:
 
 
 def time_shapes(variants: list[Variant], verdicts: dict[str, Verdict], shapes: list[tuple[str, Case]],
-                device: torch.device, clock: Clock, timing_kw: dict, log=print) -> list[dict]:
+                device: torch.device, clock: Clock, timing_kw: dict, log=print, rows: list | None = None) -> list[dict]:
     """Phase 2: one row per (shape, variant of its head dim) and one for SDPA: status "ok" (timed), "n/a"
-    (does not serve the shape), "NOT RUN" (deadline, or an error while timing)."""
-    rows = []
+    (does not serve the shape), "NOT RUN" (deadline, or an error while timing). Rows go into `rows` as they
+    come, so a caller keeps them when something breaks."""
+    rows = [] if rows is None else rows
     cuda = device.type == "cuda"
     floor = 1.5 * (timing_kw.get("budget_ms", 300) + 100) / 1e3 if cuda else 1.0
     kw = dict(timing_kw)
@@ -376,9 +377,15 @@ def time_shapes(variants: list[Variant], verdicts: dict[str, Verdict], shapes: l
                            case.window_left, case.window_right, case.sink_tokens, 0.0, case.sinks)
         default = default_backend(problem)
         flops = comparators.case_fwd_flops(case)
-        x = comparators.make_inputs(case, device)
-        out = torch.empty_like(x.q)
-        lse = torch.empty(case.batch, case.nheads, case.seqlen_q, device=device)
+        try:
+            x = comparators.make_inputs(case, device)
+            out = torch.empty_like(x.q)
+            lse = torch.empty(case.batch, case.nheads, case.seqlen_q, device=device)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: this shape's rows say so, the next may fit
+            _fault(e, f"{label} inputs", clock)
+            rows += [_row(label, case, v.name, "variant", status="NOT RUN", is_default=False, flops=flops,
+                          note=f"inputs: {_first_line(e)}") for v in mine]
+            continue
         mask = dict(softmax_scale=1.0 / math.sqrt(case.headdim), window_left=case.window_left,
                     window_right=case.window_right, sink_tokens=case.sink_tokens, softcap=0.0)
         # The defaults first: each variant's "x default" needs them; then SDPA, the anchor, then the variants.
@@ -582,13 +589,14 @@ def main(argv=None, variants: list[Variant] | None = None, started: float | None
               f"{sum(v.backend is not None for v in variants)} defaults -> {out_dir}", flush=True)
         env = _env.collect(device)
         verdicts = check(variants, device, clock, log=lambda s: print(s, flush=True))
-        rows = time_shapes(variants, verdicts, shapes, device, clock, timing_kw, log=lambda s: print(s, flush=True))
+        time_shapes(variants, verdicts, shapes, device, clock, timing_kw, log=lambda s: print(s, flush=True), rows=rows)
     except Exception:  # noqa: BLE001 - the harness broke: say so, still write what there is
         status = 1
         left_out.append("harness error: " + traceback.format_exc().strip().splitlines()[-1])
         traceback.print_exc()
     finally:
         torch.set_num_threads(threads)
+        rank(rows)
     for v in variants or []:
         verdicts.setdefault(v.name, Verdict("NOT RUN", "the run stopped before its checks"))
     not_run = [f"{n}: {v.detail}" for n, v in verdicts.items() if v.status == "NOT RUN"]
