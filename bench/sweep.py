@@ -1,0 +1,621 @@
+"""The tuning sweep of `make gpu-sweep` (issue 17, item 4): one call on the GPU machine covers a round of tuning.
+
+    python -m bench.sweep [--filter SUBSTR] [--headdims 64,128] [--out DIR] [--deadline-s 540]
+                          [--budget-ms MS] [--max-reps N] [--cpu] [--list]
+
+Variants are the extra forward kernels the generator compiles into the extension when asked for a tuning grid
+(registry families "sm90-sweep", "sm80-sweep", "sm80-emulated-sweep"); each runs through the normal bridge as
+backend "variant:<name>" and serves one head dim and dtype. The defaults (the kernels "auto" runs today) run
+beside them as backends "sm90" / "sm80" (CUDA) or "sm80-emulated" (CPU).
+
+    phase 1  every variant and default on small cases at its head dim (CHECKS): fresh random inputs, outputs
+             poisoned with NaN, out and lse against the float64 oracle (tests/oracle.py). A variant that fails
+             a case is FAIL, with the case and the error, and is not timed.
+    phase 2  every passing variant and default on the target shapes of its head dim (TARGETS), TFLOP/s over
+             visible pairs, beside torch SDPA (flash) where it does the same math.
+
+Last, a ranked table per shape and one line per shape naming the winner and its margin over the default (the
+kernel dispatch's "auto" picks for that shape). Into --out: results.csv, results.md, summary.txt (verdicts,
+what did not run and why, the machine).
+
+Everything runs against one deadline (--deadline-s): what does not fit is NOT RUN with the reason. Exit status:
+0 every variant was checked (FAILs are results), 1 the harness broke (incl. a kernel fault that loses the CUDA
+context), 2 the deadline cut the run (the files still hold what ran).
+
+--cpu (automatic without CUDA): emulated variants, tiny shapes, time.perf_counter; it exercises the harness
+and is not a performance claim.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+_STARTED = time.monotonic()  # before torch's import (seconds): the CLI's deadline counts the whole process
+
+import torch  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "tests"))  # the oracle lives with the tests (it imports pytest)
+
+from oracle import attention_oracle, tolerance_check  # noqa: E402
+
+from bench import comparators, timing  # noqa: E402
+from bench import env as _env  # noqa: E402
+from bench.grids import Case  # noqa: E402
+from bench.run import _FATAL, _first_line  # noqa: E402
+
+CPU_NOTE = ("CPU run: emulated kernels on tiny shapes timed with time.perf_counter (the wrap-around check is CUDA "
+            "only); this exercises the harness and is not a performance claim.")
+SWEEP_FAMILIES = {"cuda": ("sm90-sweep", "sm80-sweep"), "cpu": ("sm80-emulated-sweep",)}
+DEFAULT_BACKENDS = {"cuda": ("sm90", "sm80"), "cpu": ("sm80-emulated",)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _target(batch, seqlen, nheads, nheads_k, headdim, causal=False, window_left=-1, sink_tokens=0, sinks=False):
+    return Case("sweep", "attn", "fwd", batch, seqlen, seqlen, nheads, nheads_k, headdim, "bf16", causal=causal,
+                window_left=window_left, window_right=0 if causal else -1, sink_tokens=sink_tokens, sinks=sinks)
+
+
+# Issue 17's targets: bf16, 16k tokens, nheads = 2048 / headdim unless the model says otherwise.
+TARGETS = [
+    ("hd64-full", _target(1, 16384, 32, 32, 64)),              # FA3 paper shape; target 520 TFLOP/s
+    ("hd64-causal", _target(1, 16384, 32, 32, 64, causal=True)),   # target 470
+    ("hd128-full", _target(1, 16384, 16, 16, 128)),            # target 680
+    ("hd128-causal", _target(1, 16384, 16, 16, 128, causal=True)),  # target 620
+    ("hd256-full", _target(1, 16384, 8, 8, 256)),              # target 720: needs a real hd256 tile
+    ("hd256-causal", _target(1, 16384, 8, 8, 256, causal=True)),    # target 620
+    # gpt-oss sliding layer: 64 q / 8 kv heads, window 128, learnable sinks; target 200 over visible pairs
+    ("gptoss-sliding", _target(1, 16384, 64, 8, 64, causal=True, window_left=127, sinks=True)),
+    # gpt-oss full-attention layer: same heads, causal, sinks; target 450
+    ("gptoss-full", _target(1, 16384, 64, 8, 64, causal=True, sinks=True)),
+    # StreamingLLM: Llama-like 32 q / 8 kv heads, window 1024 + 4 sink tokens; target 480
+    ("streamingllm", _target(1, 16384, 32, 8, 128, causal=True, window_left=1023, sink_tokens=4)),
+]
+
+
+def tiny(case: Case) -> Case:
+    """A target shrunk for the CPU run (the emulation runs one std::thread per CUDA thread): same mask kind."""
+    return dataclasses.replace(case, seqlen_q=128, seqlen_k=128, nheads=2,
+                               nheads_k=1 if case.nheads_k < case.nheads else 2,
+                               window_left=min(case.window_left, 31))
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    causal: bool = False
+    window: tuple = (-1, -1)
+    sink_tokens: int = 0
+    sinks: str = "none"        # "none", "randn", or "mixed": +30, -inf, then randn per head
+    softcap: float = 0.0
+    cuda_only: bool = False
+
+
+# Small enough for the emulation on 2 cores (~10 s per hd64 variant), shaped to hit the tile edges.
+CHECKS = [
+    Check("odd-noncausal", 1, 77, 131, 2, 2),                           # partial M and N tiles, no sinks
+    Check("causal-sq<sk", 2, 150, 230, 2, 2, causal=True, sinks="randn"),  # bottom-right diagonal
+    # gpt-oss's window with StreamingLLM's sink tokens, a +30 and a -inf sink among the heads
+    Check("window127-sinktok4-sinks", 1, 300, 300, 4, 4, causal=True, window=(127, 0), sink_tokens=4,
+          sinks="mixed"),
+    Check("gqa-4:1", 1, 129, 257, 8, 2, sinks="randn"),
+    Check("seqlen_q-1", 2, 1, 300, 4, 4, causal=True, sinks="randn"),
+    Check("softcap", 1, 100, 140, 2, 2, causal=True, softcap=15.0, sinks="randn"),
+    # 2 x 16 heads x 9 M tiles of 128 rows > 132 SMs: the persistent kernels wrap around their grid
+    Check("wrap-tiles>SMs", 2, 1100, 1100, 16, 16, causal=True, sinks="randn", cuda_only=True),
+]
+
+
+@dataclass
+class Variant:
+    name: str
+    headdim: int
+    dtype: str                     # registry name: "bf16", "fp16"
+    features: frozenset
+    family: str
+    run: Callable                  # run(q, k, v, sinks, out, lse, *, softmax_scale, window_left, window_right,
+                                   #     sink_tokens, softcap): writes out and lse in place
+    backend: str | None = None     # a default kernel: the dispatch backend it is ("sm90", ...); None for a variant
+
+
+@dataclass
+class Verdict:
+    status: str                    # "PASS", "FAIL", "NOT RUN"
+    detail: str = ""
+    checked: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)   # "case: why" for cases the variant does not serve
+
+
+class Clock:
+    """One deadline for the whole run. A unit of work starts only when the longest unit of its kind so far (or
+    `floor`) still fits, with a reserve for writing the files."""
+
+    RESERVE_S = 2.0
+
+    def __init__(self, deadline_s: float, started: float | None = None):
+        self.t0 = time.monotonic() if started is None else started
+        self.end = self.t0 + deadline_s
+        self.longest: dict[str, float] = {}
+        self.cut = False           # set once something was NOT RUN for lack of time
+        self.lost: str | None = None   # set when a kernel fault lost the CUDA context: nothing more runs
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def fits(self, kind: str, floor: float) -> bool:
+        ok = self.end - time.monotonic() > max(floor, self.longest.get(kind, 0.0)) + self.RESERVE_S
+        self.cut |= not ok
+        return ok
+
+    def took(self, kind: str, seconds: float) -> None:
+        self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
+
+
+# ---------------------------------------------------------------------------------------------- discovery
+
+def _bridge(backend: str, max_smem: int = 0) -> Callable:
+    from sinkattn import kernels
+
+    def run(q, k, v, sinks, out, lse, **mask):
+        kernels.launch_fwd(backend, q, k, v, sinks, out, lse, max_smem=max_smem, **mask)
+    return run
+
+
+def discover(device_type: str, headdims: list[int], name_filter: str | None) -> tuple[list[Variant], list[str]]:
+    """The defaults and the sweep variants of this device kind, and a line for each one left out (and why)."""
+    from sinkattn import _device, _ext, dispatch, registry
+
+    if not _ext.loaded():
+        raise RuntimeError(f"sinkattn's extension is not loaded: {_ext.IMPORT_ERROR}")
+    target_dtypes = {c.dtype for _, c in TARGETS}
+    cap = torch.cuda.get_device_capability() if device_type == "cuda" else None
+    found, left_out = [], []
+    for backend in DEFAULT_BACKENDS[device_type]:
+        gap = dispatch._device_gap(backend, cap) if cap else None
+        for hd in headdims:
+            k = registry.find(registry.BACKEND_FAMILY[backend], "fwd", hd, "bf16")
+            if k is None or gap:
+                left_out.append(f"default {backend} hd{hd}: {gap or 'not in this build'}")
+                continue
+            found.append(Variant(k["name"], hd, "bf16", registry.features(k), k["family"],
+                                 _bridge(backend, _device.sm80_max_smem(backend)), backend=backend))
+    for k in _ext.registry():
+        if k["family"] not in SWEEP_FAMILIES[device_type] or k["op"] != "fwd":
+            continue
+        why = None
+        if name_filter and name_filter not in k["name"]:
+            why = f"--filter {name_filter!r}"
+        elif k["headdim"] not in headdims:
+            why = f"head dim {k['headdim']} not in --headdims"
+        elif k["dtype"] not in target_dtypes:
+            why = f"dtype {k['dtype']}: the target shapes are {', '.join(sorted(target_dtypes))}"
+        elif cap and registry.how_it_runs(k["archs"], cap) is None:
+            why = f"compiled for {k['archs']}, which does not run on cc {cap[0]}.{cap[1]}"
+        if why:
+            left_out.append(f"{k['name']}: {why}")
+            continue
+        found.append(Variant(k["name"], k["headdim"], k["dtype"], registry.features(k), k["family"],
+                             _bridge("variant:" + k["name"])))
+    return found, left_out
+
+
+def _problem(device_type, dtype, headdim, nheads, nheads_k, left, right, sink_tokens, softcap, has_sinks):
+    from sinkattn._problem import Problem
+
+    return Problem(kind="fwd", device_type=device_type, dtype=dtype, headdim=headdim, headdim_v=headdim,
+                   nheads=nheads, nheads_k=nheads_k, window_left=left, window_right=right,
+                   sink_tokens=sink_tokens, softcap=softcap, has_sinks=has_sinks, varlen=False,
+                   device_index=0 if device_type == "cuda" else None)
+
+
+def why_not(v: Variant, problem) -> str | None:
+    """None when `v` serves `problem`. A variant's registry features decide (no softcap feature, no softcap
+    case); a default kernel is asked through dispatch, as "auto" would ask it."""
+    from sinkattn import dispatch, registry
+
+    if problem.headdim != v.headdim or registry.dtype_name(problem.dtype) != v.dtype:
+        return f"serves hd{v.headdim} {v.dtype} only"
+    missing = [f for f in registry.needed_features(problem) if f not in v.features]
+    if missing:
+        return "lacks " + ", ".join(missing)
+    return dispatch.why_not(v.backend, problem) if v.backend else None
+
+
+def default_backend(problem) -> str:
+    """The kernel a user gets for this shape: dispatch's "auto" on CUDA; on the CPU (where auto means the
+    reference backend) the emulated sm80 kernel."""
+    from sinkattn import dispatch
+
+    if problem.device_type != "cuda":
+        return "sm80-emulated"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return dispatch.choose(problem, "auto")
+
+
+def _fault(e: BaseException, who: str, clock: Clock) -> None:
+    """A kernel fault poisons the CUDA context: nothing after it in this process can be trusted."""
+    if any(f in str(e) for f in _FATAL):
+        clock.lost = f"{who}: {_first_line(e)}"
+
+
+# ---------------------------------------------------------------------------------------------- phase 1
+
+def _sinks(kind: str, h: int, device) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    s = torch.randn(h, device=device)
+    if kind == "mixed":
+        s[0], s[1 % h] = 30.0, -math.inf
+    return s
+
+
+def check_case(v: Variant, c: Check, device: torch.device) -> None:
+    """Runs `v` on `c` with fresh inputs and NaN-poisoned outputs; raises AssertionError naming the case and
+    the error when out or lse is off.
+
+    Two baselines, both with FlashAttention's rule max|got - ref| <= 2 max|baseline - ref| + atol:
+    - DESIGN.md section 6's: the same math in PyTorch at the input dtype (tests/kernel_cases.py's atols);
+    - the float32 oracle, its out rounded to the input dtype. The kernels compute scores, softmax and lse in
+      fp32 and round P and out; the bf16 baseline rounds the scores before exp, which makes its bound loose
+      enough (about 5e-2 on these cases, the kernels' own error ~5e-3) to pass an output off by 1% or an lse
+      off by 0.01. Measured on the emulated sm80 kernel (20 runs of these cases, hd 64/128/256): its error is at
+      most 0.59 of the fp32 bound on out and 0.01 on lse (0.21 and 1e-5 of the bf16 ones). Not applied with
+      softcap: with --use_fast_math the device's tanhf may be approximate."""
+    dt = DTYPES[v.dtype]
+    b, sq, sk, h, hk, d = c.batch, c.seqlen_q, c.seqlen_k, c.nheads, c.nheads_k, v.headdim
+    q = torch.randn(b, sq, h, d, device=device, dtype=dt)
+    k = torch.randn(b, sk, hk, d, device=device, dtype=dt)
+    vv = torch.randn(b, sk, hk, d, device=device, dtype=dt)
+    sinks = _sinks(c.sinks, h, device)
+    storage = torch.full((q.numel() + 256,), math.nan, dtype=dt, device=device)
+    out, guard = storage[: q.numel()].view(q.shape), storage[q.numel():]
+    lse = torch.full((b, h, sq), math.nan, device=device)
+    left, right = c.window[0], 0 if c.causal else c.window[1]
+    v.run(q, k, vv, sinks, out, lse, softmax_scale=1.0 / math.sqrt(d), window_left=left, window_right=right,
+          sink_tokens=c.sink_tokens, softcap=c.softcap)
+    if not bool(torch.isnan(guard).all()):
+        raise AssertionError(f"{c.name}: the kernel wrote past the end of out")
+    kw = dict(causal=c.causal, window_size=c.window, sink_tokens=c.sink_tokens, softcap=c.softcap)
+    ref_out, ref_lse = attention_oracle(q, k, vv, sinks, **kw)
+    low_out, low_lse = attention_oracle(q, k, vv, sinks, compute_dtype=dt, **kw)
+    tolerance_check(f"{c.name} out", out, ref_out, low_out, atol=1e-3)
+    tolerance_check(f"{c.name} lse", lse, ref_lse, low_lse.float(), atol=1e-4)
+    if c.softcap == 0:
+        f32_out, f32_lse = attention_oracle(q, k, vv, sinks, compute_dtype=torch.float32, **kw)
+        tolerance_check(f"{c.name} out (fp32 baseline)", out, ref_out, f32_out.to(dt), atol=1e-3)
+        tolerance_check(f"{c.name} lse (fp32 baseline)", lse, ref_lse, f32_lse, atol=1e-4)
+
+
+def check(variants: list[Variant], device: torch.device, clock: Clock, log=print,
+          checks: list[Check] = CHECKS) -> dict[str, Verdict]:
+    """Phase 1: a verdict per variant. A variant stops at its first failing case."""
+    verdicts = {}
+    cases = [c for c in checks if device.type == "cuda" or not c.cuda_only]
+    floor = 5.0 if device.type == "cuda" else 10.0
+    for v in variants:
+        if clock.lost:
+            verdicts[v.name] = Verdict("NOT RUN", f"CUDA context lost earlier ({clock.lost})")
+            continue
+        if not clock.fits("check", floor):
+            verdicts[v.name] = Verdict("NOT RUN", "deadline: no time left for its checks")
+            log(f"sweep: check {v.name}: NOT RUN (deadline)")
+            continue
+        t0 = time.monotonic()
+        verdict = Verdict("PASS")
+        for c in cases:
+            reason = why_not(v, _problem(device.type, DTYPES[v.dtype], v.headdim, c.nheads, c.nheads_k, c.window[0],
+                                         0 if c.causal else c.window[1], c.sink_tokens, c.softcap, c.sinks != "none"))
+            if reason:
+                verdict.skipped.append(f"{c.name}: {reason}")
+                continue
+            try:
+                check_case(v, c, device)
+                verdict.checked.append(c.name)
+            except AssertionError as e:
+                verdict.status, verdict.detail = "FAIL", str(e)
+            except Exception as e:  # noqa: BLE001 - a variant that raises is a FAIL, not a broken harness
+                _fault(e, v.name, clock)
+                verdict.status, verdict.detail = "FAIL", f"{c.name}: {_first_line(e)}"
+            if verdict.status == "FAIL":
+                break
+        if verdict.status == "PASS" and not verdict.checked:
+            verdict = Verdict("NOT RUN", "no check case fits its features", skipped=verdict.skipped)
+        verdicts[v.name] = verdict
+        dt = time.monotonic() - t0
+        clock.took("check", dt)
+        log(f"sweep: check {v.name}: {verdict.status}"
+            + (f" ({len(verdict.checked)} cases" + (f", {len(verdict.skipped)} not served" if verdict.skipped else "")
+               + ")" if verdict.status == "PASS" else f": {verdict.detail}") + f" [{dt:.1f} s]")
+    return verdicts
+
+
+# ---------------------------------------------------------------------------------------------- phase 2
+
+def _row(label, case, name, kind, **kw) -> dict:
+    return dict(shape=label, headdim=case.headdim, variant=name, kind=kind, **kw)
+
+
+def time_shapes(variants: list[Variant], verdicts: dict[str, Verdict], shapes: list[tuple[str, Case]],
+                device: torch.device, clock: Clock, timing_kw: dict, log=print, rows: list | None = None) -> list[dict]:
+    """Phase 2: one row per (shape, variant of its head dim) and one for SDPA: status "ok" (timed), "n/a"
+    (does not serve the shape), "NOT RUN" (deadline, or an error while timing). Rows go into `rows` as they
+    come, so a caller keeps them when something breaks."""
+    rows = [] if rows is None else rows
+    cuda = device.type == "cuda"
+    floor = 1.5 * (timing_kw.get("budget_ms", 300) + 100) / 1e3 if cuda else 1.0
+    kw = dict(timing_kw)
+    if cuda and kw.get("flush_l2", True):
+        kw["flusher"] = timing.L2Flusher(device)
+    for label, case in shapes:
+        mine = [v for v in variants if v.headdim == case.headdim and v.dtype == case.dtype
+                and verdicts.get(v.name, Verdict("NOT RUN")).status == "PASS"]
+        if not mine:
+            continue
+        if clock.lost:
+            rows += [_row(label, case, v.name, "variant", status="NOT RUN", is_default=False, flops=0,
+                          note=f"CUDA context lost earlier ({clock.lost})") for v in mine]
+            continue
+        problem = _problem(device.type, case.torch_dtype, case.headdim, case.nheads, case.nheads_k,
+                           case.window_left, case.window_right, case.sink_tokens, 0.0, case.sinks)
+        default = default_backend(problem)
+        flops = comparators.case_fwd_flops(case)
+        try:
+            x = comparators.make_inputs(case, device)
+            out = torch.empty_like(x.q)
+            lse = torch.empty(case.batch, case.nheads, case.seqlen_q, device=device)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: this shape's rows say so, the next may fit
+            _fault(e, f"{label} inputs", clock)
+            rows += [_row(label, case, v.name, "variant", status="NOT RUN", is_default=False, flops=flops,
+                          note=f"inputs: {_first_line(e)}") for v in mine]
+            continue
+        mask = dict(softmax_scale=1.0 / math.sqrt(case.headdim), window_left=case.window_left,
+                    window_right=case.window_right, sink_tokens=case.sink_tokens, softcap=0.0)
+        # The defaults first: each variant's "x default" needs them; then SDPA, the anchor, then the variants.
+        order = sorted(mine, key=lambda v: v.backend is None)
+        units = [(v.name, "default" if v.backend else "variant", v) for v in order]
+        units.insert(sum(1 for v in order if v.backend), ("sdpa-flash", "sdpa", None))
+        for name, kind, v in units:
+            base = _row(label, case, name, kind, family=v.family if v else "torch", flops=flops,
+                        is_default=bool(v and v.backend == default))
+            if v is not None:
+                reason = why_not(v, problem)
+                if reason:
+                    rows.append(dict(base, status="n/a", note=reason))
+                    continue
+            if clock.lost:
+                rows.append(dict(base, status="NOT RUN", note=f"CUDA context lost earlier ({clock.lost})"))
+                continue
+            if not clock.fits("time", floor):
+                rows.append(dict(base, status="NOT RUN", note="deadline"))
+                continue
+            t0 = time.monotonic()
+            try:
+                if v is None:
+                    fn = comparators.prep_sdpa(case, x, device).fn
+                else:
+                    def fn(v=v):
+                        v.run(x.q, x.k, x.v, x.sinks, out, lse, **mask)
+                t = timing.bench(fn, device, **kw)
+                rows.append(dict(base, status="ok", median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms,
+                                 reps=t.reps, method=t.method, tflops=flops / (t.median_ms * 1e-3) / 1e12))
+                log(f"sweep: time {label} {name}: {rows[-1]['tflops']:.4g} TFLOP/s, {t.median_ms:.4g} ms "
+                    f"({t.reps} runs)")
+            except comparators.Unsupported as e:
+                rows.append(dict(base, status="n/a", note=str(e)))
+            except Exception as e:  # noqa: BLE001 - one failing timing must not stop the sweep
+                _fault(e, f"{label} / {name}", clock)
+                rows.append(dict(base, status="NOT RUN", note=f"error while timing: {_first_line(e)}"))
+                log(f"sweep: time {label} {name}: {rows[-1]['note']}")
+            clock.took("time", time.monotonic() - t0)
+        del x, out, lse
+        if cuda and not clock.lost:
+            torch.cuda.empty_cache()
+    return rank(rows)
+
+
+def rank(rows: list[dict]) -> list[dict]:
+    """Ranks the timed kernels of each shape by median time (SDPA is the anchor, not ranked) and adds
+    x_default (default's time / this one's: > 1 is faster than the default) and x_sdpa likewise."""
+    for label in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == label]
+        timed = sorted((r for r in mine if r["status"] == "ok" and r["kind"] != "sdpa"), key=lambda r: r["median_ms"])
+        ref = {"x_default": next((r["median_ms"] for r in timed if r["is_default"]), None),
+               "x_sdpa": next((r["median_ms"] for r in mine if r["status"] == "ok" and r["kind"] == "sdpa"), None)}
+        for i, r in enumerate(timed, 1):
+            r["rank"] = i
+            for col, t in ref.items():
+                r[col] = t / r["median_ms"] if t else None
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+def _f(x, fmt) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def tables(rows: list[dict], shapes: list[tuple[str, Case]]) -> str:
+    """The ranked table of each shape (markdown), with what was not served / not run under it."""
+    out = []
+    for label, case in shapes:
+        mine = [r for r in rows if r["shape"] == label]
+        if not mine:
+            continue
+        mask = case.mask_name + ("+sinks" if case.sinks else "")
+        out.append(f"### {label}: b{case.batch} s{case.seqlen_q} h{case.nheads}/{case.nheads_k} hd{case.headdim} "
+                   f"{mask}, {mine[0]['flops'] / 1e12:.4g} TFLOP per call")
+        out.append("")
+        ranked = sorted((r for r in mine if r.get("rank")), key=lambda r: r["rank"])
+        if ranked:
+            out.append("| rank | variant | TFLOP/s | median ms | x default | x SDPA |")
+            out.append("|---:|---|---:|---:|---:|---:|")
+        for r in ranked:
+            name = r["variant"] + (" (default)" if r["is_default"] else "")
+            out.append(f"| {r['rank']} | {name} | {r['tflops']:.4g} | {r['median_ms']:.4g} | "
+                       f"{_f(r['x_default'], '.3g')} | {_f(r['x_sdpa'], '.3g')} |")
+        for r in mine:
+            if r["kind"] == "sdpa" and r["status"] == "ok":
+                out.append(f"| - | sdpa-flash (anchor) | {r['tflops']:.4g} | {r['median_ms']:.4g} | | |" if ranked
+                           else f"- sdpa-flash (anchor): {r['tflops']:.4g} TFLOP/s, {r['median_ms']:.4g} ms")
+        out.append("")
+        for r in mine:
+            if r["status"] not in ("ok",):
+                out.append(f"- {r['status']}: {r['variant']}: {r.get('note', '')}")
+        out.append("")
+    return "\n".join(out)
+
+
+def winners(rows: list[dict], shapes: list[tuple[str, Case]]) -> list[str]:
+    lines = []
+    for label, _ in shapes:
+        ranked = sorted((r for r in rows if r["shape"] == label and r.get("rank")), key=lambda r: r["rank"])
+        if not ranked:
+            if any(r["shape"] == label for r in rows):
+                lines.append(f"winner {label}: none, nothing was timed (see NOT RUN)")
+            continue
+        w, default = ranked[0], next((r for r in ranked if r["is_default"]), None)
+        if default is None:
+            margin = "the default was not timed"
+        elif w is default:
+            margin = "the default itself"
+            if len(ranked) > 1:
+                margin += f"; next {ranked[1]['variant']} at {ranked[1]['x_default']:.3f}x the default"
+        else:
+            margin = f"{w['x_default']:.3f}x the default {default['variant']} ({default['tflops']:.4g} TFLOP/s)"
+        lines.append(f"winner {label}: {w['variant']} {w['tflops']:.4g} TFLOP/s, {margin}")
+    return lines
+
+
+CSV_FIELDS = ["shape", "headdim", "rank", "variant", "kind", "family", "is_default", "status", "tflops",
+              "median_ms", "p10_ms", "p90_ms", "reps", "method", "x_default", "x_sdpa", "flops", "note"]
+
+
+def write(out_dir: str, rows, verdicts, left_out, not_run, shapes, env, head: list[str], table_md: str,
+          win: list[str]) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, n) for n in ("results.csv", "results.md", "summary.txt")]
+    with open(paths[0], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{r[k]:.6g}" if isinstance(r.get(k), float) else r.get(k, "")) for k in CSV_FIELDS})
+    with open(paths[1], "w") as f:
+        f.write("# Tuning sweep\n\n" + "\n".join(f"> {h}" if h == CPU_NOTE else h for h in head) + "\n\n"
+                + table_md + "\n" + "\n".join(f"- {x}" for x in win) + "\n")
+    lines = head + ["", "## phase 1: checks against the float64 oracle"]
+    for name, v in verdicts.items():
+        lines.append(f"{v.status:7s} {name}" + (f": {v.detail}" if v.detail else "")
+                     + (f" (checked: {', '.join(v.checked)})" if v.checked else ""))
+        lines += [f"          not served: {s}" for s in v.skipped]
+    lines += ["", "## NOT RUN"] + (not_run or ["(nothing)"])
+    lines += ["", "## left out before the run"] + (left_out or ["(nothing)"])
+    lines += ["", "## winners"] + win + ["", "## env", json.dumps(env, indent=1, default=str)]
+    with open(paths[2], "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--filter", default=None, help="only the sweep variants whose name contains SUBSTR")
+    p.add_argument("--headdims", default=None, help="comma list (default: every head dim of the targets)")
+    p.add_argument("--out", default=None, help="results folder (default: $OUT, else bench/results/sweep-<time>)")
+    p.add_argument("--deadline-s", type=float, default=540.0, help="the whole run ends before this (default 540)")
+    p.add_argument("--budget-ms", type=float, default=None, help="timed time per measurement (300 GPU, 200 CPU)")
+    p.add_argument("--max-reps", type=int, default=None, help="most timed runs per measurement (50 GPU, 3 CPU)")
+    p.add_argument("--cpu", action="store_true", help="emulated variants on tiny shapes (automatic without CUDA)")
+    p.add_argument("--list", action="store_true", help="print the variants, checks and shapes, run nothing")
+    return p.parse_args(argv)
+
+
+def main(argv=None, variants: list[Variant] | None = None, started: float | None = None) -> int:
+    """`variants` replaces discovery (tests inject their own); the deadline counts from `started` (default: now)."""
+    a = parse_args(argv)
+    clock = Clock(a.deadline_s, started)
+    cuda = torch.cuda.is_available() and not a.cpu
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    headdims = sorted({int(h) for h in a.headdims.split(",")} if a.headdims else {c.headdim for _, c in TARGETS})
+    shapes = [(label, c if cuda else tiny(c)) for label, c in TARGETS if c.headdim in headdims]
+    out_dir = a.out or os.environ.get("OUT") or os.path.join(
+        _ROOT, "bench", "results", "sweep-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(1)  # tiny tensors; the emulation brings its own threads
+    timing_kw = ({"budget_ms": a.budget_ms or 300.0, "max_reps": a.max_reps or 50, "min_reps": min(5, a.max_reps or 5)}
+                 if cuda else
+                 {"budget_ms": a.budget_ms or 200.0, "max_reps": a.max_reps or 3, "min_reps": min(2, a.max_reps or 2)})
+    head = [f"sweep: {device.type}, head dims {headdims}, filter {a.filter!r}, deadline {a.deadline_s:g} s, "
+            f"seed {seed}, timing {timing_kw}"] + ([] if cuda else [CPU_NOTE])
+    rows, verdicts, left_out, env, status = [], {}, [], {}, 0
+    try:
+        if variants is None:
+            variants, left_out = discover(device.type, headdims, a.filter)
+        else:
+            variants = [v for v in variants if v.headdim in headdims and (v.backend or not a.filter
+                                                                         or a.filter in v.name)]
+        if a.list:
+            print("\n".join([f"{v.name} ({v.family}, hd{v.headdim} {v.dtype}): {','.join(sorted(v.features))}"
+                             for v in variants] + [f"left out: {x}" for x in left_out]
+                            + [f"check: {c}" for c in CHECKS] + [f"shape: {s} {c.id}" for s, c in shapes]))
+            return 0
+        if not variants:
+            raise RuntimeError("no default kernel and no sweep variant to run (see 'left out')")
+        for line in head:
+            print(line, flush=True)
+        print(f"sweep: {sum(v.backend is None for v in variants)} variants and "
+              f"{sum(v.backend is not None for v in variants)} defaults -> {out_dir}", flush=True)
+        env = _env.collect(device)
+        verdicts = check(variants, device, clock, log=lambda s: print(s, flush=True))
+        time_shapes(variants, verdicts, shapes, device, clock, timing_kw, log=lambda s: print(s, flush=True), rows=rows)
+    except Exception:  # noqa: BLE001 - the harness broke: say so, still write what there is
+        status = 1
+        left_out.append("harness error: " + traceback.format_exc().strip().splitlines()[-1])
+        traceback.print_exc()
+    finally:
+        torch.set_num_threads(threads)
+        rank(rows)
+    for v in variants or []:
+        verdicts.setdefault(v.name, Verdict("NOT RUN", "the run stopped before its checks"))
+    not_run = [f"{n}: {v.detail}" for n, v in verdicts.items() if v.status == "NOT RUN"]
+    not_run += [f"{r['shape']} / {r['variant']}: {r['note']}" for r in rows if r["status"] == "NOT RUN"]
+    if clock.lost:
+        status = 1
+        print(f"sweep: CUDA context lost ({clock.lost}); what came after it is NOT RUN", file=sys.stderr)
+    if status == 0 and clock.cut:
+        status = 2
+    env["elapsed_s"], env["exit_status"] = round(clock.elapsed(), 1), status
+    table_md, win = tables(rows, shapes), winners(rows, shapes)
+    paths = write(out_dir, rows, verdicts, left_out, not_run, shapes, env, head, table_md, win)
+    if not_run:
+        print("sweep: NOT RUN:\n  " + "\n  ".join(not_run))
+    print(f"sweep: wrote {', '.join(paths)} in {clock.elapsed():.1f} s, exit status {status}")
+    print(table_md)
+    print("\n".join(win) if win else "sweep: nothing was timed")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(started=_STARTED))
