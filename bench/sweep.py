@@ -10,7 +10,10 @@ beside them as backends "sm90" / "sm80" (CUDA) or "sm80-emulated" (CPU).
 
     phase 1  every variant and default on small cases at its head dim (CHECKS): fresh random inputs, outputs
              poisoned with NaN, out and lse against the float64 oracle (tests/oracle.py). A variant that fails
-             a case is FAIL, with the case and the error, and is not timed.
+             DESIGN.md's rule on a case is FAIL, with the case and the error, and is not timed. One that passes
+             it but not the tighter fp32 baseline (check_case) is SUSPECT: timed and ranked, marked, and never
+             named winner (the fp32 bound has been measured on the emulated kernels only, so a too-tight bound
+             must not cost a lease its timings; a 1% error must not win a round either).
     phase 2  every passing variant and default on the target shapes of its head dim (TARGETS), TFLOP/s over
              visible pairs, beside torch SDPA (flash) where it does the same math.
 
@@ -137,7 +140,7 @@ class Variant:
 
 @dataclass
 class Verdict:
-    status: str                    # "PASS", "FAIL", "NOT RUN"
+    status: str                    # "PASS", "SUSPECT", "FAIL", "NOT RUN"
     detail: str = ""
     checked: list = field(default_factory=list)
     skipped: list = field(default_factory=list)   # "case: why" for cases the variant does not serve
@@ -267,6 +270,10 @@ def _sinks(kind: str, h: int, device) -> torch.Tensor | None:
     return s
 
 
+class Suspect(AssertionError):
+    """Within DESIGN.md's bound, beyond the fp32 baseline's (check_case)."""
+
+
 def check_case(v: Variant, c: Check, device: torch.device) -> None:
     """Runs `v` on `c` with fresh inputs and NaN-poisoned outputs; raises AssertionError naming the case and
     the error when out or lse is off.
@@ -300,8 +307,11 @@ def check_case(v: Variant, c: Check, device: torch.device) -> None:
     tolerance_check(f"{c.name} lse", lse, ref_lse, low_lse.float(), atol=1e-4)
     if c.softcap == 0:
         f32_out, f32_lse = attention_oracle(q, k, vv, sinks, compute_dtype=torch.float32, **kw)
-        tolerance_check(f"{c.name} out (fp32 baseline)", out, ref_out, f32_out.to(dt), atol=1e-3)
-        tolerance_check(f"{c.name} lse (fp32 baseline)", lse, ref_lse, f32_lse, atol=1e-4)
+        try:
+            tolerance_check(f"{c.name} out (fp32 baseline)", out, ref_out, f32_out.to(dt), atol=1e-3)
+            tolerance_check(f"{c.name} lse (fp32 baseline)", lse, ref_lse, f32_lse, atol=1e-4)
+        except AssertionError as e:
+            raise Suspect(str(e)) from None
 
 
 def check(variants: list[Variant], device: torch.device, clock: Clock, log=print,
@@ -329,6 +339,10 @@ def check(variants: list[Variant], device: torch.device, clock: Clock, log=print
             try:
                 check_case(v, c, device)
                 verdict.checked.append(c.name)
+            except Suspect as e:  # the other cases still run: a hard FAIL among them wins
+                verdict.checked.append(c.name)
+                if verdict.status == "PASS":
+                    verdict.status, verdict.detail = "SUSPECT", str(e)
             except AssertionError as e:
                 verdict.status, verdict.detail = "FAIL", str(e)
             except Exception as e:  # noqa: BLE001 - a variant that raises is a FAIL, not a broken harness
@@ -336,7 +350,7 @@ def check(variants: list[Variant], device: torch.device, clock: Clock, log=print
                 verdict.status, verdict.detail = "FAIL", f"{c.name}: {_first_line(e)}"
             if verdict.status == "FAIL":
                 break
-        if verdict.status == "PASS" and not verdict.checked:
+        if verdict.status in ("PASS", "SUSPECT") and not verdict.checked:
             verdict = Verdict("NOT RUN", "no check case fits its features", skipped=verdict.skipped)
         verdicts[v.name] = verdict
         dt = time.monotonic() - t0
@@ -345,6 +359,23 @@ def check(variants: list[Variant], device: torch.device, clock: Clock, log=print
             + (f" ({len(verdict.checked)} cases" + (f", {len(verdict.skipped)} not served" if verdict.skipped else "")
                + ")" if verdict.status == "PASS" else f": {verdict.detail}") + f" [{dt:.1f} s]")
     return verdicts
+
+
+def timed_statuses() -> tuple[str, ...]:
+    return ("PASS", "SUSPECT")
+
+
+def _suspects(verdicts: dict[str, Verdict]) -> set[str]:
+    return {n for n, v in verdicts.items() if v.status == "SUSPECT"}
+
+
+def mark_suspects(rows: list[dict], verdicts: dict[str, Verdict]) -> list[dict]:
+    """Rows of SUSPECT variants say so (tables mark them, winners skip them)."""
+    sus = _suspects(verdicts)
+    for r in rows:
+        if r["variant"] in sus:
+            r["suspect"] = True
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- phase 2
@@ -366,7 +397,7 @@ def time_shapes(variants: list[Variant], verdicts: dict[str, Verdict], shapes: l
         kw["flusher"] = timing.L2Flusher(device)
     for label, case in shapes:
         mine = [v for v in variants if v.headdim == case.headdim and v.dtype == case.dtype
-                and verdicts.get(v.name, Verdict("NOT RUN")).status == "PASS"]
+                and verdicts.get(v.name, Verdict("NOT RUN")).status in timed_statuses()]
         if not mine:
             continue
         if clock.lost:
@@ -428,7 +459,7 @@ def time_shapes(variants: list[Variant], verdicts: dict[str, Verdict], shapes: l
         del x, out, lse
         if cuda and not clock.lost:
             torch.cuda.empty_cache()
-    return rank(rows)
+    return rank(mark_suspects(rows, verdicts))
 
 
 def rank(rows: list[dict]) -> list[dict]:
@@ -468,7 +499,7 @@ def tables(rows: list[dict], shapes: list[tuple[str, Case]]) -> str:
             out.append("| rank | variant | TFLOP/s | median ms | x default | x SDPA |")
             out.append("|---:|---|---:|---:|---:|---:|")
         for r in ranked:
-            name = r["variant"] + (" (default)" if r["is_default"] else "")
+            name = r["variant"] + (" (default)" if r["is_default"] else "") + (" SUSPECT" if r.get("suspect") else "")
             out.append(f"| {r['rank']} | {name} | {r['tflops']:.4g} | {r['median_ms']:.4g} | "
                        f"{_f(r['x_default'], '.3g')} | {_f(r['x_sdpa'], '.3g')} |")
         for r in mine:
@@ -487,6 +518,8 @@ def winners(rows: list[dict], shapes: list[tuple[str, Case]]) -> list[str]:
     lines = []
     for label, _ in shapes:
         ranked = sorted((r for r in rows if r["shape"] == label and r.get("rank")), key=lambda r: r["rank"])
+        # A SUSPECT variant is ranked but never the winner; a SUSPECT default still anchors "x default".
+        ranked = [r for r in ranked if not r.get("suspect") or r["is_default"]]
         if not ranked:
             if any(r["shape"] == label for r in rows):
                 lines.append(f"winner {label}: none, nothing was timed (see NOT RUN)")
@@ -504,7 +537,7 @@ def winners(rows: list[dict], shapes: list[tuple[str, Case]]) -> list[str]:
     return lines
 
 
-CSV_FIELDS = ["shape", "headdim", "rank", "variant", "kind", "family", "is_default", "status", "tflops",
+CSV_FIELDS = ["shape", "headdim", "rank", "variant", "kind", "family", "is_default", "status", "suspect", "tflops",
               "median_ms", "p10_ms", "p90_ms", "reps", "method", "x_default", "x_sdpa", "flops", "note"]
 
 

@@ -302,6 +302,13 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   p.lse = lse.data_ptr<float>();
   TORCH_CHECK(!variant || variant->smem_bytes <= p.max_smem_per_block, "sinkattn fwd: variant ", variant->name,
               " needs ", variant->smem_bytes, " bytes of shared memory per block; the limit is ", p.max_smem_per_block);
+  // A persistent kernel drawing its tiles from a counter (registry feature "tile_counter") gets a zeroed int
+  // (a memset on the stream: graph-capturable); the caching allocator keeps it until the kernel is done.
+  at::Tensor tile_counter;
+  if ((std::string(",") + info->features + ",").find(",tile_counter,") != std::string::npos) {
+    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    p.tile_counter = tile_counter.data_ptr<int>();
+  }
   launch_fwd(info, p, emulated, q.device());
 }
 

@@ -277,12 +277,17 @@ class Sm90Variant:
     consumer_regs: int = 232
     pingpong: bool = True
     q_buffers: int = 1
+    dynamic_tiles: bool = False
 
     def tag(self) -> str:
         t = f"m{self.block_m}n{self.block_n}s{self.stages}"
         if (self.producer_regs, self.consumer_regs) != (40, 232):
             t += f"r{self.producer_regs}x{self.consumer_regs}"
-        return t + ("" if self.pingpong else "_nopp") + ("_q2" if self.q_buffers == 2 else "")
+        return (t + ("" if self.pingpong else "_nopp") + ("_q2" if self.q_buffers == 2 else "")
+                + ("_dyn" if self.dynamic_tiles else ""))
+
+    def features(self) -> str:  # what its registry entry says it serves (and needs: a tile counter)
+        return "SINKATTN_FWD_SM90_FEATURES" + (' ",tile_counter"' if self.dynamic_tiles else "")
 
     def smem_bytes(self) -> int:  # FwdTile::smem_bytes, for the static checks in tests
         return (self.q_buffers * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 1024
@@ -290,7 +295,8 @@ class Sm90Variant:
     def cpp(self) -> str:
         return (f"sm90::FwdTile{{.head_dim = {self.head_dim}, .block_n = {self.block_n}, .stages = {self.stages}, "
                 f".producer_regs = {self.producer_regs}, .consumer_regs = {self.consumer_regs}, "
-                f".block_m = {self.block_m}, .pingpong = {str(self.pingpong).lower()}, .q_buffers = {self.q_buffers}}}")
+                f".block_m = {self.block_m}, .pingpong = {str(self.pingpong).lower()}, .q_buffers = {self.q_buffers}, "
+                f".dynamic_tiles = {str(self.dynamic_tiles).lower()}}}")
 
 
 @dataclass(frozen=True)
@@ -308,6 +314,9 @@ class Sm80Variant:
     def smem_bytes(self) -> int:
         return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
 
+    def features(self) -> str:
+        return "SINKATTN_FWD_VARIANT_FEATURES"
+
     def cpp(self) -> str:
         return (f"sm80::FwdTile{{.head_dim = {self.head_dim}, .block_m = {self.block_m}, .block_n = {self.block_n}, "
                 f".warps = {self.warps}, .stages = {self.stages}}}")
@@ -323,6 +332,7 @@ SWEEP_SM90 = [
     Sm90Variant(64, 128, 3, **_R3, pingpong=False),  # FA4's sm90 hd64 M tile (192 rows)
     Sm90Variant(64, 128, 3, **_R3),               # ... with a three-way ping-pong
     Sm90Variant(64, 128, 2, **_R3, q_buffers=2, pingpong=False),
+    Sm90Variant(64, 128, 3, dynamic_tiles=True),  # tiles drawn from a global counter: the causal tail balanced
     # hd128 (table: m128 n128 s2; 618 / 545, FA3 648 / 616).
     Sm90Variant(128, 128, 2, q_buffers=2),        # 193 KB
     Sm90Variant(128, 176, 2, producer_regs=24, consumer_regs=240),  # FA3's hd128 tile (213 KB; ptxas: 20 B spill)
@@ -330,6 +340,8 @@ SWEEP_SM90 = [
     Sm90Variant(128, 128, 3),                     # 225 KB
     Sm90Variant(128, 96, 4),                      # 225 KB: shorter blocks, deeper pipeline (windows, causal edges)
     Sm90Variant(128, 128, 2, pingpong=False),
+    Sm90Variant(128, 128, 2, dynamic_tiles=True),
+    Sm90Variant(128, 128, 2, q_buffers=2, dynamic_tiles=True),
     # (192 rows at hd128 were dropped: O 64 + S 48 + P 24 registers spill 56/72 B at 160 per thread, n96 s2.)
     # hd256 (table: m128 n48 s2 r24x240; 470 / 307, FA3 756 / 642).
     Sm90Variant(256, 64, 2, producer_regs=24, consumer_regs=240),   # 193 KB; O 128 + S 32 + P 16 registers
@@ -337,6 +349,11 @@ SWEEP_SM90 = [
     Sm90Variant(256, 48, 2, producer_regs=24, consumer_regs=240, q_buffers=2),  # 225 KB
     Sm90Variant(256, 32, 4, producer_regs=24, consumer_regs=240),   # 193 KB: short blocks, 4 in flight
     Sm90Variant(256, 64, 2, producer_regs=24, consumer_regs=240, pingpong=False),
+    # hd256 has the fewest tiles per CTA (nheads 8: 7.75 per SM at 16k), so the causal tail weighs most there.
+    # The drawing producer spills ~100 B at 24 registers, so these keep 40 / 232 (no spill), beside their control:
+    Sm90Variant(256, 48, 2),
+    Sm90Variant(256, 48, 2, dynamic_tiles=True),
+    Sm90Variant(256, 64, 2, dynamic_tiles=True),
 ]
 
 SWEEP_SM80 = [
@@ -367,12 +384,12 @@ def variant_name(family: str, v, dtype: str) -> str:
 def _variant_unit(family: str, v, dtype: str) -> Unit:
     name = variant_name(family, v, dtype)
     arch = {"sm90": "sm90", "sm80": "sm80", "emu": "sm80"}[family]
-    header, fn_template, launch_arg, features = {
-        "sm90": ("sm90/fwd_launch.cuh", "sm90::launch_fwd", "cudaStream_t", "SINKATTN_FWD_SM90_FEATURES"),
-        "sm80": ("sm80/fwd_launch.cuh", "sm80::launch_fwd_variant", "cudaStream_t", "SINKATTN_FWD_VARIANT_FEATURES"),
-        "emu": ("emu/fwd_sm80_emu.h", "sm80::launch_fwd_variant_emulated", "EmuLaunch const&",
-                "SINKATTN_FWD_VARIANT_FEATURES"),
+    header, fn_template, launch_arg = {
+        "sm90": ("sm90/fwd_launch.cuh", "sm90::launch_fwd", "cudaStream_t"),
+        "sm80": ("sm80/fwd_launch.cuh", "sm80::launch_fwd_variant", "cudaStream_t"),
+        "emu": ("emu/fwd_sm80_emu.h", "sm80::launch_fwd_variant_emulated", "EmuLaunch const&"),
     }[family]
+    features = v.features()
     registry_family = {"sm90": "sm90-sweep", "sm80": "sm80-sweep", "emu": "sm80-emulated-sweep"}[family]
     tile = f"SweepTile_{name}"
     fn = f"{fn_template}<{tile}, {CPP_DTYPE[dtype]}>"

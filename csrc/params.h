@@ -57,6 +57,9 @@ struct FwdParams : AttnParams {
   // combine adds the sink once. out_accum (num_splits, batch, nheads, seqlen_q, headdim_rounded),
   // lse_accum (num_splits, batch, nheads, seqlen_q).
   int num_splits = 1;
+  // A persistent kernel with dynamic tiles (a registry feature "tile_counter"): one int, zero at launch, from
+  // which CTAs draw their tiles after the first.
+  int* tile_counter = nullptr;
   float* out_accum = nullptr;
   float* lse_accum = nullptr;
 };

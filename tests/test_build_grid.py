@@ -342,6 +342,9 @@ def test_sweep_units_register_by_name_in_their_own_family():
     assert sm90.family == "sm90" and sm90.registers
     assert '"sm90-sweep", "fwd", 128, "fp16"' in sm90.text and "sm90::launch_fwd<" in sm90.text
     assert ".q_buffers = 2" in sm90.text and "cutlass::half_t" in sm90.text
+    dyn = units["sweep_fwd_sm90_hdim128_fp16_m128n128s2_dyn"]
+    assert '.dynamic_tiles = true' in dyn.text and 'SINKATTN_FWD_SM90_FEATURES ",tile_counter"' in dyn.text
+    assert "tile_counter" not in sm90.text  # only a kernel that draws tiles asks api.cpp for a counter
     sm80 = units["sweep_fwd_sm80_hdim64_fp16_m128n128w4"]
     assert sm80.family == "sm80" and '"sm80-sweep"' in sm80.text and "sm80::launch_fwd_variant<" in sm80.text
     emu = units["sweep_fwd_emu_hdim64_fp16_m128n128w4"]

@@ -82,21 +82,31 @@ def test_check_passes_the_kernel_fails_each_plant_and_plants_are_not_ranked():
     ok = verdicts["correct"]
     assert ok.status == "PASS" and ok.checked == [c.name for c in sweep.CHECKS if not c.cuda_only], ok
     # Each plant, and the assertion of the check that catches it. The bf16 baseline of DESIGN.md's rule alone
-    # bounds out by ~5e-2 and lse by ~5e-2 here: it passes the first two, so the fp32 baseline is what sees them.
-    assert verdicts["scaled-1.01"].status == "FAIL"
+    # bounds out by ~5e-2 and lse by ~5e-2 here: it passes the first two, so the fp32 baseline is what sees them,
+    # and they are SUSPECT (timed, marked, never the winner), not FAIL.
+    assert verdicts["scaled-1.01"].status == "SUSPECT"
     assert "out (fp32 baseline): max error" in verdicts["scaled-1.01"].detail
-    assert verdicts["lse+0.01"].status == "FAIL"
+    assert verdicts["lse+0.01"].status == "SUSPECT"
     assert "odd-noncausal lse (fp32 baseline): max error" in verdicts["lse+0.01"].detail
     # The first case has no sinks, so ignoring them shows only from the next one on (lse moves by exp(sink - lse)).
     assert verdicts["sink-ignored"].status == "FAIL"
     assert "max error" in verdicts["sink-ignored"].detail and "odd-noncausal" not in verdicts["sink-ignored"].detail
     assert verdicts["poison-row"].status == "FAIL"
     assert "odd-noncausal out: max error inf" in verdicts["poison-row"].detail
-    # Phase 2 times only what passed: the plants are neither timed nor ranked.
-    rows = sweep.time_shapes(plants, verdicts, _one_shape(), CPU, sweep.Clock(300),
+    # Phase 2 times what passed and the SUSPECTs (marked); the FAILs are neither timed nor ranked, and no SUSPECT
+    # is the winner even when it is the fastest.
+    fast_suspect = _variant("lse+0.01", _sleeper(0))
+    timed_ones = [plants[0], plants[1], fast_suspect, plants[2], plants[4]]
+    rows = sweep.time_shapes(timed_ones, verdicts, _one_shape(), CPU, sweep.Clock(300),
                              {"budget_ms": 1, "max_reps": 1, "min_reps": 1}, **QUIET)
-    assert {r["variant"] for r in rows} == {"correct", "sdpa-flash"}
-    assert [r["variant"] for r in rows if r.get("rank")] == ["correct"]
+    assert {r["variant"] for r in rows} == {"correct", "scaled-1.01", "lse+0.01", "sdpa-flash"}
+    ranked = sorted((r for r in rows if r.get("rank")), key=lambda r: r["rank"])
+    assert ranked[0]["variant"] == "lse+0.01" and ranked[0]["suspect"]
+    assert {r["variant"] for r in ranked if r.get("suspect")} == {"scaled-1.01", "lse+0.01"}
+    assert not any(r.get("suspect") for r in rows if r["variant"] == "correct")
+    (line,) = sweep.winners(rows, _one_shape())
+    assert ": lse+0.01 " not in line and ": scaled-1.01 " not in line and ": correct " in line, line
+    assert "lse+0.01 SUSPECT" in sweep.tables(rows, _one_shape())
 
 
 def test_ranking_x_default_and_winner_line():

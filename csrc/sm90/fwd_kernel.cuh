@@ -56,6 +56,53 @@ struct TileWork {
   }
 };
 
+// The tiles of one CTA, in the order producer and consumers both walk them: blockIdx.x first, then either
+// (static) every gridDim.x-th of the tile order, or (kDynamicTiles) the next index drawn from p.tile_counter by
+// the producer, which hands each index (the first too) to the consumers through a two-slot ring in shared
+// memory; an index >= count ends the walk for all of them.
+template <class Kt>
+struct TileWalk {
+  // CUTLASS's mbarrier wait/arrive are asm volatile without a memory clobber, so the compiler may move a plain
+  // shared-memory access across them; the hardware's ordering (arrive releases, wait acquires) needs the
+  // accesses to stay between them in the program.
+  static __device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
+
+  typename Kt::SharedStorage& ss;
+  int64_t count;
+  int round = 0;
+
+  // Producer: the index of this round (published to the consumers when dynamic).
+  __device__ int64_t publish(int64_t t) {
+    if constexpr (Kt::kDynamicTiles) {
+      int const slot = round & 1, phase = (round >> 1) & 1;
+      EmptyBarrier::wait(&ss.tile_empty[slot], phase ^ 1);
+      compiler_fence();
+      ss.tile_index[slot] = t;
+      compiler_fence();
+      EmptyBarrier::arrive(&ss.tile_full[slot]);
+    }
+    ++round;
+    return t;
+  }
+  __device__ int64_t producer_next(FwdParams const& p, int64_t t) const {
+    if constexpr (Kt::kDynamicTiles) return int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1);
+    return t + gridDim.x;
+  }
+  // Consumers: the index of this round (t is the static walk's).
+  __device__ int64_t consumer_next(int64_t t) {
+    if constexpr (Kt::kDynamicTiles) {
+      int const slot = round & 1, phase = (round >> 1) & 1;
+      EmptyBarrier::wait(&ss.tile_full[slot], phase);
+      compiler_fence();
+      t = ss.tile_index[slot];
+      compiler_fence();
+      EmptyBarrier::arrive(&ss.tile_empty[slot]);
+    }
+    ++round;
+    return t;
+  }
+};
+
 // The producer (one thread): every TMA load of this CTA's tiles, in schedule order, from (rows, d, heads,
 // batch) views of q, k and v.
 template <class Kt>
@@ -73,7 +120,8 @@ __device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persistent
   int const group = p.nheads / p.nheads_k;
 
   int q_round = 0, kv_it = 0;
-  for (int64_t t = blockIdx.x; t < sched.count(); t += gridDim.x) {
+  TileWalk<Kt> walk{ss, sched.count()};
+  for (int64_t t = walk.publish(blockIdx.x); t < walk.count; t = walk.publish(walk.producer_next(p, t))) {
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
     int const b = varlen ? 0 : w.batch, hk = w.head / group;
@@ -210,7 +258,8 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
   ScoreScale<> const score{p.softmax_scale, p.softcap};
 
   int q_round = 0, kv_it = 0;
-  for (int64_t t = blockIdx.x; t < sched.count(); t += gridDim.x) {
+  TileWalk<Kt> walk{ss, sched.count()};
+  for (int64_t t = walk.consumer_next(blockIdx.x); t < walk.count; t = walk.consumer_next(t + gridDim.x)) {
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
     int const m0 = w.m_block * kBlockM;
@@ -321,6 +370,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       FullBarrier::init(&ss.v_full[s], 1);
       EmptyBarrier::init(&ss.k_empty[s], 128 * Kt::kConsumerWarpgroups);
       EmptyBarrier::init(&ss.v_empty[s], 128 * Kt::kConsumerWarpgroups);
+    }
+    if constexpr (Kt::kDynamicTiles) {
+      for (int s = 0; s < 2; ++s) {
+        EmptyBarrier::init(&ss.tile_full[s], 1);
+        EmptyBarrier::init(&ss.tile_empty[s], 128 * Kt::kConsumerWarpgroups);
+      }
     }
     prefetch_tma_descriptor(tma.q.get_tma_descriptor());
     prefetch_tma_descriptor(tma.k.get_tma_descriptor());

@@ -18,6 +18,9 @@ struct FwdTile {
   // Q buffers: with 2 the producer loads the next tile's Q while this tile's main loop still reads its own
   // (Q's buffer also carries the tile's O out, so with 1 the next Q waits for the epilogue).
   int q_buffers = 1;
+  // Tiles after a CTA's first come from a global counter (the producer draws the next, the consumers read it from
+  // shared memory), so a CTA that finishes early takes more; false: CTA c takes c, c + grid, c + 2 grid, ...
+  bool dynamic_tiles = false;
 
   // Q (q_buffers of them), then `stages` K and V blocks, each 1024-byte aligned, and 1024 bytes for the barriers.
   constexpr int smem_bytes() const { return (q_buffers * block_m + 2 * stages * block_n) * head_dim * 2 + 1024; }

@@ -30,6 +30,7 @@ struct FwdTraits {
   static constexpr int kConsumerWarpgroups = kTile.consumer_warpgroups();
   static constexpr bool kPingPong = kTile.pingpong;
   static constexpr int kQBuffers = kTile.q_buffers;
+  static constexpr bool kDynamicTiles = kTile.dynamic_tiles;
   static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kProducerRegs = kTile.producer_regs;
   static constexpr int kConsumerRegs = kTile.consumer_regs;
@@ -75,6 +76,10 @@ struct FwdTraits {
     alignas(1024) Element v[cosize_v<SmemLayoutKV>];
     alignas(8) uint64_t q_full[kQBuffers], q_empty[kQBuffers];
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    // kDynamicTiles: the producer's two-slot ring of tile indices for the consumers (full: written; empty: read
+    // by every consumer thread). Within the 1024 bytes the table keeps for barriers.
+    uint64_t tile_full[2], tile_empty[2];
+    int64_t tile_index[2];
   };
   // Q buffer b starts at q + b * cosize(SmemLayoutQ) (the buffer mode is the outermost; the epilogue's O uses it).
   static_assert(cosize_v<SmemLayoutQs> == kQBuffers * cosize_v<SmemLayoutQ>);
