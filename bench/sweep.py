@@ -1,7 +1,7 @@
 """The tuning sweep of `make gpu-sweep` (issue 17, item 4): one call on the GPU machine covers a round of tuning.
 
     python -m bench.sweep [--filter SUBSTR] [--headdims 64,128] [--out DIR] [--deadline-s 540]
-                          [--budget-ms MS] [--max-reps N] [--cpu] [--list]
+                          [--budget-ms MS] [--max-reps N] [--watchdog-s S] [--cpu] [--list]
 
 Variants are the extra forward kernels the generator compiles into the extension when asked for a tuning grid
 (registry families "sm90-sweep", "sm80-sweep", "sm80-emulated-sweep"); each runs through the normal bridge as
@@ -19,11 +19,23 @@ beside them as backends "sm90" / "sm80" (CUDA) or "sm80-emulated" (CPU).
 
 Last, a ranked table per shape and one line per shape naming the winner and its margin over the default (the
 kernel dispatch's "auto" picks for that shape). Into --out: results.csv, results.md, summary.txt (verdicts,
-what did not run and why, the machine).
+what did not run and why, the machine) and journal.jsonl.
+
+A hung kernel (a wrong barrier count deadlocks it) leaves the process stuck in a CUDA call that Python cannot
+interrupt. So every unit of work (a variant's checks; a (shape, variant) timing) runs under a watchdog
+(faulthandler's, --watchdog-s: 30 s a check, 60 s a timing on CUDA), which prints the tracebacks and ends the
+process, and goes into journal.jsonl as it ends (Journal). A run over the same --out resumes from it: what has a
+result is not rerun, and the unit a killed process was in is FAIL (phase 1) or NOT RUN (phase 2), "hung or
+crashed the process"; a variant that hung, crashed or faulted is not timed on later shapes. bench/gpu_sweep.sh
+relaunches until the run ends normally.
 
 Everything runs against one deadline (--deadline-s): what does not fit is NOT RUN with the reason. Exit status:
-0 every variant was checked (FAILs are results), 1 the harness broke (incl. a kernel fault that loses the CUDA
-context), 2 the deadline cut the run (the files still hold what ran).
+0 every variant was checked (FAILs are results), 1 the harness broke (faulthandler's watchdog also exits 1: the
+journal then ends in a "start"), 2 the deadline cut the run (the files still hold what ran), 3 a kernel fault
+lost the CUDA context (the faulting unit is FAIL in the journal; a new process resumes after it).
+
+Test hook: BENCH_SWEEP_TEST_VARIANTS=module:function (tests/sweep_fakes.py) replaces discovery by the Variants
+that function returns, for tests/test_sweep.py's runs of `python -m bench.sweep` and of gpu_sweep.sh on the CPU.
 
 --cpu (automatic without CUDA): emulated variants, tiny shapes, time.perf_counter; it exercises the harness
 and is not a performance claim.
@@ -31,9 +43,12 @@ and is not a performance claim.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import datetime
+import faulthandler
+import importlib
 import json
 import math
 import os
@@ -144,6 +159,7 @@ class Verdict:
     detail: str = ""
     checked: list = field(default_factory=list)
     skipped: list = field(default_factory=list)   # "case: why" for cases the variant does not serve
+    incident: str = ""             # "hung" (it hung or crashed a process), "fault" (it lost the CUDA context)
 
 
 class Clock:
@@ -169,6 +185,134 @@ class Clock:
 
     def took(self, kind: str, seconds: float) -> None:
         self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
+
+
+# ---------------------------------------------------------------------------------------------- journal, watchdog
+
+JOURNAL = "journal.jsonl"
+HOOK_ENV = "BENCH_SWEEP_TEST_VARIANTS"
+WATCHDOG_S = {"cuda": {"check": 30.0, "time": 60.0}, "cpu": {"check": 600.0, "time": 300.0}}
+INCIDENT = {"hung": "hung or crashed the process", "fault": "lost the CUDA context"}
+
+
+class JournalMismatch(RuntimeError):
+    """--out holds the journal of a run with other settings: resuming it would mix two runs."""
+
+
+def hung_note(start: dict) -> str:
+    s = start.get("watchdog_s") or 0
+    if not s:
+        return f"{INCIDENT['hung']} (no result; the watchdog was off)"
+    return (f"{INCIDENT['hung']} (no result within the watchdog's {s:g} s"
+            + (", cut to the deadline)" if start.get("cut") else ")"))
+
+
+class Journal:
+    """<out>/journal.jsonl, one JSON object a line, each flushed and fsynced as it is written: "run" (a process
+    began, with its settings), "start" (a unit begins: phase "check" and the variant, or phase "time" and the row
+    it fills, with its watchdog's seconds), "verdict" / "row" (the unit's result), "end" (the exit status). A
+    process killed in a unit leaves that unit's "start" last. Opened again (same --out, same settings) it
+    resumes: results are taken as recorded, and each "start" without a result becomes the result "hung or
+    crashed the process" (written at once, so the next process sees a result)."""
+
+    def __init__(self, path: str, config: dict):
+        self.path = path
+        self.verdicts: dict[str, Verdict] = {}
+        self.rows: dict[tuple[str, str], dict] = {}
+        self.processes = 0               # before this one
+        records = []
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        records.append(json.loads(line))
+                    except ValueError:
+                        pass             # a line torn by the kill
+        runs = [r for r in records if r.get("event") == "run"]
+        if runs and runs[0].get("config") != config:
+            raise JournalMismatch(f"{path} is from a run with {runs[0].get('config')}, this one has {config}: "
+                                  "resume it with the same settings, or use another --out")
+        self.processes = len(runs)
+        pending = {}
+        for r in records:
+            if r.get("event") == "start":
+                pending[(r["phase"], r["unit"])] = r
+            elif r.get("event") == "verdict":
+                pending.pop(("check", r["unit"]), None)
+                self.verdicts[r["unit"]] = Verdict(**{f.name: r[f.name] for f in dataclasses.fields(Verdict)
+                                                      if f.name in r})
+            elif r.get("event") == "row":
+                pending.pop(("time", r["unit"]), None)
+                self.rows[(r["row"]["shape"], r["row"]["variant"])] = r["row"]
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._f = open(path, "a")
+        self._write(event="run", config=config, pid=os.getpid(),
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        self.resolved = []               # the units the killed processes were in, as "phase unit"
+        for (phase, unit), start in pending.items():
+            self.resolved.append(f"{phase} {unit}")
+            if phase == "check":
+                self.verdict(unit, Verdict("FAIL", hung_note(start), incident="hung"))
+            else:
+                self.row(dict(start["row"], status="NOT RUN", note=hung_note(start), incident="hung"))
+
+    def _write(self, **rec) -> None:
+        self._f.write(json.dumps(rec, default=str) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    @staticmethod
+    def time_unit(row: dict) -> str:
+        return f"{row['shape']} / {row['variant']}"
+
+    def start(self, phase: str, unit: str, **kw) -> None:
+        self._write(event="start", phase=phase, unit=unit, **kw)
+
+    def verdict(self, name: str, v: Verdict) -> None:
+        self.verdicts[name] = v
+        self._write(event="verdict", unit=name, **dataclasses.asdict(v))
+
+    def row(self, row: dict) -> None:
+        self.rows[(row["shape"], row["variant"])] = dict(row)
+        self._write(event="row", unit=self.time_unit(row), row=row)
+
+    def end(self, status: int) -> None:
+        self._write(event="end", status=status)
+        self._f.close()
+
+
+class Watchdog:
+    """faulthandler.dump_traceback_later around each unit (seconds per phase, 0 = off). Its C thread fires while
+    the main thread is stuck in a CUDA call holding the GIL: it prints every thread's traceback to stderr and
+    ends the process (_exit(1)); the journal's last "start" names the unit. The limit is cut to the deadline
+    (+ GRACE_S), so a unit hung near the end leaves time for a relaunch to write the files."""
+
+    GRACE_S = 3.0
+
+    def __init__(self, seconds: dict[str, float], clock: Clock):
+        self.seconds, self.clock = seconds, clock
+
+    def limit(self, phase: str) -> tuple[float, bool]:
+        s = self.seconds.get(phase) or 0.0
+        if s <= 0:
+            return 0.0, False
+        left = max(1.0, self.clock.end - time.monotonic() + self.GRACE_S)
+        return (round(left, 1), True) if left < s else (s, False)
+
+
+@contextlib.contextmanager
+def _unit(journal: Journal | None, watchdog: Watchdog | None, phase: str, unit: str, **start):
+    """One unit of work: its "start" in the journal, the watchdog armed while it runs (cancelled after it)."""
+    s, cut = watchdog.limit(phase) if watchdog else (0.0, False)
+    if journal:
+        journal.start(phase, unit, watchdog_s=s, cut=cut, **start)
+    if s:
+        faulthandler.dump_traceback_later(s, exit=True, file=sys.__stderr__ or sys.stderr)
+    try:
+        yield
+    finally:
+        if s:
+            faulthandler.cancel_dump_traceback_later()
 
 
 # ---------------------------------------------------------------------------------------------- discovery
@@ -315,12 +459,18 @@ def check_case(v: Variant, c: Check, device: torch.device) -> None:
 
 
 def check(variants: list[Variant], device: torch.device, clock: Clock, log=print,
-          checks: list[Check] = CHECKS) -> dict[str, Verdict]:
-    """Phase 1: a verdict per variant. A variant stops at its first failing case."""
+          checks: list[Check] = CHECKS, journal: Journal | None = None,
+          watchdog: Watchdog | None = None) -> dict[str, Verdict]:
+    """Phase 1: a verdict per variant. A variant stops at its first failing case. A verdict in `journal` is
+    taken as it is; each new one goes into it."""
     verdicts = {}
     cases = [c for c in checks if device.type == "cuda" or not c.cuda_only]
     floor = 5.0 if device.type == "cuda" else 10.0
     for v in variants:
+        if journal and v.name in journal.verdicts:
+            verdicts[v.name] = journal.verdicts[v.name]
+            log(f"sweep: check {v.name}: {verdicts[v.name].status} (journal)")
+            continue
         if clock.lost:
             verdicts[v.name] = Verdict("NOT RUN", f"CUDA context lost earlier ({clock.lost})")
             continue
@@ -330,29 +480,34 @@ def check(variants: list[Variant], device: torch.device, clock: Clock, log=print
             continue
         t0 = time.monotonic()
         verdict = Verdict("PASS")
-        for c in cases:
-            reason = why_not(v, _problem(device.type, DTYPES[v.dtype], v.headdim, c.nheads, c.nheads_k, c.window[0],
-                                         0 if c.causal else c.window[1], c.sink_tokens, c.softcap, c.sinks != "none"))
-            if reason:
-                verdict.skipped.append(f"{c.name}: {reason}")
-                continue
-            try:
-                check_case(v, c, device)
-                verdict.checked.append(c.name)
-            except Suspect as e:  # the other cases still run: a hard FAIL among them wins
-                verdict.checked.append(c.name)
-                if verdict.status == "PASS":
-                    verdict.status, verdict.detail = "SUSPECT", str(e)
-            except AssertionError as e:
-                verdict.status, verdict.detail = "FAIL", str(e)
-            except Exception as e:  # noqa: BLE001 - a variant that raises is a FAIL, not a broken harness
-                _fault(e, v.name, clock)
-                verdict.status, verdict.detail = "FAIL", f"{c.name}: {_first_line(e)}"
-            if verdict.status == "FAIL":
-                break
+        with _unit(journal, watchdog, "check", v.name):
+            for c in cases:
+                reason = why_not(v, _problem(device.type, DTYPES[v.dtype], v.headdim, c.nheads, c.nheads_k,
+                                             c.window[0], 0 if c.causal else c.window[1], c.sink_tokens, c.softcap,
+                                             c.sinks != "none"))
+                if reason:
+                    verdict.skipped.append(f"{c.name}: {reason}")
+                    continue
+                try:
+                    check_case(v, c, device)
+                    verdict.checked.append(c.name)
+                except Suspect as e:  # the other cases still run: a hard FAIL among them wins
+                    verdict.checked.append(c.name)
+                    if verdict.status == "PASS":
+                        verdict.status, verdict.detail = "SUSPECT", str(e)
+                except AssertionError as e:
+                    verdict.status, verdict.detail = "FAIL", str(e)
+                except Exception as e:  # noqa: BLE001 - a variant that raises is a FAIL, not a broken harness
+                    _fault(e, v.name, clock)
+                    verdict.status, verdict.detail = "FAIL", f"{c.name}: {_first_line(e)}"
+                    verdict.incident = "fault" if clock.lost else ""
+                if verdict.status == "FAIL":
+                    break
         if verdict.status in ("PASS", "SUSPECT") and not verdict.checked:
             verdict = Verdict("NOT RUN", "no check case fits its features", skipped=verdict.skipped)
         verdicts[v.name] = verdict
+        if journal:
+            journal.verdict(v.name, verdict)
         dt = time.monotonic() - t0
         clock.took("check", dt)
         log(f"sweep: check {v.name}: {verdict.status}"
@@ -385,40 +540,46 @@ def _row(label, case, name, kind, **kw) -> dict:
 
 
 def time_shapes(variants: list[Variant], verdicts: dict[str, Verdict], shapes: list[tuple[str, Case]],
-                device: torch.device, clock: Clock, timing_kw: dict, log=print, rows: list | None = None) -> list[dict]:
+                device: torch.device, clock: Clock, timing_kw: dict, log=print, rows: list | None = None,
+                journal: Journal | None = None, watchdog: Watchdog | None = None) -> list[dict]:
     """Phase 2: one row per (shape, variant of its head dim) and one for SDPA: status "ok" (timed), "n/a"
-    (does not serve the shape), "NOT RUN" (deadline, or an error while timing). Rows go into `rows` as they
-    come, so a caller keeps them when something breaks."""
+    (does not serve the shape), "NOT RUN" (deadline, an error while timing, or it hung, crashed or faulted a
+    process: then on later shapes too). Rows go into `rows` as they come, so a caller keeps them when something
+    breaks. A row in `journal` is taken as it is; each timed one (or error) goes into it."""
     rows = [] if rows is None else rows
     cuda = device.type == "cuda"
     floor = 1.5 * (timing_kw.get("budget_ms", 300) + 100) / 1e3 if cuda else 1.0
     kw = dict(timing_kw)
     if cuda and kw.get("flush_l2", True):
         kw["flusher"] = timing.L2Flusher(device)
+    recorded = journal.rows if journal else {}
+    # A variant that hung, crashed or faulted a process is not run again: on a lease, the same pipeline bug
+    # would cost the watchdog's limit and a relaunch per shape.
+    banned = {}
+    for r in recorded.values():
+        if r.get("incident"):
+            banned.setdefault(r["variant"], f"not run: it {INCIDENT[r['incident']]} on {r['shape']}")
     for label, case in shapes:
         mine = [v for v in variants if v.headdim == case.headdim and v.dtype == case.dtype
                 and verdicts.get(v.name, Verdict("NOT RUN")).status in timed_statuses()]
         if not mine:
             continue
         if clock.lost:
-            rows += [_row(label, case, v.name, "variant", status="NOT RUN", is_default=False, flops=0,
-                          note=f"CUDA context lost earlier ({clock.lost})") for v in mine]
+            for name in [v.name for v in mine] + ["sdpa-flash"]:
+                if (label, name) in recorded:
+                    rows.append(dict(recorded[(label, name)]))
+                elif name != "sdpa-flash":
+                    rows.append(_row(label, case, name, "variant", status="NOT RUN", is_default=False, flops=0,
+                                     note=f"CUDA context lost earlier ({clock.lost})"))
             continue
         problem = _problem(device.type, case.torch_dtype, case.headdim, case.nheads, case.nheads_k,
                            case.window_left, case.window_right, case.sink_tokens, 0.0, case.sinks)
         default = default_backend(problem)
         flops = comparators.case_fwd_flops(case)
-        try:
-            x = comparators.make_inputs(case, device)
-            out = torch.empty_like(x.q)
-            lse = torch.empty(case.batch, case.nheads, case.seqlen_q, device=device)
-        except Exception as e:  # noqa: BLE001 - e.g. out of memory: this shape's rows say so, the next may fit
-            _fault(e, f"{label} inputs", clock)
-            rows += [_row(label, case, v.name, "variant", status="NOT RUN", is_default=False, flops=flops,
-                          note=f"inputs: {_first_line(e)}") for v in mine]
-            continue
         mask = dict(softmax_scale=1.0 / math.sqrt(case.headdim), window_left=case.window_left,
                     window_right=case.window_right, sink_tokens=case.sink_tokens, softcap=0.0)
+        x = out = lse = None
+        no_inputs = None
         # The defaults first: each variant's "x default" needs them; then SDPA, the anchor, then the variants.
         order = sorted(mine, key=lambda v: v.backend is None)
         units = [(v.name, "default" if v.backend else "variant", v) for v in order]
@@ -431,30 +592,54 @@ def time_shapes(variants: list[Variant], verdicts: dict[str, Verdict], shapes: l
                 if reason:
                     rows.append(dict(base, status="n/a", note=reason))
                     continue
+            if (label, name) in recorded:
+                rows.append(dict(recorded[(label, name)]))
+                log(f"sweep: time {label} {name}: {rows[-1]['status']} (journal)")
+                continue
+            if name in banned:
+                rows.append(dict(base, status="NOT RUN", note=banned[name]))
+                continue
             if clock.lost:
                 rows.append(dict(base, status="NOT RUN", note=f"CUDA context lost earlier ({clock.lost})"))
                 continue
             if not clock.fits("time", floor):
                 rows.append(dict(base, status="NOT RUN", note="deadline"))
                 continue
+            if x is None and no_inputs is None:
+                try:
+                    x = comparators.make_inputs(case, device)
+                    out = torch.empty_like(x.q)
+                    lse = torch.empty(case.batch, case.nheads, case.seqlen_q, device=device)
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory: this shape's rows say so, the next may fit
+                    _fault(e, f"{label} inputs", clock)
+                    no_inputs = f"inputs: {_first_line(e)}"
+            if no_inputs:
+                rows.append(dict(base, status="NOT RUN", note=no_inputs))
+                continue
             t0 = time.monotonic()
-            try:
-                if v is None:
-                    fn = comparators.prep_sdpa(case, x, device).fn
-                else:
-                    def fn(v=v):
-                        v.run(x.q, x.k, x.v, x.sinks, out, lse, **mask)
-                t = timing.bench(fn, device, **kw)
-                rows.append(dict(base, status="ok", median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms,
-                                 reps=t.reps, method=t.method, tflops=flops / (t.median_ms * 1e-3) / 1e12))
-                log(f"sweep: time {label} {name}: {rows[-1]['tflops']:.4g} TFLOP/s, {t.median_ms:.4g} ms "
-                    f"({t.reps} runs)")
-            except comparators.Unsupported as e:
-                rows.append(dict(base, status="n/a", note=str(e)))
-            except Exception as e:  # noqa: BLE001 - one failing timing must not stop the sweep
-                _fault(e, f"{label} / {name}", clock)
-                rows.append(dict(base, status="NOT RUN", note=f"error while timing: {_first_line(e)}"))
-                log(f"sweep: time {label} {name}: {rows[-1]['note']}")
+            with _unit(journal, watchdog, "time", Journal.time_unit(base), row=base):
+                try:
+                    if v is None:
+                        fn = comparators.prep_sdpa(case, x, device).fn
+                    else:
+                        def fn(v=v):
+                            v.run(x.q, x.k, x.v, x.sinks, out, lse, **mask)
+                    t = timing.bench(fn, device, **kw)
+                    row = dict(base, status="ok", median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms,
+                               reps=t.reps, method=t.method, tflops=flops / (t.median_ms * 1e-3) / 1e12)
+                    log(f"sweep: time {label} {name}: {row['tflops']:.4g} TFLOP/s, {t.median_ms:.4g} ms "
+                        f"({t.reps} runs)")
+                except comparators.Unsupported as e:
+                    row = dict(base, status="n/a", note=str(e))
+                except Exception as e:  # noqa: BLE001 - one failing timing must not stop the sweep
+                    _fault(e, f"{label} / {name}", clock)
+                    row = dict(base, status="NOT RUN", note=f"error while timing: {_first_line(e)}")
+                    if clock.lost:
+                        row["incident"] = "fault"
+                    log(f"sweep: time {label} {name}: {row['note']}")
+            rows.append(row)
+            if journal:
+                journal.row(row)
             clock.took("time", time.monotonic() - t0)
         del x, out, lse
         if cuda and not clock.lost:
@@ -541,8 +726,14 @@ CSV_FIELDS = ["shape", "headdim", "rank", "variant", "kind", "family", "is_defau
               "median_ms", "p10_ms", "p90_ms", "reps", "method", "x_default", "x_sdpa", "flops", "note"]
 
 
+def incidents(rows: list[dict], verdicts: dict[str, Verdict]) -> list[str]:
+    """The units that hung, crashed or faulted a process (each cost the run a relaunch)."""
+    return ([f"check {n}: {v.detail}" for n, v in verdicts.items() if v.incident]
+            + [f"time {r['shape']} / {r['variant']}: {r['note']}" for r in rows if r.get("incident")])
+
+
 def write(out_dir: str, rows, verdicts, left_out, not_run, shapes, env, head: list[str], table_md: str,
-          win: list[str]) -> list[str]:
+          win: list[str], lost: list[str] | None = None) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, n) for n in ("results.csv", "results.md", "summary.txt")]
     with open(paths[0], "w", newline="") as f:
@@ -558,6 +749,8 @@ def write(out_dir: str, rows, verdicts, left_out, not_run, shapes, env, head: li
         lines.append(f"{v.status:7s} {name}" + (f": {v.detail}" if v.detail else "")
                      + (f" (checked: {', '.join(v.checked)})" if v.checked else ""))
         lines += [f"          not served: {s}" for s in v.skipped]
+    lines += ["", "## hung, crashed or faulted a process (the run resumed after each from journal.jsonl)"]
+    lines += lost or ["(nothing)"]
     lines += ["", "## NOT RUN"] + (not_run or ["(nothing)"])
     lines += ["", "## left out before the run"] + (left_out or ["(nothing)"])
     lines += ["", "## winners"] + win + ["", "## env", json.dumps(env, indent=1, default=str)]
@@ -577,9 +770,21 @@ def parse_args(argv=None):
     p.add_argument("--deadline-s", type=float, default=540.0, help="the whole run ends before this (default 540)")
     p.add_argument("--budget-ms", type=float, default=None, help="timed time per measurement (300 GPU, 200 CPU)")
     p.add_argument("--max-reps", type=int, default=None, help="most timed runs per measurement (50 GPU, 3 CPU)")
+    p.add_argument("--watchdog-s", type=float, default=None,
+                   help="a unit with no result after this long ends the process, named in journal.jsonl "
+                        "(default: 30 s a check, 60 s a timing on CUDA; 600 / 300 on the CPU; 0: off)")
     p.add_argument("--cpu", action="store_true", help="emulated variants on tiny shapes (automatic without CUDA)")
     p.add_argument("--list", action="store_true", help="print the variants, checks and shapes, run nothing")
     return p.parse_args(argv)
+
+
+def _hooked_variants() -> list[Variant] | None:
+    """Test-only: BENCH_SWEEP_TEST_VARIANTS=module:function replaces discovery by function()'s Variants."""
+    spec = os.environ.get(HOOK_ENV)
+    if not spec:
+        return None
+    module, _, fn = spec.partition(":")
+    return list(getattr(importlib.import_module(module), fn)())
 
 
 def main(argv=None, variants: list[Variant] | None = None, started: float | None = None) -> int:
@@ -600,10 +805,19 @@ def main(argv=None, variants: list[Variant] | None = None, started: float | None
     timing_kw = ({"budget_ms": a.budget_ms or 300.0, "max_reps": a.max_reps or 50, "min_reps": min(5, a.max_reps or 5)}
                  if cuda else
                  {"budget_ms": a.budget_ms or 200.0, "max_reps": a.max_reps or 3, "min_reps": min(2, a.max_reps or 2)})
+    limits = (WATCHDOG_S[device.type] if a.watchdog_s is None
+              else {"check": a.watchdog_s, "time": a.watchdog_s})
+    watchdog = Watchdog(limits, clock) if any(s > 0 for s in limits.values()) else None
     head = [f"sweep: {device.type}, head dims {headdims}, filter {a.filter!r}, deadline {a.deadline_s:g} s, "
-            f"seed {seed}, timing {timing_kw}"] + ([] if cuda else [CPU_NOTE])
-    rows, verdicts, left_out, env, status = [], {}, [], {}, 0
+            f"seed {seed}, timing {timing_kw}, watchdog "
+            + (f"{limits['check']:g} s a check, {limits['time']:g} s a timing" if watchdog else "off")]
+    head += [] if cuda else [CPU_NOTE]
+    rows, verdicts, left_out, env, status, journal = [], {}, [], {}, 0, None
     try:
+        if variants is None:
+            variants = _hooked_variants()
+            if variants is not None:
+                left_out.append(f"test hook {HOOK_ENV}={os.environ[HOOK_ENV]}: its variants replace discovery")
         if variants is None:
             variants, left_out = discover(device.type, headdims, a.filter)
         else:
@@ -616,18 +830,31 @@ def main(argv=None, variants: list[Variant] | None = None, started: float | None
             return 0
         if not variants:
             raise RuntimeError("no default kernel and no sweep variant to run (see 'left out')")
+        journal = Journal(os.path.join(out_dir, JOURNAL),
+                          {"device": device.type, "headdims": headdims, "filter": a.filter})
+        if journal.processes:
+            head.append(f"sweep: resumed from {JOURNAL} after {journal.processes} process(es): "
+                        f"{len(journal.verdicts)} verdicts and {len(journal.rows)} timing rows recorded"
+                        + (f"; the last process stopped in: {', '.join(journal.resolved)}" if journal.resolved
+                           else ""))
         for line in head:
             print(line, flush=True)
         print(f"sweep: {sum(v.backend is None for v in variants)} variants and "
               f"{sum(v.backend is not None for v in variants)} defaults -> {out_dir}", flush=True)
         env = _env.collect(device)
-        verdicts = check(variants, device, clock, log=lambda s: print(s, flush=True))
-        time_shapes(variants, verdicts, shapes, device, clock, timing_kw, log=lambda s: print(s, flush=True), rows=rows)
+        log = lambda s: print(s, flush=True)  # noqa: E731
+        verdicts = check(variants, device, clock, log=log, journal=journal, watchdog=watchdog)
+        time_shapes(variants, verdicts, shapes, device, clock, timing_kw, log=log, rows=rows, journal=journal,
+                    watchdog=watchdog)
+    except JournalMismatch as e:  # --out holds another run: write nothing over it
+        print(f"sweep: {e}", file=sys.stderr)
+        return 1
     except Exception:  # noqa: BLE001 - the harness broke: say so, still write what there is
         status = 1
         left_out.append("harness error: " + traceback.format_exc().strip().splitlines()[-1])
         traceback.print_exc()
     finally:
+        faulthandler.cancel_dump_traceback_later()
         torch.set_num_threads(threads)
         rank(rows)
     for v in variants or []:
@@ -635,15 +862,23 @@ def main(argv=None, variants: list[Variant] | None = None, started: float | None
     not_run = [f"{n}: {v.detail}" for n, v in verdicts.items() if v.status == "NOT RUN"]
     not_run += [f"{r['shape']} / {r['variant']}: {r['note']}" for r in rows if r["status"] == "NOT RUN"]
     if clock.lost:
-        status = 1
-        print(f"sweep: CUDA context lost ({clock.lost}); what came after it is NOT RUN", file=sys.stderr)
+        status = 3
+        print(f"sweep: CUDA context lost ({clock.lost}); what came after it is NOT RUN here; a new process over "
+              "the same --out resumes after it (exit 3)", file=sys.stderr)
     if status == 0 and clock.cut:
         status = 2
     env["elapsed_s"], env["exit_status"] = round(clock.elapsed(), 1), status
-    table_md, win = tables(rows, shapes), winners(rows, shapes)
-    paths = write(out_dir, rows, verdicts, left_out, not_run, shapes, env, head, table_md, win)
+    if journal:
+        env["processes"] = journal.processes + 1
+    table_md, win, lost = tables(rows, shapes), winners(rows, shapes), incidents(rows, verdicts)
+    paths = write(out_dir, rows, verdicts, left_out, not_run, shapes, env, head, table_md, win, lost)
+    if journal:
+        journal.end(status)
+        paths.append(journal.path)
     if not_run:
         print("sweep: NOT RUN:\n  " + "\n  ".join(not_run))
+    if lost:
+        print("sweep: hung, crashed or faulted a process:\n  " + "\n  ".join(lost))
     print(f"sweep: wrote {', '.join(paths)} in {clock.elapsed():.1f} s, exit status {status}")
     print(table_md)
     print("\n".join(win) if win else "sweep: nothing was timed")
@@ -651,4 +886,6 @@ def main(argv=None, variants: list[Variant] | None = None, started: float | None
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("bench.sweep", sys.modules["__main__"])  # one module for the test hook's imports
+    faulthandler.enable()  # a segfault prints the Python traceback too (the journal names the unit)
     sys.exit(main(started=_STARTED))
