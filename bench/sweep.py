@@ -728,7 +728,8 @@ CSV_FIELDS = ["shape", "headdim", "rank", "variant", "kind", "family", "is_defau
 
 def incidents(rows: list[dict], verdicts: dict[str, Verdict]) -> list[str]:
     """The units that hung, crashed or faulted a process (each cost the run a relaunch)."""
-    return ([f"check {n}: {v.detail}" for n, v in verdicts.items() if v.incident]
+    return ([f"check {n}: " + ("lost the CUDA context: " if v.incident == "fault" else "") + v.detail
+             for n, v in verdicts.items() if v.incident]
             + [f"time {r['shape']} / {r['variant']}: {r['note']}" for r in rows if r.get("incident")])
 
 
