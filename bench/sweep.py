@@ -245,7 +245,14 @@ class Journal:
                 pending.pop(("time", r["unit"]), None)
                 self.rows[(r["row"]["shape"], r["row"]["variant"])] = r["row"]
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        torn = False
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
         self._f = open(path, "a")
+        if torn:
+            self._f.write("\n")  # the torn line stays unreadable; this process's lines start on their own
         self._write(event="run", config=config, pid=os.getpid(),
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
         self.resolved = []               # the units the killed processes were in, as "phase unit"
