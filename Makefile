@@ -84,26 +84,29 @@ build-times:
 gpu-check:
 	bash bench/gpu_check.sh
 
-# Kernel objects for a borrowed GPU machine, whose minutes are scarce: the default grid (80;90a) built here,
-# copied to .prebuilt/ (git-ignored) with the CUTLASS version they were built with. There, with carry=[".prebuilt"]
-# (api.cpp needs no CUTLASS header, so the 27 MB of headers stay here):
+# Kernel objects for a borrowed GPU machine, whose minutes are scarce: the grid built here, its objects (those
+# build.ninja lists, nothing stale) copied to .prebuilt/ with the CUTLASS version they were built with, and packed
+# into .prebuilt.tar.xz (both git-ignored; xz shrinks the fatbins about 10x: 48 MB of the sweep's objects to 5 MB,
+# and a carry holds 64 MiB). There, with carry=[".prebuilt.tar.xz"] (api.cpp needs no CUTLASS header, so the
+# 27 MB of headers stay here), bench/gpu_check.sh and bench/gpu_sweep.sh unpack it into .prebuilt/ and
 #   SINKATTN_PREBUILT_KERNELS=$$PWD/.prebuilt SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh
 # compiles only api.cpp against that machine's torch (about 50 s on an H200 machine instead of minutes).
 gpu-prebuilt: install
-	rm -rf .prebuilt && mkdir -p .prebuilt
-	cp build/kernels/*.cu.o build/kernels/build_info.cpp.o build/kernels/cutlass_version.txt .prebuilt/
-	@echo "gpu-prebuilt: $$(ls .prebuilt | wc -l) files in .prebuilt/ ($$(du -sh .prebuilt | cut -f1); a carry holds 64 MiB)"
+	rm -rf .prebuilt .prebuilt.tar.xz && mkdir -p .prebuilt
+	cp $$(sed -n 's/^build \([^:]*\):.*/\1/p' build/kernels/build.ninja) build/kernels/cutlass_version.txt .prebuilt/
+	@if [ -n "$(PREBUILT_SWEEP)" ]; then echo "$(PREBUILT_SWEEP)" > .prebuilt/sweep.txt; fi
+	tar -C .prebuilt -cJf .prebuilt.tar.xz .
+	@echo "gpu-prebuilt: $$(ls .prebuilt | wc -l) files in .prebuilt/ ($$(du -sh .prebuilt | cut -f1)), packed into .prebuilt.tar.xz ($$(du -sh .prebuilt.tar.xz | cut -f1)); carry that"
 
 # The tuning sweep of a short GPU lease (issue 17; DESIGN.md section 8). Here: `make sweep-prebuilt` builds the
 # sweep's grid (the tuning variants of generate_kernels.py beside the default kernels, bf16, 80;90a, no emulation;
-# SINKATTN_SWEEP=<substrings> narrows it) into .prebuilt/. There, with carry=[".prebuilt"]:
-#   run(command="make gpu-sweep", carry=[".prebuilt"], timeout_s=600)
+# SINKATTN_SWEEP=<substrings> narrows it) and packs it (gpu-prebuilt above). There, in one call:
+#   run(command="make gpu-sweep", carry=[".prebuilt.tar.xz"], timeout_s=600)
 # links api.cpp to those objects, checks every variant against the oracle, times them all on the target shapes
 # and prints the ranked tables last (bench/gpu_sweep.sh; results under $$OUT).
 SWEEP_ENV = SINKATTN_SWEEP="$(or $(SINKATTN_SWEEP),1)" SINKATTN_DTYPES=bf16 SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0
 sweep-prebuilt:
-	$(SWEEP_ENV) $(MAKE) gpu-prebuilt
-	@echo "$(or $(SINKATTN_SWEEP),1)" > .prebuilt/sweep.txt
+	$(SWEEP_ENV) $(MAKE) gpu-prebuilt PREBUILT_SWEEP="$(or $(SINKATTN_SWEEP),1)"
 
 gpu-sweep:
 	bash bench/gpu_sweep.sh

@@ -17,8 +17,8 @@
 # On the device tool: run(command="bash bench/gpu_check.sh", carry=["third_party/cutlass/include"],
 # timeout_s=540). The CUTLASS headers are git-ignored, so they travel only when carried. To spend the lease on
 # tests rather than compiles, `make gpu-prebuilt` here first and run SINKATTN_PREBUILT_KERNELS=$PWD/.prebuilt
-# SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh with only ".prebuilt" carried (linking
-# prebuilt objects needs no CUTLASS header).
+# SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh with only ".prebuilt.tar.xz" carried
+# (unpacked here into .prebuilt/; linking prebuilt objects needs no CUTLASS header).
 #
 # Knobs (environment): SINKATTN_CUDA_ARCHS / SINKATTN_HEADDIMS / SINKATTN_DTYPES / SINKATTN_EMULATION
 # (build grid; defaults: by GPU, all head dims, bf16+fp16, no emulation), GPU_CHECK_JOBS (default: nproc;
@@ -116,6 +116,9 @@ TEST_MIN=60   # what the later steps keep for themselves when an earlier one run
 BENCH_MIN=90
 SAN_MIN=0     # what the tests leave for the sanitizers (bench/sanitize.py): 60 s unless GPU_CHECK_SANITIZE=0
 [ "${GPU_CHECK_SANITIZE:-1}" = "0" ] || SAN_MIN=60
+if [ -n "${SINKATTN_PREBUILT_KERNELS:-}" ] && [ -f .prebuilt.tar.xz ] && [ ! -f "$SINKATTN_PREBUILT_KERNELS/cutlass_version.txt" ]; then
+  mkdir -p "$SINKATTN_PREBUILT_KERNELS" && tar -C "$SINKATTN_PREBUILT_KERNELS" -xJf .prebuilt.tar.xz && say "unpacked .prebuilt.tar.xz"
+fi
 if [ "${GPU_CHECK_SKIP_BUILD:-0}" = "1" ]; then
   say "build: skipped (GPU_CHECK_SKIP_BUILD=1)"
   STEPS+=("build: skipped by request")

@@ -3,9 +3,10 @@
 #
 # Built here first: `make sweep-prebuilt` puts the default kernels and the tuning variants of
 # csrc/generate_kernels.py (SWEEP_SM90, SWEEP_SM80; bf16, 80;90a) into .prebuilt/, with the grid it was built for
-# (sweep.txt) and the CUTLASS version (cutlass_version.txt). There, in one call:
-#   run(command="make gpu-sweep", carry=[".prebuilt"], timeout_s=600)
-#   1. links api.cpp against that machine's torch and the carried objects (no kernel compiles; ~1 min);
+# (sweep.txt) and the CUTLASS version (cutlass_version.txt), packed into .prebuilt.tar.xz. There, in one call:
+#   run(command="make gpu-sweep", carry=[".prebuilt.tar.xz"], timeout_s=600)
+#   1. unpacks .prebuilt.tar.xz into .prebuilt/ and links api.cpp against that machine's torch and the carried
+#      objects (no kernel compiles; ~1 min);
 #   2. python -m bench.sweep: every variant and default kernel checked against the float64 oracle on small
 #      cases (a FAIL is not timed), then every passing one timed on the target shapes, ranked tables printed last;
 #      relaunched over the same $OUT when a run dies (a hung kernel ended by the sweep's watchdog, a segfault) or
@@ -46,6 +47,9 @@ if [ "${GPU_SWEEP_SKIP_BUILD:-0}" = 1 ]; then
   say "build: skipped (GPU_SWEEP_SKIP_BUILD=1: the extension in place is used as it is)"
 else
   export SINKATTN_DTYPES=bf16 SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0
+  if [ -f .prebuilt.tar.xz ] && [ ! -f .prebuilt/sweep.txt ]; then
+    mkdir -p .prebuilt && tar -C .prebuilt -xJf .prebuilt.tar.xz && say "unpacked .prebuilt.tar.xz"
+  fi
   if [ -f .prebuilt/sweep.txt ]; then
     export SINKATTN_PREBUILT_KERNELS=$REPO/.prebuilt
     export SINKATTN_SWEEP=$(cat .prebuilt/sweep.txt)
@@ -53,7 +57,7 @@ else
   else
     export SINKATTN_SWEEP=${SINKATTN_SWEEP:-1}
     export MAX_JOBS=${GPU_SWEEP_JOBS:-$(nproc 2>/dev/null || echo 16)}
-    say "no .prebuilt/sweep.txt (make sweep-prebuilt, then carry .prebuilt): compiling SINKATTN_SWEEP=$SINKATTN_SWEEP here"
+    say "no .prebuilt/sweep.txt (make sweep-prebuilt here, then carry .prebuilt.tar.xz): compiling SINKATTN_SWEEP=$SINKATTN_SWEEP here"
   fi
   t0=$(date +%s)
   timeout -k 15 $(($(left) - 120)) "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1
