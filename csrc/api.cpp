@@ -161,6 +161,11 @@ static KernelInfo const* fwd_kernel_for(std::string const& backend, at::Tensor c
 // registry entry lists, and only where its one tile fits the shared memory (a variant has no fallback tile).
 static constexpr char kVariantPrefix[] = "variant:";
 
+// Whether a registry entry lists `feature` in its comma-separated features.
+static bool has_feature(KernelInfo const* info, std::string const& feature) {
+  return (std::string(",") + info->features + ",").find("," + feature + ",") != std::string::npos;
+}
+
 static bool is_variant(std::string const& backend) { return backend.rfind(kVariantPrefix, 0) == 0; }
 
 static KernelInfo const* variant_kernel(std::string const& backend, at::Tensor const& q, double softcap) {
@@ -176,8 +181,7 @@ static KernelInfo const* variant_kernel(std::string const& backend, at::Tensor c
   TORCH_CHECK(d % 8 == 0 && served_headdim(d) == info->headdim && dtype_name(q.scalar_type()) == info->dtype,
               "sinkattn fwd: variant ", name, " serves head dim ", info->headdim, " ", info->dtype, ", not ", d, " ",
               dtype_name(q.scalar_type()));
-  std::string const features = std::string(",") + info->features + ",";
-  TORCH_CHECK(!(softcap > 0) || features.find(",softcap,") != std::string::npos, "sinkattn fwd: variant ", name,
+  TORCH_CHECK(!(softcap > 0) || has_feature(info, "softcap"), "sinkattn fwd: variant ", name,
               " is compiled without softcap");
   return info;
 }
@@ -305,7 +309,7 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   // A persistent kernel drawing its tiles from a counter (registry feature "tile_counter") gets a zeroed int
   // (a memset on the stream: graph-capturable); the caching allocator keeps it until the kernel is done.
   at::Tensor tile_counter;
-  if ((std::string(",") + info->features + ",").find(",tile_counter,") != std::string::npos) {
+  if (has_feature(info, "tile_counter")) {
     tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
   }

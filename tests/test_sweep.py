@@ -401,3 +401,44 @@ def test_cli_cpu_run_end_to_end(tmp_path):
     summary = (tmp_path / "summary.txt").read_text()
     assert "PASS    fwd_emu_hdim64_bf16 (checked: odd-noncausal, causal-sq<sk" in summary
     assert '"exit_status": 0' in summary
+
+
+# ---- the emulation build's own variant, through the real variant:<name> backend (api.cpp) ----------------------
+SMOKE = next((k for k in _ext.registry() if k["family"] == "sm80-emulated-sweep" and k["op"] == "fwd"), None)
+needs_smoke = pytest.mark.skipif(SMOKE is None, reason="needs an emulation build of sinkattn._C (it holds one "
+                                 f"emulated tuning variant; extension: {_ext.IMPORT_ERROR or 'loaded, none built'})")
+
+
+@needs_smoke
+def test_the_emulation_builds_variant_passes_phase_1_through_its_backend():
+    """discover() finds it, phase 1 runs it as backend variant:<name> against the oracle on every case its
+    features serve, and softcap (compiled out) is left to the cases it does not serve."""
+    variants, _ = sweep.discover("cpu", [SMOKE["headdim"]], SMOKE["name"])
+    (v,) = [v for v in variants if v.name == SMOKE["name"]]
+    verdict = sweep.check([v], CPU, sweep.Clock(300), **QUIET)[v.name]
+    assert verdict.status == "PASS", verdict
+    assert verdict.checked == [c.name for c in sweep.CHECKS if not c.cuda_only and c.softcap == 0], verdict
+    assert any(s.startswith("softcap") for s in verdict.skipped), verdict
+
+
+@needs_smoke
+def test_the_variant_backend_refuses_what_it_does_not_serve():
+    d = SMOKE["headdim"]
+
+    def call(name, headdim=d, softcap=0.0):
+        q = torch.randn(1, 5, 2, headdim, dtype=torch.bfloat16)
+        out, lse = torch.empty_like(q), torch.empty(1, 2, 5)
+        kernels.launch_fwd("variant:" + name, q, q, q, None, out, lse, softmax_scale=0.1, window_left=-1,
+                           window_right=-1, sink_tokens=0, softcap=softcap)
+        return out
+
+    with pytest.raises(RuntimeError, match="no tuning-grid forward variant named 'nope'"):
+        call("nope")
+    default = next(k["name"] for k in _ext.registry() if k["family"] == "sm80-emulated" and k["op"] == "fwd")
+    with pytest.raises(RuntimeError, match="no tuning-grid forward variant named"):
+        call(default)  # a default kernel is not a variant
+    with pytest.raises(RuntimeError, match=f"serves head dim {d} bf16, not {d // 2}"):
+        call(SMOKE["name"], headdim=d // 2)
+    with pytest.raises(RuntimeError, match="compiled without softcap"):
+        call(SMOKE["name"], softcap=5.0)
+    assert torch.isfinite(call(SMOKE["name"])).all()
