@@ -81,3 +81,36 @@ def test_col_blocks_skip_whole_blocks():
         per_block.setdefault(n, []).append(m)
     assert per_block[0] == list(range(16))          # holds the sink tokens
     assert per_block[5] == [5, 6, 7]                 # keys 320..383 seen by queries 320..510
+
+
+def check_key_rows(sq, sk, wl, wr, ns, where=""):
+    """TileMask::key_rows (the sm90 backward's per-key mask over its transposed S^T tiles): for every key j, the
+    rows [lo, hi) it gives are exactly the queries that see j; keys outside [0, seqlen_k) are seen by none."""
+    vis = spec_visible(sq, sk, wl, wr, ns)
+    for j, lo, hi in C.mask_key_rows(sq, sk, wl, wr, ns).tolist():
+        tag = f"{where}mask_key_rows{(sq, sk, wl, wr, ns)} key {j}"
+        got = np.zeros(sq, dtype=bool)
+        got[max(lo, 0):max(min(hi, sq), 0)] = True
+        assert lo <= hi or (lo, hi) == (0, 0), f"{tag}: [{lo}, {hi})"
+        assert 0 <= lo and hi <= sq or lo == hi, f"{tag}: [{lo}, {hi}) outside the rows"
+        want = vis[:, j] if 0 <= j < sk else np.zeros(sq, dtype=bool)
+        bad = np.argwhere(got != want)
+        assert bad.size == 0, f"{tag}: row {int(bad[0][0])} is {'hidden' if want[bad[0][0]] else 'visible'} " \
+                              f"by the contract, [{lo}, {hi}) says otherwise"
+
+
+def test_key_rows_exhaustive_small():
+    for sq in range(0, 9):
+        for sk in range(0, 9):
+            for wl in (-1, 0, 1, 3):
+                for wr in (-1, 0, 1, 4):
+                    for ns in (0, 1, 3, 12):
+                        check_key_rows(sq, sk, wl, wr, ns)
+
+
+def test_key_rows_edge_and_random(rng_seed):
+    for (sq, sk, wl, wr, ns) in _edge_problems():
+        check_key_rows(sq, sk, wl, wr, ns)
+    rnd = random.Random(rng_seed)
+    for (sq, sk, wl, wr, ns) in _random_problems(rnd, 150):
+        check_key_rows(sq, sk, wl, wr, ns, where=f"seed {rng_seed}: ")

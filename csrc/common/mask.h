@@ -114,6 +114,25 @@ struct TileMask {
     return RowKeys{lo - col0, hi - col0, p.sink_tokens - col0};
   }
 
+  // The transposed bounds, for a kernel whose accumulator rows are keys (the sm90 backward computes S^T = K Q^T,
+  // so a thread holds two keys and many queries): query row i of a tile whose row 0 is query row0 sees key j iff
+  // visible(i). The rows that see key j (group == 1) are one interval:
+  //   right: i >= j - off - right      left: i <= j - off + left, unless j < sink_tokens      and i < seqlen_q;
+  // none when j is past seqlen_k. Host tests check it against MaskPolicy::visible for every pair (mask_key_rows).
+  struct KeyRows {
+    int lo, hi;
+    SA_HOST_DEVICE bool visible(int i) const { return i >= lo && i < hi; }
+  };
+  SA_HOST_DEVICE KeyRows key_rows(int j, int row0) const {
+    int64_t const off = p.offset();
+    int64_t lo = 0, hi = p.seqlen_q;
+    if (j < 0 || j >= p.seqlen_k) hi = 0;
+    if (p.window_right >= 0 && j - off - p.window_right > lo) lo = j - off - p.window_right;
+    if (p.window_left >= 0 && j >= p.sink_tokens && j - off + p.window_left + 1 < hi) hi = j - off + p.window_left + 1;
+    if (hi <= lo) lo = hi = 0;  // no row: an empty interval (lo may lie past seqlen_q, hi below 0)
+    return KeyRows{int(lo) - row0, int(hi) - row0};
+  }
+
   SA_HOST_DEVICE BlockRange range(int m_block) const {
     BlockRange r{0, 0, 0};
     int m0, m_last;
