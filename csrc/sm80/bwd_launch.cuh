@@ -5,7 +5,7 @@
 #include <string>
 
 #include "build_info.h"
-#include "common/bwd_prepost.h"
+#include "common/bwd_prepost_launch.cuh"
 #include "params.h"
 #include "sm80/bwd_config.h"
 #include "sm80/bwd_kernel.h"
@@ -22,32 +22,6 @@ __global__ void __launch_bounds__(Kt::kNThreads) bwd_kernel(__grid_constant__ co
   int n_block, split, head, batch;
   grid.decode(blockIdx.x, n_block, split, head, batch);
   bwd_block<Kt>(p, smem, threadIdx.x, n_block, batch, head);
-}
-
-// One thread per (sequence, head, row).
-template <class Element>
-__global__ void bwd_preprocess_kernel(__grid_constant__ const BwdParams p) {
-  int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
-  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
-    int const i = int(r % p.seqlen_q), h = int((r / p.seqlen_q) % p.nheads), b = int(r / (int64_t(p.seqlen_q) * p.nheads));
-    bwd_preprocess_row<Element>(p, b, h, i);
-  }
-}
-
-template <class Element>
-__global__ void bwd_postprocess_kernel(__grid_constant__ const BwdParams p) {
-  int64_t const nq = int64_t(p.total_q) * p.nheads * p.headdim, nk = int64_t(p.total_k) * p.nheads_k * p.headdim;
-  int64_t const stride = int64_t(gridDim.x) * blockDim.x;
-  int64_t const first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t e = first; e < nq; e += stride) bwd_convert_dq<Element>(p, e);
-  for (int64_t e = first; e < nk; e += stride) bwd_convert_dkv<Element>(p, e);
-  if (p.dsinks)
-    for (int64_t h = first; h < p.nheads; h += stride) bwd_sum_dsinks(p, int(h));
-}
-
-inline unsigned elementwise_blocks(int64_t n) {
-  int64_t b = (n + 255) / 256;
-  return unsigned(b < 1 ? 1 : b > (1 << 16) ? (1 << 16) : b);
 }
 
 template <class Kt>
@@ -76,17 +50,11 @@ void launch_bwd_part(BwdParams const& p, cudaStream_t stream) {
 
 template <int kHeadDim, class Element>
 void run_bwd_sm80(BwdParams const& p, cudaStream_t stream) {
-  if (p.headdim_rounded != kHeadDim)  // the kernel adds dQ over whole dq_accum rows of kHeadDim columns
-    throw std::runtime_error("sinkattn bwd: headdim_rounded " + std::to_string(p.headdim_rounded) +
-                             " is not the kernel's head dim " + std::to_string(kHeadDim));
-  int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
-  if (rows > 0) sm80::bwd_preprocess_kernel<Element><<<sm80::elementwise_blocks(rows), 256, 0, stream>>>(p);
-  sm80::with_bwd_config<kHeadDim, Element, sm80::GpuPrims>(p.max_smem_per_block, p.softcap, [&]<class Kt>() {
-    sm80::launch_bwd_part<kHeadDim, Element, sm80::bwd_unit_of<Kt>>(p, stream);
+  run_bwd_steps<kHeadDim, Element>(p, stream, [](BwdParams const& p, cudaStream_t stream) {
+    sm80::with_bwd_config<kHeadDim, Element, sm80::GpuPrims>(p.max_smem_per_block, p.softcap, [&]<class Kt>() {
+      sm80::launch_bwd_part<kHeadDim, Element, sm80::bwd_unit_of<Kt>>(p, stream);
+    });
   });
-  int64_t const n = int64_t(p.total_q) * p.nheads * p.headdim;
-  int64_t const nk = int64_t(p.total_k) * p.nheads_k * p.headdim;
-  sm80::bwd_postprocess_kernel<Element><<<sm80::elementwise_blocks(n > nk ? n : nk), 256, 0, stream>>>(p);
 }
 
 }  // namespace sinkattn
