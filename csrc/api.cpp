@@ -17,6 +17,7 @@
 #include "emu/emu_launch.h"
 #include "params.h"
 #include "sm80/bwd_tiles.h"
+#include "sm90/bwd_tiles.h"
 #include "sm80/fwd_tiles.h"
 
 namespace sinkattn {
@@ -316,6 +317,12 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   launch_fwd(info, p, emulated, q.device());
 }
 
+// The sm90 backward's M tile for a head dim it serves (sm90/bwd_tiles.h; dispatch sends it no other).
+static int sm90_bwd_block_m(int hd) {
+  TORCH_CHECK(hd == 64 || hd == 128, "sinkattn bwd: the sm90 backward has no tile for head dim ", hd);
+  return hd == 64 ? sm90::BwdTileOf<64>::tile.block_m : sm90::BwdTileOf<128>::tile.block_m;
+}
+
 // ---- attention backward --------------------------------------------------------------------------------
 // dout/out like q, lse (and dlse, when given) like the forward's lse; writes dq, dk, dv (like q, k, v) and
 // dsinks (fp32 (nheads,), when sinks are given) in place. Workspace through the caching allocator.
@@ -326,7 +333,7 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
                 int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right,
                 int64_t sink_tokens, double softcap, bool deterministic, int64_t max_smem) {
   bool const emulated = backend == "sm80-emulated";
-  TORCH_CHECK(emulated || backend == "sm80", "sinkattn bwd: unknown backend '", backend, "'");
+  TORCH_CHECK(emulated || backend == "sm80" || backend == "sm90", "sinkattn bwd: unknown backend '", backend, "'");
   int const rank = cu_seqlens_q.has_value() ? 3 : 4;
   for (auto const* t : {&dout, &q, &k, &v, &out, &dq, &dk, &dv})
     TORCH_CHECK(t->dim() == rank && t->scalar_type() == q.scalar_type(), "sinkattn bwd: dout/q/k/v/out/dq/dk/dv must be rank ",
@@ -343,7 +350,7 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   int const d = q.size(-1);
   int const hd = served_headdim(d);
   TORCH_CHECK(d % 8 == 0 && hd > 0, "sinkattn bwd: head dim must be a multiple of 8 up to 256");
-  auto const* info = find_kernel(emulated ? "sm80-emulated" : "sm80", "bwd", hd, dtype_name(q.scalar_type()));
+  auto const* info = find_kernel(emulated ? "sm80-emulated" : backend, "bwd", hd, dtype_name(q.scalar_type()));
   TORCH_CHECK(info, "sinkattn bwd: no ", backend, " backward kernel for head dim ", hd, " ", dtype_name(q.scalar_type()),
               " in this build");
 
@@ -357,6 +364,8 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   p.lse = lse.data_ptr<float>();
   p.dlse = dlse ? dlse->data_ptr<float>() : nullptr;
   p.dq = dq.data_ptr(); p.dk = dk.data_ptr(); p.dv = dv.data_ptr();
+  TORCH_CHECK(backend != "sm90" || info->smem_bytes <= p.max_smem_per_block, "sinkattn bwd: the ", backend, " backward for head dim ", hd,
+              " needs ", info->smem_bytes, " bytes of shared memory per block; the limit is ", p.max_smem_per_block);
   if (sinks) {
     TORCH_CHECK(dsinks->scalar_type() == at::kFloat && dsinks->is_contiguous() && dsinks->numel() == q.size(-2),
                 "sinkattn bwd: dsinks must be contiguous float32 (nheads,)");
@@ -375,7 +384,8 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   auto dq_accum = at::zeros({int64_t(p.total_q), p.nheads, hd}, f32);
   at::Tensor dq_semaphore;
   if (deterministic) {
-    int const block_m = sm80::choose_bwd_tile(hd, p.max_smem_per_block).block_m;
+    // The counters are per M tile of the kernel that runs (its tile table's block_m).
+    int const block_m = backend == "sm90" ? sm90_bwd_block_m(hd) : sm80::choose_bwd_tile(hd, p.max_smem_per_block).block_m;
     p.dq_m_blocks = std::max(1, (p.seqlen_q + block_m - 1) / block_m);
     dq_semaphore = at::zeros({p.batch, p.nheads, p.dq_m_blocks}, q.options().dtype(at::kInt));
     p.dq_semaphore = dq_semaphore.data_ptr<int>();
@@ -411,6 +421,18 @@ static at::Tensor mask_col_blocks(int sq, int sk, int wl, int wr, int ns, int bl
     int mb, me;
     tm.m_range(n, mb, me);
     for (int m = mb; m < me; ++m) rows.insert(rows.end(), {n, m, tm.needs_mask(m, n) ? 1 : 0});
+  }
+  return torch::from_blob(rows.data(), {int64_t(rows.size() / 3), 3}, at::kInt).clone();
+}
+
+// [lo, hi) of TileMask::key_rows for every key j < seqlen_k + 2 (row0 = 0): the query rows that see key j (the
+// sm90 backward masks its transposed score tiles with it).
+static at::Tensor mask_key_rows(int sq, int sk, int wl, int wr, int ns) {
+  TileMask tm{MaskPolicy{sq, sk, wl, wr, ns}, 1, 1, 1};
+  std::vector<int32_t> rows;
+  for (int j = -1; j < sk + 2; ++j) {
+    TileMask::KeyRows const r = tm.key_rows(j, 0);
+    rows.insert(rows.end(), {j, r.lo, r.hi});
   }
   return torch::from_blob(rows.data(), {int64_t(rows.size() / 3), 3}, at::kInt).clone();
 }
@@ -629,6 +651,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mask_tile_blocks", &mask_tile_blocks, "host entry: blocks each M tile visits and whether they need a mask",
         py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"),
         py::arg("group") = 1);
+  m.def("mask_key_rows", &mask_key_rows, "host entry: the query rows [lo, hi) that see each key (TileMask::key_rows)",
+        py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("window_left"), py::arg("window_right"), py::arg("sink_tokens"));
   m.def("mask_visible", &mask_visible, "host entry: the element visibility of the mask policy");
   m.def("mask_apply", &mask_apply, "host entry: the element mask TileMask::apply gives one tile (true = hidden)",
         py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"),

@@ -181,6 +181,8 @@ _KERNEL_UNITS = {
                 "SINKATTN_FWD_FEATURES", "emu"),
     "bwd_sm80": ("sm80/bwd_launch.cuh", "run_bwd_sm80", "BwdParams", "cudaStream_t", "sm80",
                  "SINKATTN_BWD_FEATURES", "sm80"),
+    "bwd_sm90": ("sm90/bwd_launch.cuh", "run_bwd_sm90", "BwdParams", "cudaStream_t", "sm90",
+                 "SINKATTN_BWD_SM90_FEATURES", "sm90"),
     "bwd_emu": ("emu/bwd_sm80_emu.h", "run_bwd_sm80_emulated", "BwdParams", "EmuLaunch const&", "sm80-emulated",
                 "SINKATTN_BWD_FEATURES", "emu"),
 }
@@ -193,7 +195,12 @@ _SMEM_BYTES = {
     "bwd_sm80": "sm80::bwd_min_smem<{hdim}>()",
     "bwd_emu": "sm80::bwd_min_smem<{hdim}>()",
     "fwd_sm90": "sm90::fwd_min_smem<{hdim}>()",
+    "bwd_sm90": "sm90::bwd_min_smem<{hdim}>()",
 }
+
+# Head dims a kind has no tile for (the others' kernels serve them; the capability report says which): the sm90
+# backward's dK and dV alone would take 256 registers per thread at head dim 256 (sm90/bwd_tiles.h).
+_NO_TILE = {"bwd_sm90": (256,)}
 
 
 # The sm80 kernels' tile configurations are compiled in parts (FwdUnit / BwdUnit in sm80/fwd_config.h and
@@ -437,10 +444,11 @@ def units(grid: Grid) -> list[Unit]:
     if "sm80" in grid.families and family_targets("sm80", grid.archs):
         kinds += ["fwd_sm80", "bwd_sm80"]
     if "sm90" in grid.families and family_targets("sm90", grid.archs):
-        kinds.append("fwd_sm90")
+        kinds += ["fwd_sm90", "bwd_sm90"]
     if grid.emulation:
         kinds += ["fwd_emu", "bwd_emu"]
-    out += [_kernel_unit(kind, h, d) for kind in kinds for h in grid.headdims for d in grid.dtypes]
+    out += [_kernel_unit(kind, h, d) for kind in kinds for h in grid.headdims for d in grid.dtypes
+            if h not in _NO_TILE.get(kind, ())]
     out += [_part_unit(kind, h, d, part, suffix) for kind in kinds for h in grid.headdims for d in grid.dtypes
             for part, suffix in _parts(kind, h)]
     return out + sweep_units(grid)

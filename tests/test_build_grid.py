@@ -192,6 +192,8 @@ def test_units_full_grid_with_fwd(with_fwd):
     want |= {f"fwd_emu_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
     want |= {f"bwd_{f}_hdim{h}_{d}" for f in ("sm80", "emu") for h in (64, 128, 256) for d in ("bf16", "fp16")}
     want |= {f"fwd_sm90_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
+    # the sm90 backward has no head-dim-256 tile (sm90/bwd_tiles.h): the sm80 backward serves it
+    want |= {f"bwd_sm90_hdim{h}_{d}" for h in (64, 128) for d in ("bf16", "fp16")}
     # the tile tables' other parts, each in a unit of its own (built in parallel with the launcher's)
     want |= {f"fwd_{f}_hdim{h}_{d}{p}" for f in ("sm80", "emu") for h in (64, 128, 256) for d in ("bf16", "fp16")
              for p in ("_keys", "_softcap")}
@@ -204,7 +206,10 @@ def test_units_full_grid_with_fwd(with_fwd):
                                                                   if n.endswith(("_keys", "_small", "_softcap"))}
     fam = {u.name: u.family for u in gen.units(g)}
     assert fam["fwd_sm80_hdim64_bf16"] == "sm80" and fam["fwd_emu_hdim64_bf16"] == "emu" and fam["merge_fp32"] == "common"
-    assert fam["fwd_sm90_hdim128_bf16"] == "sm90"
+    assert fam["fwd_sm90_hdim128_bf16"] == "sm90" and fam["bwd_sm90_hdim64_fp16"] == "sm90"
+    bwd90 = next(u for u in gen.units(g) if u.name == "bwd_sm90_hdim128_bf16")
+    assert "run_bwd_sm90<128, cutlass::bfloat16_t>" in bwd90.text and '"sm90", "bwd", 128, "bf16"' in bwd90.text
+    assert "sm90::bwd_min_smem<128>()" in bwd90.text
 
 
 def test_sm90_units_only_with_90a():
@@ -212,7 +217,9 @@ def test_sm90_units_only_with_90a():
         names = _names(gen.Grid(archs=archs, headdims=[128], dtypes=["bf16"], emulation=False))
         assert not any("sm90" in n for n in names)
     names = _names(gen.Grid(archs=["90a"], headdims=[128], dtypes=["bf16"], emulation=False))
-    assert "fwd_sm90_hdim128_bf16" in names and "fwd_sm80_hdim128_bf16" in names
+    assert "fwd_sm90_hdim128_bf16" in names and "fwd_sm80_hdim128_bf16" in names and "bwd_sm90_hdim128_bf16" in names
+    names = _names(gen.Grid(archs=["90a"], headdims=[256], dtypes=["bf16"], emulation=False))
+    assert "fwd_sm90_hdim256_bf16" in names and not any(n.startswith("bwd_sm90") for n in names)
 
 
 def test_units_narrowed_with_fwd(with_fwd):
@@ -223,9 +230,9 @@ def test_units_narrowed_with_fwd(with_fwd):
                          "merge_fp16", "merge_fp32"]
     g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "90a", "SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "bf16",
                         "SINKATTN_EMULATION": "1"})
-    # 90a builds the sm90 forward, and still the sm80 family (as sm_90) and the emulated kernel
+    # 90a builds the sm90 forward and backward, and still the sm80 family (as sm_90) and the emulated kernel
     assert _names(g) == ["bwd_emu_hdim64_bf16", "bwd_sm80_hdim64_bf16", "bwd_sm80_hdim64_bf16_softcap",
-                         "fwd_emu_hdim64_bf16", "fwd_emu_hdim64_bf16_keys", "fwd_emu_hdim64_bf16_softcap",
+                         "bwd_sm90_hdim64_bf16", "fwd_emu_hdim64_bf16", "fwd_emu_hdim64_bf16_keys", "fwd_emu_hdim64_bf16_softcap",
                          "fwd_sm80_hdim64_bf16", "fwd_sm80_hdim64_bf16_keys", "fwd_sm80_hdim64_bf16_softcap",
                          "fwd_sm90_hdim64_bf16", "merge_bf16", "merge_fp32"]
     bwd = next(u for u in gen.units(g) if u.name == "bwd_sm80_hdim64_bf16")

@@ -33,10 +33,11 @@ HEARTBEAT_S = float(os.environ.get("SINKATTN_HEARTBEAT_S", "25"))
 
 # Expected seconds of one unit per kind, measured on the 2-core dev machine without ccache for the default grid
 # (80;90a, commit of issue 21; `make build-times`): the front end dominates, so a narrower arch list costs about
-# the same per unit (the *_softcap kinds: a clean clone's .ci/run, 2026-12-01). Only the estimate of what is left
+# the same per unit (the *_softcap kinds: a clean clone's .ci/run, 2026-12-01; bwd_sm90: its first build, 2026-12-01,
+# two kernels per unit, sm_90a only). Only the estimate of what is left
 # uses them, rescaled by the pace of the finished units.
 UNIT_COST_S = {"fwd_sm80": 40.0, "fwd_sm80_keys": 36.0, "fwd_sm80_softcap": 24.0, "bwd_sm80": 30.0,
-               "bwd_sm80_small": 31.0, "bwd_sm80_softcap": 22.0, "fwd_sm90": 19.0, "fwd_emu": 55.0, "fwd_emu_keys": 40.0,
+               "bwd_sm80_small": 31.0, "bwd_sm80_softcap": 22.0, "fwd_sm90": 19.0, "bwd_sm90": 24.0, "fwd_emu": 55.0, "fwd_emu_keys": 40.0,
                "fwd_emu_softcap": 12.0, "bwd_emu": 40.0, "merge": 4.0, "build_info": 2.0,
                "sweep_fwd_sm90": 16.0, "sweep_fwd_sm80": 25.0, "sweep_fwd_emu": 12.0}
 DEFAULT_COST_S = 30.0

@@ -1,0 +1,371 @@
+// bwd_kernel.cuh: the sm90 backward kernel (warp-specialized TMA + wgmma), one CTA per (key block, query head,
+// sequence), the main step of the three in params.h (the pre- and postprocess are common/bwd_prepost_launch.cuh's:
+// delta and the sink gradient's rows before, dq / dk / dv conversion, the GQA sum and dsinks after; the sink never
+// enters this loop).
+//
+// Warpgroup 0, warp 0 produces: K and V of the block once (TMA), then for each M tile of the mask policy's range
+// (TileMask::m_range) Q and dO (TMA) and the tile's LSE / delta rows (plain loads by the 32 lanes) into a
+// kStages-deep pipeline. Warpgroups 1 and 2 consume, 64 keys each (bwd_traits.h has the products):
+//   S^T, dP^T on wgmma -> P^T = exp2(S^T scale log2e - lse log2e) and dS^T = P^T (dP^T - delta) in registers
+//   (the element mask from TileMask::key_rows: a thread holds two keys, so two bounds per step) -> dS^T into
+//   shared memory -> dV += P^T dO, dK += dS^T Q on wgmma from registers -> both warpgroups' dS^T in (a named
+//   barrier) -> dQ = dS K on wgmma -> added in fp32 into dq_accum (float2 atomics; in increasing key-block order
+//   per M tile when deterministic, as the sm80 backward).
+// dK (times softmax_scale) and dV go out in fp32 per query head, as the sm80 kernel's: the postprocess sums the
+// GQA group.
+#pragma once
+#include <cmath>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "common/bwd_prepost.h"
+#include "common/defs.h"
+#include "common/mask.h"
+#include "common/online_softmax.h"
+#include "common/seq_extent.h"
+#include "common/tile_order.h"
+#include "params.h"
+#include "sm90/bwd_traits.h"
+#include "sm90/wgmma_utils.cuh"
+
+namespace sinkattn::sm90 {
+
+using namespace cute;
+
+namespace bwd {
+
+using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+using EmptyBarrier = cutlass::arch::ClusterBarrier;
+
+// The consumer thread index (0-255), read from %tid.x each time: a value the compiler cannot keep live across a
+// loop, so what is derived from it is recomputed where used instead of held in a register (or spilled).
+__device__ __forceinline__ int consumer_tid() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t - 128;
+}
+
+// Named barriers among the 256 consumer threads (ids above CUTLASS's reserved ones).
+enum : uint32_t { kBarDs = 0, kBarDqTurn = 1 };
+
+// The producer: one thread (warp 0, lane 0) issues every TMA load; warp 1 writes each step's LSE and delta rows.
+// Both walk the same M tiles through the same stages: q_full[s] completes when the TMA bytes have landed and the
+// 32 lanes of warp 1 have arrived (each arrival releases that lane's rows). Two warps, not one: at the producer's
+// 24 registers, one warp doing both spilled.
+template <class Kt>
+__device__ void produce_tma(BwdParams const& p, BwdTmaParams<Kt> const& tma, typename Kt::SharedStorage& ss,
+                            Work const& w) {
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
+  bool const varlen = p.cu_seqlens_q != nullptr;
+  int const bdim = varlen ? 1 : p.batch, b = varlen ? 0 : w.batch, hk = w.head / (p.nheads / p.nheads_k);
+  int const rows_k = max_i(varlen ? p.total_k : p.seqlen_k, 1);
+  {
+    Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutKV{});
+    Tensor mK = tma.k.get_tma_tensor(make_shape(rows_k, p.headdim, p.nheads_k, bdim));
+    Tensor mV = tma.v.get_tma_tensor(make_shape(rows_k, p.headdim, p.nheads_k, bdim));
+    Tensor gK = local_tile(domain_offset(make_coord(int(w.ext.k_start), _0{}), mK(_, _, hk, b)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(w.n_block, _0{}));
+    Tensor gV = local_tile(domain_offset(make_coord(int(w.ext.k_start), _0{}), mV(_, _, hk, b)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(w.n_block, _0{}));
+    auto [tKgK, tKsK] = tma_partition(tma.k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(tma.v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    FullBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Kt::kKVBytes);
+    copy(tma.k.with(ss.kv_full), tKgK, tKsK);
+    copy(tma.v.with(ss.kv_full), tVgV, tVsV);
+  }
+  // Q and dO of each step: the views are rebuilt every step from p (parameter space) and w (shared memory, reread
+  // after the previous step's TMA asm, which clobbers memory), so nothing but the loop counters lives across steps
+  // (built once before the loop, the TMA coordinates spilled 44 bytes at the producer's 24 registers).
+  for (int m = w.m_begin, it = 0; m < w.m_end; ++m, ++it) {
+    int const st = it % kStages, phase = (it / kStages) & 1;
+    EmptyBarrier::wait(&ss.q_empty[st], phase ^ 1);
+    bool const varlen_now = p.cu_seqlens_q != nullptr;
+    int const bdim_now = varlen_now ? 1 : p.batch, b_now = varlen_now ? 0 : w.batch;
+    int const rows_now = max_i(varlen_now ? p.total_q : p.seqlen_q, 1);
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});  // (M, d, stage)
+    Tensor sdO = make_tensor(make_smem_ptr(ss.dout), typename Kt::SmemLayoutQ{});
+    Tensor mQ = tma.q.get_tma_tensor(make_shape(rows_now, p.headdim, p.nheads, bdim_now));
+    Tensor mdO = tma.dout.get_tma_tensor(make_shape(rows_now, p.headdim, p.nheads, bdim_now));
+    Tensor gQ = local_tile(domain_offset(make_coord(int(w.ext.q_start), _0{}), mQ(_, _, w.head, b_now)),
+                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
+    Tensor gdO = local_tile(domain_offset(make_coord(int(w.ext.q_start), _0{}), mdO(_, _, w.head, b_now)),
+                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
+    auto [tQgQ, tQsQ] = tma_partition(tma.q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] = tma_partition(tma.dout, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    FullBarrier::arrive_and_expect_tx(&ss.q_full[st], 2 * Kt::kQBytes);
+    copy(tma.q.with(ss.q_full[st]), tQgQ, tQsQ(_, st));
+    copy(tma.dout.with(ss.q_full[st]), tdOgdO, tdOsdO(_, st));
+  }
+}
+
+template <class Kt>
+__device__ void produce_rows(BwdParams const& p, typename Kt::SharedStorage& ss, Work const& w, int lane) {
+  constexpr int kBlockM = Kt::kBlockM, kStages = Kt::kStages;
+  float const log2e = float(M_LOG2E);
+  for (int m = w.m_begin, it = 0; m < w.m_end; ++m, ++it) {
+    int const st = it % kStages, phase = (it / kStages) & 1;
+    EmptyBarrier::wait(&ss.q_empty[st], phase ^ 1);
+    // The rows' offset is recomputed every step from w in shared memory (the empty asm makes the compiler reread
+    // it): held across steps, it and its pointers spilled at the producer's 24 registers.
+    asm volatile("" ::: "memory");
+    int64_t const row0 = bwd_lse_index(p, w.batch, w.head, 0) + int64_t(m) * kBlockM;
+    int const rows = w.ext.seqlen_q - m * kBlockM;
+#pragma unroll 1
+    for (int r = lane; r < kBlockM; r += 32) {
+      float lse = INFINITY, delta = 0.f;
+      if (r < rows) {
+        lse = p.lse[row0 + r];
+        delta = p.delta[row0 + r];
+        if (lse == -INFINITY) lse = INFINITY;  // a row that sees nothing and has no sink: P = 0, never NaN
+      }
+      ss.lse_log2[st][r] = lse * log2e;
+      ss.delta[st][r] = delta;
+    }
+    FullBarrier::arrive(&ss.q_full[st]);
+  }
+}
+
+template <class Kt, bool kSoftcap>
+__device__ void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Work const& w_smem, int ctid) {
+  // In registers: read from shared memory at each use instead, ptxas spilled 108 bytes here, not 36. (The mask's
+  // block sizes are then run-time values; rebuilding it with compile-time ones spilled 56 bytes, not 16: ptxas
+  // hoisted more of the mask's work out of the loop.)
+  Work const w = w_smem;
+  TileMask const& mask = w.mask;
+  using Element = typename Kt::Element;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
+
+  typename Kt::TiledMmaSdP mma_sdp;
+  typename Kt::TiledMmadKV mma_dkv;
+  typename Kt::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+  auto thr_dkv = mma_dkv.get_thread_slice(ctid);
+  auto thr_dq = mma_dq.get_thread_slice(ctid);
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout), typename Kt::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout), typename Kt::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds), typename Kt::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds), typename Kt::SmemLayoutdSt{});
+
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // wgmma descriptors (MMA, MMA_M, MMA_K)
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, buffer)
+  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+  Tensor tdSsdS = thr_sdp.partition_C(sdSt);          // this thread's dS^T elements in shared memory (.., buffer)
+
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+  Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  // P^T and dS^T in the input precision, read by the dV and dK products as their A operands.
+  Tensor rP = make_tensor<Element>(tSrS.layout());
+  Tensor rdS = make_tensor<Element>(tdPrdP.layout());
+  Tensor tdVrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+  Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
+  clear(acc_dk);
+  clear(acc_dv);
+
+  Tensor scores = rowcol_view(tSrS);
+  Tensor dps = rowcol_view(tdPrdP);
+  Tensor probs_in = rowcol_view(rP);
+  Tensor dss_in = rowcol_view(rdS);
+  constexpr int kRows = decltype(size<0>(scores))::value, kCols = decltype(size<1>(scores))::value;
+  static_assert(kRows == 2);
+  int64_t const dq_row_stride = int64_t(p.nheads) * p.headdim_rounded;
+  bool const varlen = w.ext.varlen;
+  int64_t const q_row0 = varlen ? w.ext.q_start : int64_t(w.batch) * p.seqlen_q;
+  int64_t const k_row0 = varlen ? w.ext.k_start : int64_t(w.batch) * p.seqlen_k;
+  float* const dq_head = p.dq_accum + q_row0 * dq_row_stride + int64_t(w.head) * p.headdim_rounded;
+
+  ScoreScale<kSoftcap ? Softcap::kRunTime : Softcap::kOff> const score{p.softmax_scale, p.softcap};
+  float const log2e = float(M_LOG2E), scale_log2 = p.softmax_scale * log2e;
+  int const j0 = w.n_block * kBlockN;
+
+  FullBarrier::wait(&ss.kv_full, 0);
+  for (int m = w.m_begin, it = 0; m < w.m_end; ++m, ++it) {
+    int const st = it % kStages, phase = (it / kStages) & 1, buf = it & 1;
+    int const i0 = m * kBlockM;
+    FullBarrier::wait(&ss.q_full[st], phase);
+    wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
+    wgmma<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st), tdPrdP);
+    warpgroup_wait<1>();  // S^T in; dP^T may still run
+    warpgroup_fence_operand(tSrS);
+
+    // P^T element by element, while the dP^T product runs. Columns are queries: the LSE of column c is the
+    // stage's row. Hidden pairs get P = 0 from the key's row bounds; rows past the sequence have lse = +inf.
+    // S^T keeps P times d score / d (scale q.k) (the softcap's 1 - tanh^2; P itself without softcap) for dS.
+    float const* lse_log2 = ss.lse_log2[st];
+    // (key, query) of each S^T element within the block and the M tile, from the thread index read afresh: held
+    // through the loop, the thread's offsets were what ptxas spilled (16 bytes), and recomputing them is a few
+    // integer instructions per step.
+    Tensor tScS = rowcol_view(
+        mma_sdp.get_thread_slice(consumer_tid()).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{})));
+    // Columns outside, the thread's two rows inside: each query's LSE is read once and dies at once (rows outside,
+    // ptxas kept every column's LSE live across both rows).
+    auto probs = [&]<bool kMasked, bool kCap>() {
+      TileMask::KeyRows keys[kRows];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) keys[r] = kMasked ? mask.key_rows(j0 + get<0>(tScS(r, 0)), i0) : TileMask::KeyRows{0, 0};
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        int const i = get<1>(tScS(0, c));
+        float const lse = lse_log2[i];
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          float prob, dtanh = 1.f;
+          if constexpr (kCap) {
+            prob = exp2f(score.score(scores(r, c), dtanh) * log2e - lse);
+          } else {
+            prob = exp2f(scores(r, c) * scale_log2 - lse);
+          }
+          if constexpr (kMasked) prob = keys[r].visible(i) ? prob : 0.f;
+          probs_in(r, c) = Element(prob);
+          scores(r, c) = kCap ? prob * dtanh : prob;
+        }
+      }
+    };
+    bool const masked = mask.needs_mask(m, w.n_block);
+    if (score.on()) {
+      // With softcap (a tanh per element) the pass does not fit beside dP^T's in-flight registers: it waits.
+      warpgroup_wait<0>();
+      if (masked) probs.template operator()<true, true>();
+      else probs.template operator()<false, true>();
+    } else {
+      if (masked) probs.template operator()<true, false>();
+      else probs.template operator()<false, false>();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdPrdP);
+    // dS^T = P^T (dP^T - delta) (times the softcap's derivative, already in S^T).
+    float const* delta = ss.delta[st];
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      float const dl = delta[get<1>(tScS(0, c))];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) dss_in(r, c) = Element(scores(r, c) * (dps(r, c) - dl));
+    }
+    // dS^T into shared memory for dQ, before the register products below are issued (they read rdS).
+    Tensor tdSsdS_b = tdSsdS(_, _, _, buf);
+    CUTE_UNROLL
+    for (int e = 0; e < size(rdS); ++e) tdSsdS_b(e) = rdS(e);
+    cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma (the async proxy)
+
+    warpgroup_fence_operand(rP);
+    warpgroup_fence_operand(rdS);
+    wgmma<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), acc_dv);
+    wgmma<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
+
+    cutlass::arch::NamedBarrier::sync(256, kBarDs);  // both warpgroups' dS^T written
+    wgmma<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
+    warpgroup_wait<1>();  // dV and dK done: Q, dO and the stage's rows are free
+    warpgroup_fence_operand(acc_dv);
+    warpgroup_fence_operand(acc_dk);
+    warpgroup_fence_operand(rP);
+    warpgroup_fence_operand(rdS);
+    EmptyBarrier::arrive(&ss.q_empty[st]);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dq);
+
+    // Deterministic: this key block's turn on the M tile (the visitors are the forward's block range of that
+    // tile; they add in increasing order, so the rank of n_block among them is its turn).
+    int* sem = nullptr;
+    int turn = 0;
+    if (p.dq_semaphore) {
+      BlockRange const visitors = mask.range(m);
+      turn = w.n_block < visitors.sink_end ? w.n_block : visitors.sink_end + (w.n_block - visitors.win_begin);
+      sem = p.dq_semaphore + (int64_t(w.batch) * p.nheads + w.head) * p.dq_m_blocks + m;
+      if (ctid == 0) {
+        while (atomicAdd(sem, 0) != turn) __nanosleep(32);
+        __threadfence();
+      }
+      cutlass::arch::NamedBarrier::sync(256, kBarDqTurn);
+    }
+    // dQ (unscaled) into dq_accum, two adjacent columns per atomic; the tail tile's rows past the sequence are
+    // skipped (varlen: they are the next sequence's). Columns past headdim add the zeros of K's zero-filled
+    // columns, which the postprocess never reads.
+    bool const dq_full = i0 + kBlockM <= w.ext.seqlen_q;
+    // (query, column) of each dQ element: this thread's first, the rest a compile-time offset from it.
+    Tensor tdQcdQ = mma_dq.get_thread_slice(consumer_tid()).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    int const dq_r0 = get<0>(tdQcdQ(0)), dq_c0 = get<1>(tdQcdQ(0));
+    float* dq_tile = dq_head + (int64_t(i0) + dq_r0) * dq_row_stride + dq_c0;
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc_dq); e += 2) {
+      int const r = get<0>(tdQcdQ(e)) - dq_r0, c = get<1>(tdQcdQ(e)) - dq_c0;
+      if (dq_full || i0 + dq_r0 + r < w.ext.seqlen_q) {
+        atomicAdd(reinterpret_cast<float2*>(dq_tile + r * dq_row_stride + c), make_float2(acc_dq(e), acc_dq(e + 1)));
+      }
+    }
+    if (sem) {
+      __threadfence();  // this thread's adds visible before the next key block's turn
+      cutlass::arch::NamedBarrier::sync(256, kBarDqTurn);
+      if (ctid == 0) atomicExch(sem, turn + 1);
+    }
+  }
+
+  // dK (times softmax_scale) and dV of this query head, fp32, two adjacent columns per store.
+  Tensor tdKcdK = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc_dk); e += 2) {
+    int const j = j0 + get<0>(tdKcdK(e)), c = get<1>(tdKcdK(e));
+    if (j < w.ext.seqlen_k && c < p.headdim) {
+      int64_t const a = ((k_row0 + j) * p.nheads + w.head) * p.headdim_rounded + c;
+      *reinterpret_cast<float2*>(p.dk_accum + a) = make_float2(acc_dk(e) * p.softmax_scale, acc_dk(e + 1) * p.softmax_scale);
+      *reinterpret_cast<float2*>(p.dv_accum + a) = make_float2(acc_dv(e), acc_dv(e + 1));
+    }
+  }
+}
+
+}  // namespace bwd
+
+// kSoftcap: softcap compiled in (the launcher picks this kernel when softcap > 0); a tanh per element takes
+// registers the plain kernel's passes then do not have to share.
+template <class Kt, bool kSoftcap>
+__global__ void __launch_bounds__(Kt::kNThreads, 1)
+    bwd_kernel(__grid_constant__ const BwdParams p, __grid_constant__ const BwdTmaParams<Kt> tma, BwdTileOrder const grid) {
+  extern __shared__ __align__(1024) char smem[];
+  auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(smem);
+  if (threadIdx.x == 0) {
+    ss.work = bwd::Work::make<Kt>(p, grid);
+    bwd::FullBarrier::init(&ss.kv_full, 1);
+    CUTE_UNROLL
+    for (int s = 0; s < Kt::kStages; ++s) {
+      bwd::FullBarrier::init(&ss.q_full[s], 1 + 32);  // the TMA thread and warp 1's lanes
+      bwd::EmptyBarrier::init(&ss.q_empty[s], 128 * Kt::kConsumerWarpgroups);
+    }
+    prefetch_tma_descriptor(tma.q.get_tma_descriptor());
+    prefetch_tma_descriptor(tma.dout.get_tma_descriptor());
+    prefetch_tma_descriptor(tma.k.get_tma_descriptor());
+    prefetch_tma_descriptor(tma.v.get_tma_descriptor());
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+  bwd::Work const& w = ss.work;
+  // No M tile sees a key of this block (or the block is past its sequence): dk_accum / dv_accum are zero-filled
+  // and nothing is added to dq_accum. Uniform per CTA.
+  if (w.m_end <= w.m_begin) return;
+
+  if (threadIdx.x < 128) {
+    cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
+    if (threadIdx.x == 0) bwd::produce_tma<Kt>(p, tma, ss, w);
+    else if (threadIdx.x >= 32 && threadIdx.x < 64) bwd::produce_rows<Kt>(p, ss, w, int(threadIdx.x) - 32);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
+    bwd::consume<Kt, kSoftcap>(p, ss, w, int(threadIdx.x) - 128);
+  }
+}
+
+}  // namespace sinkattn::sm90
