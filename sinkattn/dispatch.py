@@ -39,6 +39,12 @@ _warned: set[str] = set()
 # window 1024 (hd128) sm90 is 1.8x faster. The crossover between 128 and 1024 is not measured.
 SM90_MIN_WINDOW = 128
 
+# The sm90 backward (csrc/sm90/bwd_*) serves these head dims (sm90/bwd_tiles.h; the sm80 backward serves 256). It
+# was written and compiled in a session without a GPU: "auto" keeps the backward on the sm80 kernel on cc 9.0 until
+# a GPU run passes tests/test_gpu_backward.py on it (then set this True, with the run in bench/RESULTS.md).
+SM90_BWD_HEADDIMS = (64, 128)
+SM90_BWD_VALIDATED = False
+
 # What a registry feature means to a user (the reason a kernel is refused names what the call needs).
 _FEATURE_WORDS = {"sinks": "learnable sinks", "sink_tokens": "sink tokens", "causal": "causal masks",
                   "window": "sliding windows", "softcap": "softcap", "gqa": "GQA/MQA (fewer KV heads than query heads)",
@@ -117,7 +123,7 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
     siblings = registry.kernels(family, op)
     if op == "bwd" and not siblings:
         if backend == "sm90":
-            return "sinkattn has no sm90 backward kernels yet; the sm80 backward serves cc 9.0"
+            return "this build has no sm90 backward kernels (built without 90a); the sm80 backward serves cc 9.0"
         return f"no backward kernel is built yet for backend {backend!r}; the reference backend serves it"
     if not problem.positive_scale:
         # The online softmax takes its running max over the raw scores and masks with -inf: a scale <= 0 turns
@@ -142,6 +148,9 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
             return (f"the {backend} {_WHAT[op]} kernels do not serve "
                     + " or ".join(_FEATURE_WORDS.get(f, f) for f in missing)
                     + f" (registry features of {described['name']}: {described['features']})")
+    if kernel is None and backend == "sm90" and op == "bwd" and hd not in SM90_BWD_HEADDIMS:
+        return (f"the sm90 backward has no tile for head dim {hd} (dK and dV would take all of a thread's "
+                f"registers); the sm80 backward serves it")
     if kernel is None:
         if str(hd) in registry.requested("requested_headdims") and dtype in registry.requested("requested_dtypes"):
             if backend == "sm80-emulated":
@@ -193,6 +202,10 @@ def preference_note(capability: tuple[int, int] | None, problem: Problem | None)
             and 0 <= problem.window_left < SM90_MIN_WINDOW):
         return {"sm90": (f"windows under {SM90_MIN_WINDOW} keys run faster on the sm80 kernel on cc 9.0 "
                          "(measured on an H200); backend='sm90' still forces it")}
+    if capability == (9, 0) and problem is not None and problem.kind == "bwd" and not SM90_BWD_VALIDATED:
+        return {"sm90": ("the sm90 backward is compiled but has not yet run on a GPU (tests/test_gpu_backward.py "
+                         "checks it against the oracle on the next one); until then the sm80 backward serves "
+                         "cc 9.0; backend='sm90' forces it")}
     return {}
 
 

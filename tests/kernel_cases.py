@@ -46,6 +46,8 @@ def make_sinks(kind: str, nheads: int, device) -> torch.Tensor | None:
         return torch.full((nheads,), -math.inf, device=device)
     if kind == "+30":
         return torch.full((nheads,), 30.0, device=device)
+    if kind == "0":
+        return torch.zeros((nheads,), device=device)
     return torch.randn(nheads, device=device)
 
 

@@ -19,7 +19,8 @@ CUDA_PROBLEM = Problem(kind="fwd", device_type="cuda", dtype=torch.bfloat16, hea
 # The families' registry features as the binary lists them (csrc: SINKATTN_FWD_FEATURES and friends).
 FEATURES = {("sm80", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv",
             ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen",
-            ("sm80", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic"}
+            ("sm80", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic",
+            ("sm90", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic"}
 ARCHS = {"sm80": "sm_80,sm_90,compute_80", "sm90": "sm_90a", "sm80-emulated": "host"}
 
 
@@ -387,3 +388,36 @@ def test_nonpositive_scale_runs_on_the_reference_without_nan(scale):
     # a positive scale still runs on the kernel
     out = sinkattn.flash_attn_with_sinks(q, k, v, sinks, causal=True, softmax_scale=0.125, backend="sm80-emulated")
     assert not out.isnan().any()
+
+
+def _sm90_bwd_build():
+    """A 90a build: both families' forwards and backwards, the sm90 backward at head dims 64 and 128 only."""
+    return build("sm80", "sm90") + tuple(entry("sm90", "bwd", h, d) for h in (64, 128) for d in ("bf16", "fp16"))
+
+
+@pytest.mark.parametrize("validated", [False, True])
+def test_sm90_backward_auto_waits_for_its_gpu_run(gpu, fake_registry, monkeypatch, validated):
+    """The sm90 backward serves its head dims when forced; "auto" keeps the backward on sm80 until
+    SM90_BWD_VALIDATED says a GPU run passed it, and the report's note says why."""
+    monkeypatch.setattr(dispatch, "SM90_BWD_VALIDATED", validated)
+    fake_registry(_sm90_bwd_build())
+    bwd = dataclasses.replace(CUDA_PROBLEM, kind="bwd")
+    assert dispatch.why_not("sm90", bwd) is None
+    assert dispatch.choose_backward(bwd, "sm90") == "sm90"
+    assert dispatch.choose(bwd, "auto") == ("sm90" if validated else "sm80")
+    note = dispatch.preference_note((9, 0), bwd)
+    assert ("sm90" in note) != validated
+    if not validated:
+        assert "has not yet run on a GPU" in note["sm90"] and "backend='sm90'" in note["sm90"]
+    # the forward's choice is untouched
+    assert dispatch.choose(CUDA_PROBLEM, "auto") == "sm90"
+
+
+def test_sm90_backward_has_no_head_dim_256(gpu, fake_registry, monkeypatch):
+    monkeypatch.setattr(dispatch, "SM90_BWD_VALIDATED", True)
+    fake_registry(_sm90_bwd_build())
+    reason = dispatch.why_not("sm90", BWD_256)
+    assert reason is not None and "no tile for head dim 256" in reason and "sm80 backward serves it" in reason
+    assert dispatch.choose(BWD_256, "auto") == "sm80"
+    with pytest.raises(SinkattnRuntimeError, match="no tile for head dim 256"):
+        dispatch.choose(BWD_256, "sm90")

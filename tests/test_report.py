@@ -79,12 +79,13 @@ def native(registry, cc) -> bool:
 
 def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
     # Decode runs on the sm80 forward kernel on every device (the sm90 kernel takes q/k/v tensors, not KV
-    # caches); the backward on the bwd kernels (sm90 devices use the sm80 backward until an sm90 one exists).
+    # caches); the backward on the bwd kernels (sm90 devices use the sm80 backward until the sm90 one has passed
+    # a GPU run: dispatch.SM90_BWD_VALIDATED).
     # The learnable-sinks problem is gpt-oss's window (127, 0), which "auto" gives to sm80 first on cc 9.0
     # (dispatch.SM90_MIN_WINDOW).
     op = "bwd" if feature == "backward" else "fwd"
     order = ["sm90", "sm80"] if cc == (9, 0) and feature != "decode" else (["sm80"] if cc[0] >= 8 else [])
-    if cc == (9, 0) and feature == "learnable_sinks":
+    if cc == (9, 0) and (feature == "learnable_sinks" or (feature == "backward" and not dispatch.SM90_BWD_VALIDATED)):
         order = ["sm80", "sm90"]
     for b in order:
         for k in registry:
@@ -297,8 +298,11 @@ def test_serving_paths_fake_devices(build, fake_build):
             if dev.capability[0] < 8:
                 assert tried == [] and "cc >= 8.0" in path["declined"]["kernels"] and "7.5" in path["declined"]["kernels"]
                 continue
-            # every better backend tried and declined, with the reason why_not gives
+            # every better backend tried and declined, with the reason why_not gives (a backend "auto" ranks lower
+            # for this problem, dispatch.preference_note, is listed first; when none serves, in the order tried)
             stop = tried.index(want) if want in tried else len(tried)
+            if want == "reference":
+                tried = list(dispatch.preferred_backends(dev.capability, problem))
             assert list(path["declined"]) == tried[:stop]
             for b, reason in path["declined"].items():
                 assert reason == (dispatch.why_not(b, problem, capability=dev.capability)
@@ -358,9 +362,16 @@ def test_preferred_backends():
     short = capability._problem("learnable_sinks", 0)
     assert short.window_left == 127 and dispatch.preferred_backends((9, 0), short) == ("sm80", "sm90")
     assert "sm80" in dispatch.preference_note((9, 0), short)["sm90"]
-    for feature in ("sink_tokens", "backward", "decode"):
+    for feature in ("sink_tokens", "decode"):
         p = capability._problem(feature, 0)
         assert dispatch.preferred_backends((9, 0), p) == ("sm90", "sm80") and not dispatch.preference_note((9, 0), p)
+    # The sm90 backward waits for its first GPU run (dispatch.SM90_BWD_VALIDATED) below the sm80 one.
+    bwd = capability._problem("backward", 0)
+    if dispatch.SM90_BWD_VALIDATED:
+        assert dispatch.preferred_backends((9, 0), bwd) == ("sm90", "sm80") and not dispatch.preference_note((9, 0), bwd)
+    else:
+        assert dispatch.preferred_backends((9, 0), bwd) == ("sm80", "sm90")
+        assert "not yet run on a GPU" in dispatch.preference_note((9, 0), bwd)["sm90"]
     assert dispatch.preferred_backends((8, 0), short) == ("sm80",) and not dispatch.preference_note((8, 0), short)
     for cc in ((8, 0), (8, 6), (8, 9)):
         assert dispatch.preferred_backends(cc) == ("sm80",)
