@@ -3,6 +3,9 @@
     sinkattn        sinkattn's public API with backend "auto": the kernel a user of this GPU gets (on a CPU
                     that is the PyTorch reference backend); the column every ratio is taken against
     sinkattn-sm80   sinkattn forced onto its sm80 kernels, on a cc 9.0 GPU only (sm_80 code runs there too)
+    sinkattn-sm90   sinkattn's sm90 backward forced (backend="sm90", forward and backward), backward cases on a
+                    cc 9.0 GPU only: "auto" keeps the backward on sm80 until a GPU run validates the sm90 one
+                    (dispatch.SM90_BWD_VALIDATED), so this column is where it is timed beside the others
     sinkattn-sm80-99k
                     the same under a 99 KB shared-memory cap (sinkattn.sm80_smem_limit, around the preparation
                     and every timed call): the sm80 tiles of cc 8.6/8.9 (A10, L4, RTX 4090), timed beside the
@@ -212,6 +215,16 @@ def prep_sinkattn_sm80(case, x, device):
     if torch.cuda.get_device_capability(device) != (9, 0):
         raise Unsupported("run only on a cc 9.0 GPU (elsewhere 'sinkattn' already is the sm80 path)")
     return _sinkattn(case, x, device, "sm80")
+
+
+def prep_sinkattn_sm90(case, x, device):
+    if device.type != "cuda":
+        raise Unsupported("needs a CUDA GPU")
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        raise Unsupported("run only on a cc 9.0 GPU")
+    if case.kind != "attn" or case.mode != "bwd":
+        raise Unsupported("backward cases only (the 'sinkattn' column runs the sm90 forward where it is faster)")
+    return _sinkattn(case, x, device, "sm90")
 
 
 SM86_SMEM = 99 * 1024  # the opt-in shared memory per block of cc 8.6 / 8.9 (A10, L4, RTX 3090/4090)
@@ -434,6 +447,7 @@ def prep_vllm_triton(case: Case, x: Inputs, device: torch.device) -> Prepared:
 COMPARATORS = {
     "sinkattn": prep_sinkattn,
     "sinkattn-sm80": prep_sinkattn_sm80,
+    "sinkattn-sm90": prep_sinkattn_sm90,
     "sinkattn-sm80-99k": prep_sinkattn_sm80_99k,
     "reference": prep_reference,
     "sdpa-flash": prep_sdpa,
