@@ -16,21 +16,15 @@ SA_HOST_DEVICE int64_t bwd_lse_index(BwdParams const& p, int b, int h, int i) {
   return start + int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + i;
 }
 
-// Preprocess of row (b, h, i): delta_i = rowsum(dO_i * O_i) - dlse_i, and the row's term of dsinks[h],
-// p_i * (dlse_i - D_i) = -exp(sink - lse_i) * delta_i. Rows past the sequence are skipped.
-template <class Element>
-SA_HOST_DEVICE void bwd_preprocess_row(BwdParams const& p, int b, int h, int i) {
-  SeqExtent const ext = seq_extent(p, b);
-  bool const varlen = ext.varlen;
-  int64_t const q_start = ext.q_start;
-  if (i >= ext.seqlen_q) return;
-  int64_t const off = (varlen ? (q_start + i) * p.o_row_stride : int64_t(b) * p.o_batch_stride + int64_t(i) * p.o_row_stride) +
-                      int64_t(h) * p.o_head_stride;
-  Element const* o = static_cast<Element const*>(p.out) + off;
-  Element const* d_o = static_cast<Element const*>(p.dout) + off;
-  float dot = 0.f;
-  for (int c = 0; c < p.headdim; ++c) dot += float(o[c]) * float(d_o[c]);
-  int64_t const li = bwd_lse_index(p, b, h, i);
+// Offset of row i of sequence b, head h, in out and dout (their strides are the same).
+SA_HOST_DEVICE int64_t bwd_out_row_offset(BwdParams const& p, SeqExtent const& ext, int b, int h, int i) {
+  return (ext.varlen ? (ext.q_start + i) * p.o_row_stride : int64_t(b) * p.o_batch_stride + int64_t(i) * p.o_row_stride) +
+         int64_t(h) * p.o_head_stride;
+}
+
+// The rest of row li's preprocess once dot = rowsum(dO_i * O_i) is known: delta_i = dot - dlse_i, and the row's
+// term of dsinks[h], p_i * (dlse_i - D_i) = -exp(sink - lse_i) * delta_i.
+SA_HOST_DEVICE void bwd_preprocess_finish(BwdParams const& p, int64_t li, int h, float dot) {
   float const delta = dot - (p.dlse ? p.dlse[li] : 0.f);
   p.delta[li] = delta;
   if (p.sinks) {
@@ -39,6 +33,20 @@ SA_HOST_DEVICE void bwd_preprocess_row(BwdParams const& p, int b, int h, int i) 
     float const prob = (sink == -INFINITY || lse == -INFINITY) ? 0.f : sink == INFINITY ? 1.f : expf(sink - lse);
     p.dsink_rows[li] = -prob * delta;
   }
+}
+
+// Preprocess of row (b, h, i), one thread for the row (the host emulation; the GPU spreads a row over a group of
+// threads, common/bwd_prepost_launch.cuh). Rows past the sequence are skipped.
+template <class Element>
+SA_HOST_DEVICE void bwd_preprocess_row(BwdParams const& p, int b, int h, int i) {
+  SeqExtent const ext = seq_extent(p, b);
+  if (i >= ext.seqlen_q) return;
+  int64_t const off = bwd_out_row_offset(p, ext, b, h, i);
+  Element const* o = static_cast<Element const*>(p.out) + off;
+  Element const* d_o = static_cast<Element const*>(p.dout) + off;
+  float dot = 0.f;
+  for (int c = 0; c < p.headdim; ++c) dot += float(o[c]) * float(d_o[c]);
+  bwd_preprocess_finish(p, bwd_lse_index(p, b, h, i), h, dot);
 }
 
 // dq element (row of q, head, column): the dq slots summed in order (dS K, unscaled), times softmax_scale, converted.
@@ -77,7 +85,8 @@ SA_HOST_DEVICE void bwd_convert_dkv(BwdParams const& p, int64_t idx) {
   static_cast<Element*>(p.dv)[dv_dst] = Element(dv);
 }
 
-// dsinks[h]: the rows' terms in order (sequence by sequence, row by row).
+// dsinks[h]: the rows' terms in order (sequence by sequence, row by row); the host emulation's (the GPU sums them
+// with a block per head in a fixed order, common/bwd_prepost_launch.cuh).
 SA_HOST_DEVICE void bwd_sum_dsinks(BwdParams const& p, int h) {
   float acc = 0.f;
   int const batches = p.cu_seqlens_q ? 1 : p.batch;
