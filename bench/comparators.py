@@ -149,6 +149,7 @@ def _resolve(case: Case, device: torch.device, requested: str) -> tuple[str, str
                       headdim_v=case.headdim, nheads=case.nheads, nheads_k=case.nheads_k,
                       window_left=case.window_left, window_right=case.window_right, sink_tokens=case.sink_tokens,
                       softcap=0.0, has_sinks=case.sinks, varlen=False, paged=case.paged,
+                      deterministic=case.deterministic,
                       device_index=device.index if device.type == "cuda" else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -177,6 +178,8 @@ def _sinkattn(case: Case, x: Inputs, device: torch.device, backend: str) -> Prep
         raise Unsupported(f"only the reference backend serves this here ({why or 'forced'}), and it is too slow "
                           f"to time at this size (> {REF_MAX_FLOPS:.0e} FLOPs)")
     kw = dict(causal=case.causal, window_size=case.window_size, sink_tokens=case.sink_tokens, backend=backend)
+    if case.deterministic:
+        kw["deterministic"] = True
     note = f"kernels declined: {why}" if why else ""
     graphable = device.type == "cuda" and chosen != "reference"
     with warnings.catch_warnings():

@@ -45,6 +45,7 @@ class Case:
     sinks: bool = False
     paged: bool = False
     page_size: int = 256
+    deterministic: bool = False  # the backward's deterministic mode (sinkattn's columns; the others: n/a)
     skip: tuple = field(default=())  # comparator names not to run on this case (e.g. to bound compile time)
 
     @property
@@ -74,6 +75,7 @@ class Case:
         s = f"{self.kind}/{self.mode}/hd{self.headdim}/h{self.nheads}kv{self.nheads_k}/{self.mask_name}"
         s += "/sinks" if self.sinks else ""
         s += "/paged" if self.paged else ""
+        s += "/det" if self.deterministic else ""
         return s
 
     @property
@@ -198,6 +200,13 @@ def check() -> list[Case]:
         for causal, sinks in ((False, False), (True, False), (False, True)):
             cases.append(Case(g, "attn", "fwd", 2, 8192, 8192, 2048 // hd, 2048 // hd, hd, "bf16", causal=causal,
                               window_right=0 if causal else -1, sinks=sinks, skip=noflex))
+    # The sm90 backward issue's head dim 64 (16k tokens, 32 heads), beside hd128's rows above, and what the
+    # deterministic mode costs (beside hd128's full row).
+    for causal in (False, True):
+        cases.append(Case(g, "attn", "bwd", 2, 8192, 8192, 32, 32, 64, "bf16", causal=causal,
+                          window_right=0 if causal else -1, skip=noflex))
+    cases.append(Case(g, "attn", "bwd", 2, 8192, 8192, 16, 16, 128, "bf16", deterministic=True,
+                      skip=("reference", "sdpa-flash", "flex", "vllm-triton")))  # sinkattn's columns only
     return cases
 
 
