@@ -49,7 +49,9 @@ def launch_bwd(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, d
     fixed order; dq tiles are added in increasing key-block order per M tile, ordered by a counter per M tile).
     `max_smem` overrides the shared-memory limit that picks the tile configuration (tests: the sm86 one)."""
     C = _ext.require()
-    dout, q, k, v, out = (t if _aligned(t) else t.contiguous() for t in (dout, q, k, v, out))
+    tma = backend == "sm90"  # the sm90 backward reads q, k, v and dout through TMA: no zero (broadcast) strides
+    dout, q, k, v, out = (t if _aligned(t) and not (tma and _broadcast(t)) else t.contiguous()
+                          for t in (dout, q, k, v, out))
     if out.stride() != dout.stride():
         out, dout = out.contiguous(), dout.contiguous()
     targets = [t if _aligned(t) else torch.empty_like(t, memory_format=torch.contiguous_format) for t in (dq, dk, dv)]
