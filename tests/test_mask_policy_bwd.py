@@ -21,7 +21,7 @@ C = sinkattn._ext._C
 pytestmark = pytest.mark.skipif(C is None or not hasattr(C, "mask_col_blocks"),
                                 reason="no compiled extension with the backward mask range")
 
-BLOCKS = [(64, 64), (128, 64), (64, 128), (16, 16)]
+BLOCKS = [(64, 64), (128, 64), (64, 128), (128, 128), (16, 16)]  # (128, 128): the sm90 backward's hd64 tile
 
 
 def check_cols(sq, sk, wl, wr, ns, bm, bn, where=""):

@@ -2,9 +2,10 @@
 transposed shared-memory views (Q^T, dO^T, K^T, dS^T) address the bytes TMA and the consumers write, the S^T
 accumulator's registers are exactly the A operand of dV += P^T dO, S^T's rows are keys and its columns queries
 (the per-key mask bounds and the per-query LSE reads), dQ / dK / dV register pairs are adjacent columns (8-byte
-atomics and stores), and the 256 consumer threads cover each tile once. tests/layout_facts/sm90_bwd.cu holds the
-checks; it is compiled here with nvcc as host code and run, and run again with --mutant, where three planted
-layout bugs must each be reported."""
+atomics and stores), dS^T register pairs are one 4-byte word of shared memory (st.shared.b32), and the 256
+consumer threads cover each tile once. tests/layout_facts/sm90_bwd.cu holds the checks; it is compiled here with
+nvcc as host code and run, and run again with --mutant, where three planted layout bugs must each be reported (the
+untransposed dS^T view breaks two facts)."""
 from __future__ import annotations
 
 import os
@@ -48,7 +49,7 @@ def _run(binary, *args):
 
 def test_sm90_backward_layout_facts(facts_binary):
     rc, lines = _run(facts_binary)
-    assert len(lines) == 14, lines  # 7 facts x head dims 64 and 128
+    assert len(lines) == 16, lines  # 8 facts x head dims 64 and 128
     broken = [ln for ln in lines if not ln.endswith(": ok")]
     assert rc == 0 and not broken, "\n".join(broken)
 
@@ -58,5 +59,5 @@ def test_layout_fact_checks_catch_planted_bugs(facts_binary):
     failed = sorted(ln.split(":")[0] for ln in lines if ": FAIL" in ln)
     want = sorted(f"hd{hd} {fact}" for hd in (64, 128) for fact in (
         "K^T view (B of dQ) is K", "dS^T view (what the consumers write) is dS (A of dQ)",
-        "S^T registers are the A operand of dV += P^T dO"))
+        "S^T registers are the A operand of dV += P^T dO", "dS^T register pairs are one 4-byte word of dS"))
     assert rc == 1 and failed == want, lines

@@ -125,6 +125,9 @@ __device__ void produce_rows(BwdParams const& p, typename Kt::SharedStorage& ss,
       ss.lse_log2[st][r] = lse * log2e;
       ss.delta[st][r] = delta;
     }
+    // CUTLASS's arrive is asm volatile without a memory clobber: the stores above must not move past it (the
+    // arrival is what releases them to the consumers).
+    asm volatile("" ::: "memory");
     FullBarrier::arrive(&ss.q_full[st]);
   }
 }
@@ -258,10 +261,18 @@ __device__ void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Work
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) dss_in(r, c) = Element(scores(r, c) * (dps(r, c) - dl));
     }
-    // dS^T into shared memory for dQ, before the register products below are issued (they read rdS).
+    // dS^T into shared memory for dQ, before the register products below are issued (they read rdS). Registers
+    // e and e + 1 are adjacent queries of one key, the two halves of one 4-byte word of dS (queries contiguous;
+    // tests/layout_facts checks it): one st.shared.b32 per pair through a 32-bit shared address. (Element by
+    // element through the tensor, they compiled to generic 2-byte stores with 64-bit addresses.)
     Tensor tdSsdS_b = tdSsdS(_, _, _, buf);
+    uint32_t const ds_base = cast_smem_ptr_to_uint(ss.ds);
     CUTE_UNROLL
-    for (int e = 0; e < size(rdS); ++e) tdSsdS_b(e) = rdS(e);
+    for (int e = 0; e < size(rdS); e += 2) {
+      uint32_t const offset = uint32_t(&tdSsdS_b(e) - ss.ds);  // elements from dS's start (the swizzle included)
+      uint32_t const pair = uint32_t(rdS(e).raw()) | (uint32_t(rdS(e + 1).raw()) << 16);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_base + offset * 2), "r"(pair) : "memory");
+    }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma (the async proxy)
 
     warpgroup_fence_operand(rP);

@@ -114,6 +114,28 @@ void check() {
     for (int e = 0; e < size(cK); ++e) seen_dk[get<0>(cK(e))][get<1>(cK(e))]++;
   }
   report("S^T registers are the A operand of dV += P^T dO", kHeadDim, bad_a, first_a);
+  // The consumers store dS^T registers e, e + 1 (e even) as one 4-byte word: they must be adjacent elements of
+  // dS's shared memory, the first at an even offset, in both buffers, for every thread.
+  {
+    static cutlass::bfloat16_t ds_smem[cosize_v<typename Kt::SmemLayoutdS>];
+    Tensor sdSt = make_tensor(make_smem_ptr(ds_smem), LayoutdSt{});
+    int bad_w = 0;
+    char first_w[256] = "";
+    for (int t = 0; t < 256; ++t) {
+      Tensor part = mma_sdp.get_thread_slice(t).partition_C(sdSt);
+      for (int b = 0; b < 2; ++b) {
+        Tensor pb = part(_, _, _, b);
+        for (int e = 0; e < size(pb); e += 2) {
+          long const o0 = &pb(e) - ds_smem, o1 = &pb(e + 1) - ds_smem;
+          if (o0 % 2 != 0 || o1 != o0 + 1) {
+            if (bad_w++ == 0)
+              std::snprintf(first_w, sizeof first_w, "thread %d buffer %d register %d: offsets %ld, %ld", t, b, e, o0, o1);
+          }
+        }
+      }
+    }
+    report("dS^T register pairs are one 4-byte word of dS", kHeadDim, bad_w, first_w);
+  }
   std::snprintf(first_rc, sizeof first_rc, " (%d rows, %d columns off)", bad_rows, bad_cols);
   report("S^T rows are keys, columns queries", kHeadDim, bad_rows + bad_cols, first_rc);
   report("dQ, dK, dV register pairs are adjacent columns", kHeadDim, bad_pairs, "");
