@@ -130,6 +130,10 @@ def _cases():
         "sm80-bwd-varlen": ("sm80", lambda dev, be: bwd(dev, be, varlen=True)),
         "sm90-fwd": ("sm90", lambda dev, be: fwd(dev, be, **win)),
         "sm90-fwd-varlen": ("sm90", lambda dev, be: fwd(dev, be, varlen=True, **win)),
+        # The sm90 backward (never run on a GPU before its first gpu-check): racecheck and synccheck matter most.
+        "sm90-bwd": ("sm90", lambda dev, be: bwd(dev, be)),
+        "sm90-bwd-deterministic": ("sm90", lambda dev, be: bwd(dev, be, deterministic=True)),
+        "sm90-bwd-varlen": ("sm90", lambda dev, be: bwd(dev, be, varlen=True)),
         "merge": ("merge", lambda dev, be: merge(dev, be)),
     }
 
