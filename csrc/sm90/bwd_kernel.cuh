@@ -3,8 +3,8 @@
 // delta and the sink gradient's rows before, dq / dk / dv conversion, the GQA sum and dsinks after; the sink never
 // enters this loop).
 //
-// Warpgroup 0, warp 0 produces: K and V of the block once (TMA), then for each M tile of the mask policy's range
-// (TileMask::m_range) Q and dO (TMA) and the tile's LSE / delta rows (plain loads by the 32 lanes) into a
+// Warpgroup 0 produces: its thread 0 loads K and V of the block once, then for each M tile of the mask policy's
+// range (TileMask::m_range) Q and dO (TMA), and its warp 1 writes the tile's LSE / delta rows (plain loads), into a
 // kStages-deep pipeline. Warpgroups 1 and 2 consume, 64 keys each (bwd_traits.h has the products):
 //   S^T, dP^T on wgmma -> P^T = exp2(S^T scale log2e - lse log2e) and dS^T = P^T (dP^T - delta) in registers
 //   (the element mask from TileMask::key_rows: a thread holds two keys, so two bounds per step) -> dS^T into
@@ -53,8 +53,8 @@ enum : uint32_t { kBarDs = 0, kBarDqTurn = 1 };
 
 // The producer: one thread (warp 0, lane 0) issues every TMA load; warp 1 writes each step's LSE and delta rows.
 // Both walk the same M tiles through the same stages: q_full[s] completes when the TMA bytes have landed and the
-// 32 lanes of warp 1 have arrived (each arrival releases that lane's rows). Two warps, not one: at the producer's
-// 24 registers, one warp doing both spilled.
+// 32 lanes of warp 1 have arrived (each arrival releases that lane's rows). Two warps, not one: at hd64's 24
+// producer registers, one warp doing both spilled.
 template <class Kt>
 __device__ void produce_tma(BwdParams const& p, BwdTmaParams<Kt> const& tma, typename Kt::SharedStorage& ss,
                             Work const& w) {
@@ -79,7 +79,7 @@ __device__ void produce_tma(BwdParams const& p, BwdTmaParams<Kt> const& tma, typ
   }
   // Q and dO of each step: the views are rebuilt every step from p (parameter space) and w (shared memory, reread
   // after the previous step's TMA asm, which clobbers memory), so nothing but the loop counters lives across steps
-  // (built once before the loop, the TMA coordinates spilled 44 bytes at the producer's 24 registers).
+  // (built once before the loop, the TMA coordinates spilled 44 bytes at hd64's 24 producer registers).
   for (int m = w.m_begin, it = 0; m < w.m_end; ++m, ++it) {
     int const st = it % kStages, phase = (it / kStages) & 1;
     EmptyBarrier::wait(&ss.q_empty[st], phase ^ 1);
@@ -110,7 +110,7 @@ __device__ void produce_rows(BwdParams const& p, typename Kt::SharedStorage& ss,
     int const st = it % kStages, phase = (it / kStages) & 1;
     EmptyBarrier::wait(&ss.q_empty[st], phase ^ 1);
     // The rows' offset is recomputed every step from w in shared memory (the empty asm makes the compiler reread
-    // it): held across steps, it and its pointers spilled at the producer's 24 registers.
+    // it): held across steps, it and its pointers spilled at hd64's 24 producer registers.
     asm volatile("" ::: "memory");
     int64_t const row0 = bwd_lse_index(p, w.batch, w.head, 0) + int64_t(m) * kBlockM;
     int const rows = w.ext.seqlen_q - m * kBlockM;
