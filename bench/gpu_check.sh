@@ -23,7 +23,8 @@
 # Knobs (environment): SINKATTN_CUDA_ARCHS / SINKATTN_HEADDIMS / SINKATTN_DTYPES / SINKATTN_EMULATION
 # (build grid; defaults: by GPU, all head dims, bf16+fp16, no emulation), GPU_CHECK_JOBS (default: nproc;
 # the Makefile's MAX_JOBS=2 is for the shared dev box and is ignored here), GPU_CHECK_GRID (check),
-# GPU_CHECK_TOTAL, GPU_CHECK_BUILD_CAP (300), GPU_CHECK_SM90_CAP (100: the sm90 tests, first), GPU_CHECK_TEST_CAP (200),
+# GPU_CHECK_TOTAL, GPU_CHECK_BUILD_CAP (300), GPU_CHECK_SM90_CAP (100: the sm90 tests, first), GPU_CHECK_SM90_BWD_CAP
+# (120: the sm90 backward's tests, second), GPU_CHECK_TEST_CAP (200),
 # GPU_CHECK_BENCH_CAP (150), GPU_CHECK_SANITIZE (1; 0 skips the sanitizers), GPU_CHECK_SANITIZE_CAP (120), GPU_CHECK_TESTS (the test paths of the second test step; default: tests),
 # GPU_CHECK_BENCH_ARGS (extra bench arguments; default "--budget-ms 300 --max-reps 100"),
 # GPU_CHECK_SKIP_BUILD=1 (use the extension as it is; also how the script is exercised on a CPU),
