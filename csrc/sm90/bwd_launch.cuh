@@ -27,16 +27,8 @@ void launch_bwd(BwdParams const& p, cudaStream_t stream) {
   if (grid.count() == 0) return;
   if (grid.count() > int64_t(0x7fffffff)) throw std::runtime_error("sinkattn bwd: over 2^31 - 1 CTAs");
   bool const varlen = p.cu_seqlens_q != nullptr;
-  int const bdim = varlen ? 1 : p.batch;
-  // A TMA descriptor wants every extent >= 1 and every stride a multiple of 16 bytes; an extent-1 mode's stride
-  // is never used, so any such value serves (as in fwd_launch.cuh).
-  auto stride_of = [](int64_t stride, int extent) { return extent > 1 ? stride : int64_t(8); };
   auto tensor = [&](void const* ptr, int rows, int heads, int64_t rs, int64_t hs, int64_t bs) {
-    rows = rows > 1 ? rows : 1;
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       typename Kt::GmemLayout{make_shape(rows, p.headdim, heads, bdim),
-                                               make_stride(stride_of(rs, rows), _1{}, stride_of(hs, heads),
-                                                           stride_of(bs, bdim))});
+    return tma_gmem_tensor<Element>(p, ptr, rows, heads, rs, hs, bs);
   };
   int const rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
   auto const gQ = tensor(p.q, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);

@@ -26,6 +26,7 @@
 #include "common/tile_order.h"
 #include "params.h"
 #include "sm90/bwd_tiles.h"
+#include "sm90/tma_gmem.h"
 
 namespace sinkattn::sm90 {
 
@@ -109,8 +110,7 @@ struct BwdTraits {
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Step<_2, _1, _3>{})));
 
   // Global tensors as TMA sees them: (rows, head dim, heads, batch), the head dim contiguous (varlen: batch 1).
-  using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t, int64_t>>;
-  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}));
+  using GmemTensor = TmaGmemTensor<Element>;  // sm90/tma_gmem.h
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), take<0, 2>(SmemLayoutQ{})));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutKV{}));
 

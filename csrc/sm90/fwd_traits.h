@@ -13,6 +13,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "sm90/fwd_tiles.h"
+#include "sm90/tma_gmem.h"
 
 namespace sinkattn::sm90 {
 
@@ -62,8 +63,7 @@ struct FwdTraits {
 
   // Global tensors as TMA sees them: (rows, head dim, heads, batch), the head dim contiguous. Varlen packs
   // every sequence in the rows with batch 1.
-  using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t, int64_t>>;
-  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}));
+  using GmemTensor = TmaGmemTensor<Element>;  // sm90/tma_gmem.h
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutQ{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), take<0, 2>(SmemLayoutKV{})));
 

@@ -1,0 +1,34 @@
+// tma_gmem.h: the global tensors the sm90 kernels' TMA descriptors are made from (forward and backward): q, k, v
+// (and dout) as (rows, head dim, heads, batch), the head dim contiguous; varlen packs every sequence in the rows
+// with batch 1. Host code of the launchers; the traits take the type.
+#pragma once
+#include <cstdint>
+#include <cute/tensor.hpp>
+
+#include "params.h"
+
+namespace sinkattn::sm90 {
+
+using TmaGmemLayout = cute::Layout<cute::Shape<int32_t, int32_t, int32_t, int32_t>,
+                                   cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
+template <class Element>
+using TmaGmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                 TmaGmemLayout{}));
+
+// One tensor of the problem in p: rows (seqlen, or the packed total when varlen), heads, and its strides in
+// elements. A TMA descriptor wants every extent >= 1 and every stride a multiple of 16 bytes; an extent-1 mode's
+// stride is never used, so any such value serves.
+template <class Element>
+TmaGmemTensor<Element> tma_gmem_tensor(AttnParams const& p, void const* ptr, int rows, int heads, int64_t row_stride,
+                                       int64_t head_stride, int64_t batch_stride) {
+  using namespace cute;
+  int const bdim = p.cu_seqlens_q != nullptr ? 1 : p.batch;
+  auto stride_of = [](int64_t stride, int extent) { return extent > 1 ? stride : int64_t(8); };
+  rows = rows > 1 ? rows : 1;
+  return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                     TmaGmemLayout{make_shape(rows, p.headdim, heads, bdim),
+                                   make_stride(stride_of(row_stride, rows), _1{}, stride_of(head_stride, heads),
+                                               stride_of(batch_stride, bdim))});
+}
+
+}  // namespace sinkattn::sm90
