@@ -39,10 +39,9 @@ _warned: set[str] = set()
 # window 1024 (hd128) sm90 is 1.8x faster. The crossover between 128 and 1024 is not measured.
 SM90_MIN_WINDOW = 128
 
-# The sm90 backward (csrc/sm90/bwd_*) serves these head dims (sm90/bwd_tiles.h; the sm80 backward serves 256). It
-# was written and compiled in a session without a GPU: "auto" keeps the backward on the sm80 kernel on cc 9.0 until
-# a GPU run passes tests/test_gpu_backward.py on it (then set this True, with the run in bench/RESULTS.md).
-SM90_BWD_HEADDIMS = (64, 128)
+# The sm90 backward (csrc/sm90/bwd_*) was written and compiled in a session without a GPU: "auto" keeps the
+# backward on the sm80 kernel on cc 9.0 until a GPU run passes tests/test_gpu_sm90_backward.py on it (then set this
+# True, with the run in bench/RESULTS.md).
 SM90_BWD_VALIDATED = False
 
 # What a registry feature means to a user (the reason a kernel is refused names what the call needs).
@@ -148,13 +147,14 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
             return (f"the {backend} {_WHAT[op]} kernels do not serve "
                     + " or ".join(_FEATURE_WORDS.get(f, f) for f in missing)
                     + f" (registry features of {described['name']}: {described['features']})")
-    if kernel is None and backend == "sm90" and op == "bwd" and hd not in SM90_BWD_HEADDIMS:
-        return (f"the sm90 backward has no tile for head dim {hd} (dK and dV would take all of a thread's "
-                f"registers); the sm80 backward serves it")
     if kernel is None:
         if str(hd) in registry.requested("requested_headdims") and dtype in registry.requested("requested_dtypes"):
             if backend == "sm80-emulated":
                 return "this build has no emulated kernels (it was built with SINKATTN_EMULATION=0)"
+            if backend == "sm90" and op == "bwd":
+                # The generator makes no unit for a head dim the tile table has none for (sm90/bwd_tiles.h).
+                return (f"the sm90 backward has no tile for head dim {hd} (dK and dV would take all of a thread's "
+                        f"registers); the sm80 backward serves it")
             # The grid asked for it and the generator still made none: the family does not exist yet.
             return (f"sinkattn has no {backend} {what} kernels yet"
                     + ("; the sm80 kernels serve cc 9.0" if backend == "sm90" else ""))
@@ -203,7 +203,7 @@ def preference_note(capability: tuple[int, int] | None, problem: Problem | None)
         return {"sm90": (f"windows under {SM90_MIN_WINDOW} keys run faster on the sm80 kernel on cc 9.0 "
                          "(measured on an H200); backend='sm90' still forces it")}
     if capability == (9, 0) and problem is not None and problem.kind == "bwd" and not SM90_BWD_VALIDATED:
-        return {"sm90": ("the sm90 backward is compiled but has not yet run on a GPU (tests/test_gpu_backward.py "
+        return {"sm90": ("the sm90 backward is compiled but has not yet run on a GPU (tests/test_gpu_sm90_backward.py "
                          "checks it against the oracle on the next one); until then the sm80 backward serves "
                          "cc 9.0; backend='sm90' forces it")}
     return {}

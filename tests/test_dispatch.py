@@ -414,8 +414,11 @@ def test_sm90_backward_auto_waits_for_its_gpu_run(gpu, fake_registry, monkeypatc
 
 
 def test_sm90_backward_has_no_head_dim_256(gpu, fake_registry, monkeypatch):
+    """A 90a build asked for head dim 256 holds no sm90 backward for it (the tile table has none): dispatch names
+    the sm80 backward, which serves it."""
     monkeypatch.setattr(dispatch, "SM90_BWD_VALIDATED", True)
     fake_registry(_sm90_bwd_build())
+    monkeypatch.setattr(_ext, "build_info", lambda: {"requested_headdims": "64,128,256", "requested_dtypes": "bf16,fp16"})
     reason = dispatch.why_not("sm90", BWD_256)
     assert reason is not None and "no tile for head dim 256" in reason and "sm80 backward serves it" in reason
     assert dispatch.choose(BWD_256, "auto") == "sm80"
