@@ -1,0 +1,534 @@
+"""Drop-in replacements for flash-attn 2.8's and vllm-flash-attn's Python functions, served by sinkattn.
+
+    # before                                            # after
+    from flash_attn import flash_attn_func              from sinkattn.flash_attn_interface import flash_attn_func
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+                                                        from sinkattn.flash_attn_interface import (
+                                                            vllm_flash_attn_varlen_func as flash_attn_varlen_func)
+
+The module is named after flash-attn's own `flash_attn.flash_attn_interface`, so a caller changes one import and
+no call. Each function keeps its peer's positional order, keyword names, defaults and return conventions (read
+from flash-attn 2.8.3's flash_attn/flash_attn_interface.py and csrc/flash_attn/flash_api.cpp, and vLLM 0.33's
+vllm/vllm_flash_attn/flash_attn_interface.py; no code copied). vLLM's varlen function has a different
+positional order from flash-attn's (max_seqlen_q comes before cu_seqlens_q) under the same name, so it lives
+here as `vllm_flash_attn_varlen_func`, and one module serves both without a name meaning two things.
+
+Every function also takes, keyword-only, what the peers lack:
+    sinks= / s_aux= / learnable_sink=   one learnable sink logit per query head, (nheads,), in the units of the
+                                        scaled scores (docs/DESIGN.md section 1). The three names are aliases
+                                        (sinkattn, vLLM/transformers, FlashAttention 4); give at most one.
+    sink_tokens=                        StreamingLLM sink tokens: the first n keys stay visible to a windowed query.
+    backend=                            sinkattn's backend choice ("auto" by default; see sinkattn.interface).
+
+What maps to what (docs/migration.md has the full table):
+- flash_attn_func / _qkvpacked_ / _kvpacked_ -> sinkattn.flash_attn_with_sinks (the packed tensors are split
+  into views; gradients flow back into qkv / kv).
+- flash_attn_varlen_func / _qkvpacked_ / _kvpacked_ -> sinkattn.flash_attn_varlen_with_sinks; with block_table
+  (a paged cache, flash-attn 2.8's varlen paged form) -> the paged path below, with seqused_k taken from
+  cu_seqlens_k.
+- flash_attn_with_kvcache -> sinkattn.flash_attn_with_kvcache (appends k/v in place, rotary, paged caches).
+  cache_batch_idx is served exactly by viewing the contiguous cache as a paged one (one page per cache row).
+- vllm_flash_attn_varlen_func: with cu_seqlens_k, the varlen path; with seqused_k and block_table, paged
+  attention over the cache: the requests are grouped into runs of equal query length (the plan the vLLM
+  backend uses, sinkattn.integrations.vllm_paged.plan_runs) and each run is one
+  sinkattn.flash_attn_with_kvcache call (queries are each request's last positions, bottom-right aligned).
+  This reads cu_seqlens_q on the host: one device-to-host copy when it is a CUDA tensor, so that call cannot
+  be captured in a CUDA graph (sinkattn's vLLM backend uses vLLM's host copy instead).
+
+Conventions kept from the peers:
+- return_attn_probs=True (flash-attn 2.8) returns (out, softmax_lse, S_dmask). flash-attn returns the
+  probabilities only when dropout_p > 0 and an empty tensor (shape (0,), q's dtype) otherwise; dropout is
+  refused here, so S_dmask is always that empty tensor, as flash-attn returns it at dropout_p=0.
+- softmax_lse: natural log of the softmax denominator of the scaled (and softcapped) scores, float32;
+  (batch, nheads, seqlen_q) for the batched and KV-cache functions, (nheads, total_q) for varlen (flash-attn
+  >= 2.4 and vLLM). With sinks it includes the sink's exp term, as sinkattn's lse does.
+- causal=True makes the right window edge 0 whatever window_size[1] says, and a window edge >= seqlen_k
+  (max_seqlen_k for varlen) is unbounded, as flash-attn's C++ front end does before launching.
+- Head dims that are not a multiple of 8 are zero-padded and the output sliced back, as flash-attn 2.8 does
+  (the default softmax_scale uses the caller's head dim). flash_attn_with_kvcache cannot pad a cache in place
+  and refuses them, as sinkattn does.
+
+Differences (documented, tested):
+- A query row that sees no key: out 0 (as flash-attn), softmax_lse = -inf (sinks[h] with sinks); flash-attn 2
+  writes +inf there (-inf on its split-KV path). -inf is what merging partial results needs.
+- dropout_p > 0 and alibi_slopes raise (sinkattn has neither); vLLM's FP8 descales raise for FP8 inputs and
+  are ignored for bf16/fp16/fp32 ones, as vLLM's FA3/FA4 do (vLLM's backend always passes them, ones for an
+  unquantized cache). scheduler_metadata, fa_version, cp_rank and return_attn_probs (the vLLM function
+  returns no probabilities either) are accepted and ignored. num_splits is a kernel hint.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from . import interface
+from .errors import SinkattnTypeError, SinkattnValueError
+from .integrations.vllm_paged import plan_runs
+
+__all__ = [
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
+    "vllm_flash_attn_varlen_func",
+]
+
+_WHO = "sinkattn.flash_attn_interface"
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+             if hasattr(torch, n))
+
+
+# ---------------------------------------------------------------------------------------------- argument checks
+
+def _sinks(fn: str, sinks, s_aux, learnable_sink):
+    given = {name: t for name, t in (("sinks", sinks), ("s_aux", s_aux), ("learnable_sink", learnable_sink))
+             if t is not None}
+    if len(given) > 1:
+        raise SinkattnValueError(
+            f"{_WHO}.{fn}: {' and '.join(f'{n}=' for n in given)} were both given; they are aliases of one "
+            f"argument (the learnable sink logits, (nheads,)); pass only one")
+    return next(iter(given.values()), None)
+
+
+def _refuse_dropout_alibi(fn: str, dropout_p, alibi_slopes) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise SinkattnTypeError(f"{_WHO}.{fn}: dropout_p must be a float; got {type(dropout_p).__name__} "
+                                f"{dropout_p!r}")
+    if dropout_p != 0:
+        raise SinkattnValueError(
+            f"{_WHO}.{fn}: dropout_p={dropout_p!r} is not supported: sinkattn has no attention dropout; "
+            f"accepted: dropout_p=0.0 (flash-attn's own advice for evaluation). To train with attention dropout "
+            f"keep flash_attn for that model, or apply dropout outside the attention op")
+    if alibi_slopes is not None:
+        raise SinkattnValueError(
+            f"{_WHO}.{fn}: alibi_slopes is not supported: sinkattn has no ALiBi bias; accepted: "
+            f"alibi_slopes=None. For an ALiBi model keep flash_attn, or use "
+            f"torch.nn.functional.scaled_dot_product_attention with the bias as attn_mask")
+
+
+def _flag(fn: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise SinkattnTypeError(f"{_WHO}.{fn}: {name} must be a bool; got {type(value).__name__} {value!r}")
+    return value
+
+
+def _window(fn: str, window_size, causal, seqlen_k: int | None):
+    """flash-attn's front end: causal sets right = 0, and an edge >= seqlen_k is unbounded."""
+    if window_size is None:
+        window_size = (-1, -1)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise SinkattnValueError(f"{_WHO}.{fn}: window_size must be a pair (left, right); got {window_size!r}; "
+                                 f"-1 means unbounded")
+    left, right = window_size
+    if seqlen_k is not None:
+        if isinstance(left, int) and left >= seqlen_k:
+            left = -1
+        if isinstance(right, int) and right >= seqlen_k:
+            right = -1
+    if causal is True:
+        right = 0
+    return (left, right)
+
+
+def _pad8(*ts):
+    """Zero-pad the last dim to a multiple of 8 (flash-attn's rule); None passes through."""
+    d = next(t for t in ts if t is not None).shape[-1]
+    extra = (-d) % 8
+    if extra == 0:
+        return ts
+    return tuple(None if t is None else F.pad(t, (0, extra)) for t in ts)
+
+
+def _scale(softmax_scale, headdim: int):
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
+
+
+def _probs_placeholder(q: torch.Tensor) -> torch.Tensor:
+    """What flash-attn 2.8 returns as S_dmask when dropout_p == 0: an empty tensor of q's dtype."""
+    return torch.empty((0,), dtype=q.dtype, device=q.device)
+
+
+def _check_packed(fn: str, name: str, t, rank: int, dim: int, n: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != rank or t.shape[dim] != n:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise SinkattnValueError(f"{_WHO}.{fn}: {name} must be {layout}; got {got}")
+
+
+# --------------------------------------------------------------------------------------------- flash-attn 2.8
+
+def _batched(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+             return_attn_probs, sinks, sink_tokens, backend):
+    _refuse_dropout_alibi(fn, dropout_p, alibi_slopes)
+    probs = _flag(fn, "return_attn_probs", return_attn_probs)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        interface.flash_attn_with_sinks(q, k, v)  # sinkattn's own message for a wrong q
+    d = q.shape[-1]
+    window = _window(fn, window_size, causal, k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else None)
+    qp, kp, vp = _pad8(q, k, v)
+    out, lse = interface.flash_attn_with_sinks(
+        qp, kp, vp, sinks, softmax_scale=_scale(softmax_scale, d), causal=causal, window_size=window,
+        sink_tokens=sink_tokens, softcap=softcap, return_lse=True, deterministic=deterministic, backend=backend)
+    out = out[..., :v.shape[-1]] if out.shape[-1] != v.shape[-1] else out
+    return (out, lse, _probs_placeholder(q)) if probs else out
+
+
+def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+            causal, window_size, softcap, alibi_slopes, deterministic, sinks, sink_tokens, backend):
+    """-> (out, lse (nheads, total_q)) over packed sequences."""
+    _refuse_dropout_alibi(fn, dropout_p, alibi_slopes)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        interface.flash_attn_varlen_with_sinks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    d = q.shape[-1]
+    window = _window(fn, window_size, causal, max_seqlen_k if isinstance(max_seqlen_k, int) else None)
+    qp, kp, vp = _pad8(q, k, v)
+    out, lse = interface.flash_attn_varlen_with_sinks(
+        qp, kp, vp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
+        softmax_scale=_scale(softmax_scale, d), causal=causal, window_size=window, sink_tokens=sink_tokens,
+        softcap=softcap, return_lse=True, deterministic=deterministic, backend=backend)
+    out = out[..., :v.shape[-1]] if out.shape[-1] != v.shape[-1] else out
+    return out, lse
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None, s_aux=None,
+                    learnable_sink=None, sink_tokens=0, backend="auto"):
+    """flash-attn 2.8's flash_attn_func. q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k,
+    headdim). Returns out, or (out, softmax_lse (batch, nheads, seqlen_q) float32, empty S_dmask) with
+    return_attn_probs=True. See the module docstring for the sinkattn-only keywords and what is refused."""
+    sinks = _sinks("flash_attn_func", sinks, s_aux, learnable_sink)
+    return _batched("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, deterministic, return_attn_probs, sinks, sink_tokens, backend)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              sinks=None, s_aux=None, learnable_sink=None, sink_tokens=0, backend="auto"):
+    """flash-attn 2.8's flash_attn_qkvpacked_func. qkv (batch, seqlen, 3, nheads, headdim)."""
+    fn = "flash_attn_qkvpacked_func"
+    sinks = _sinks(fn, sinks, s_aux, learnable_sink)
+    _check_packed(fn, "qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(2)
+    return _batched(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                    deterministic, return_attn_probs, sinks, sink_tokens, backend)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             sinks=None, s_aux=None, learnable_sink=None, sink_tokens=0, backend="auto"):
+    """flash-attn 2.8's flash_attn_kvpacked_func. q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2,
+    nheads_k, headdim)."""
+    fn = "flash_attn_kvpacked_func"
+    sinks = _sinks(fn, sinks, s_aux, learnable_sink)
+    _check_packed(fn, "kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(2)
+    return _batched(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                    deterministic, return_attn_probs, sinks, sink_tokens, backend)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None,
+                           s_aux=None, learnable_sink=None, sink_tokens=0, backend="auto"):
+    """flash-attn 2.8's flash_attn_varlen_func. q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim),
+    cu_seqlens_q/k int32 (batch + 1,). With block_table (batch, max_pages) int32, k/v are a paged cache
+    (num_pages, page_size, nheads_k, headdim) and cu_seqlens_k's differences are the key lengths (no autograd).
+    Returns out, or (out, softmax_lse (nheads, total_q) float32, empty S_dmask) with return_attn_probs=True."""
+    fn = "flash_attn_varlen_func"
+    sinks = _sinks(fn, sinks, s_aux, learnable_sink)
+    probs = _flag(fn, "return_attn_probs", return_attn_probs)
+    if block_table is not None:
+        _refuse_dropout_alibi(fn, dropout_p, alibi_slopes)
+        _flag(fn, "deterministic", deterministic)
+        if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
+            raise SinkattnValueError(f"{_WHO}.{fn}: with block_table, cu_seqlens_k must be an int32 (batch + 1,) "
+                                     f"tensor of cumulative key lengths; got {cu_seqlens_k!r}")
+        seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        out, lse = _paged(fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal,
+                          window_size, softcap, sinks, sink_tokens, 0, backend, None)
+    else:
+        out, lse = _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, sinks,
+                           sink_tokens, backend)
+    return (out, lse, _probs_placeholder(q)) if probs else out
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, sinks=None, s_aux=None, learnable_sink=None,
+                                     sink_tokens=0, backend="auto"):
+    """flash-attn 2.8's flash_attn_varlen_qkvpacked_func. qkv (total, 3, nheads, headdim)."""
+    fn = "flash_attn_varlen_qkvpacked_func"
+    sinks = _sinks(fn, sinks, s_aux, learnable_sink)
+    probs = _flag(fn, "return_attn_probs", return_attn_probs)
+    _check_packed(fn, "qkv", qkv, 4, 1, 3, "(total, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(1)
+    out, lse = _varlen(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                       causal, window_size, softcap, alibi_slopes, deterministic, sinks, sink_tokens, backend)
+    return (out, lse, _probs_placeholder(q)) if probs else out
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None,
+                                    s_aux=None, learnable_sink=None, sink_tokens=0, backend="auto"):
+    """flash-attn 2.8's flash_attn_varlen_kvpacked_func. q (total_q, nheads, headdim), kv (total_k, 2, nheads_k,
+    headdim)."""
+    fn = "flash_attn_varlen_kvpacked_func"
+    sinks = _sinks(fn, sinks, s_aux, learnable_sink)
+    probs = _flag(fn, "return_attn_probs", return_attn_probs)
+    _check_packed(fn, "kv", kv, 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(1)
+    out, lse = _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                       softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, sinks, sink_tokens,
+                       backend)
+    return (out, lse, _probs_placeholder(q)) if probs else out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            sinks=None, s_aux=None, learnable_sink=None, sink_tokens=0, backend="auto"):
+    """flash-attn 2.8's flash_attn_with_kvcache: decode / chunked prefill over a contiguous or paged cache,
+    appending k/v in place at cache_seqlens (no autograd, as flash-attn). Returns out, or (out, softmax_lse
+    (batch, nheads, seqlen_q) float32) with return_softmax_lse=True.
+
+    cache_batch_idx (batch,) int32 picks the cache row of each sequence (a contiguous cache only, as in
+    flash-attn). cache_leftpad is refused (see the message). Rotary: flash-attn rotates every query at position
+    cache_seqlens when causal=False and there is no window; that case is served by rotating q and k here and
+    calling sinkattn without tables, every other case by sinkattn's fused rotary (positions cache_seqlens + i)."""
+    fn = "flash_attn_with_kvcache"
+    sinks = _sinks(fn, sinks, s_aux, learnable_sink)
+    want_lse = _flag(fn, "return_softmax_lse", return_softmax_lse)
+    if alibi_slopes is not None:
+        _refuse_dropout_alibi(fn, 0.0, alibi_slopes)
+    if cache_leftpad is not None:
+        raise SinkattnValueError(
+            f"{_WHO}.{fn}: cache_leftpad is not supported: sinkattn's caches start each sequence at slot 0; "
+            f"accepted: cache_leftpad=None. Store each sequence from slot 0 (right-pad, and pass its length in "
+            f"cache_seqlens), or use a paged cache whose block_table lists only the sequence's own pages")
+    if not isinstance(q, torch.Tensor) or not isinstance(k_cache, torch.Tensor) or q.dim() != 4 or \
+            k_cache.dim() != 4:
+        interface.flash_attn_with_kvcache(q, k_cache, v_cache)  # sinkattn's own message for the layout
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    paged = block_table is not None
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if cache_batch_idx is not None:
+        if paged:
+            raise SinkattnValueError(
+                f"{_WHO}.{fn}: cache_batch_idx and block_table were both given; flash-attn's paged cache takes no "
+                f"cache_batch_idx either; accepted: one of them (block_table rows already pick each sequence's "
+                f"pages)")
+        if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.shape != (batch,) or \
+                cache_batch_idx.dtype not in (torch.int32, torch.int64):
+            raise SinkattnValueError(
+                f"{_WHO}.{fn}: cache_batch_idx must be an int32 ({batch},) tensor (a k_cache row per sequence); "
+                f"got {cache_batch_idx!r}")
+        if cache_seqlens is None:
+            cache_seqlens = torch.full((batch,), k_cache.shape[1], dtype=torch.int32, device=q.device)
+        # The contiguous cache (rows, capacity, hk, d) is, unchanged, a paged cache of `rows` pages of
+        # `capacity` slots; sequence b's only page is row cache_batch_idx[b]. Appends land in place.
+        block_table = cache_batch_idx.to(torch.int32).view(batch, 1)
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    window = _window(fn, window_size, causal, capacity)
+    if rotary_cos is not None and not causal and tuple(window) == (-1, -1) and seqlen_q > 1:
+        q, k = _rotate_at_cache_start(fn, q, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, batch)
+        rotary_cos = rotary_sin = None
+    res = interface.flash_attn_with_kvcache(
+        q, k_cache, v_cache, sinks, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        softmax_scale=softmax_scale, causal=causal, window_size=window, sink_tokens=sink_tokens, softcap=softcap,
+        return_lse=want_lse, num_splits=num_splits, backend=backend)
+    return res
+
+
+def _rotate_at_cache_start(fn, q, k, cos, sin, cache_seqlens, interleaved, batch):
+    """flash-attn's non-causal, non-local rotary: every query at position cache_seqlens, new key i at
+    cache_seqlens + i."""
+    from .rotary import apply_rotary
+    if (cos is None) != (sin is None) or not isinstance(cos, torch.Tensor) or cos.dim() != 2:
+        interface.flash_attn_with_kvcache(q, q, q, rotary_cos=cos, rotary_sin=sin)  # sinkattn's message
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise SinkattnValueError(f"{_WHO}.{fn}: rotary with causal=False needs cache_seqlens (the query "
+                                 f"positions); got None")
+    _flag(fn, "rotary_interleaved", interleaved)
+    start = cache_seqlens.to(device=q.device, dtype=torch.long).view(batch, 1)
+    needed = (int(start.max()) + max(1, k.shape[1] if k is not None else 0)) if batch else 0
+    if needed > cos.shape[0]:
+        raise SinkattnValueError(
+            f"{_WHO}.{fn}: rotary_cos/rotary_sin have {cos.shape[0]} positions but position {needed - 1} is "
+            f"needed (cache_seqlens plus the new tokens); accepted: tables with at least {needed} rows")
+    q = apply_rotary(q, cos, sin, start.expand(batch, q.shape[1]), interleaved)
+    if k is not None:
+        k = apply_rotary(k, cos, sin, start + torch.arange(k.shape[1], device=k.device), interleaved)
+    return q, k
+
+
+# ----------------------------------------------------------------------------------------------- paged varlen
+
+def _paged(fn, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal,
+           window_size, softcap, sinks, sink_tokens, num_splits, backend, out):
+    """Varlen queries over a KV cache (paged with block_table, else contiguous (batch, capacity, hk, d)):
+    -> (out (total_q, nheads, headdim_v), lse (nheads, total_q)). Requests of equal query length run as one
+    sinkattn.flash_attn_with_kvcache call; rows past cu_seqlens_q[-1] get out 0 and lse -inf."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise SinkattnValueError(f"{_WHO}.{fn}: q must be (total_q, nheads, headdim); got "
+                                 f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 1:
+        raise SinkattnValueError(f"{_WHO}.{fn}: cu_seqlens_q must be an int32 (batch + 1,) tensor; got "
+                                 f"{cu_seqlens_q!r}")
+    batch = cu_seqlens_q.numel() - 1
+    if not isinstance(seqused_k, torch.Tensor) or seqused_k.shape != (batch,):
+        raise SinkattnValueError(f"{_WHO}.{fn}: seqused_k must be an int32 ({batch},) tensor (keys per sequence, "
+                                 f"batch from cu_seqlens_q); got {seqused_k!r}")
+    if block_table is not None and (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2
+                                    or block_table.shape[0] < batch):
+        raise SinkattnValueError(f"{_WHO}.{fn}: block_table must be int32 (batch, max_pages) with batch = "
+                                 f"{batch} rows (from cu_seqlens_q); got "
+                                 f"{tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
+    if block_table is None and (k_cache.dim() != 4 or k_cache.shape[0] < batch):
+        raise SinkattnValueError(
+            f"{_WHO}.{fn}: seqused_k without block_table reads a contiguous cache: k/v must be (batch, capacity, "
+            f"nheads_k, headdim) with batch = {batch}; got k {tuple(k_cache.shape)}. For packed keys pass "
+            f"cu_seqlens_k instead of seqused_k; for a paged cache pass block_table")
+    total_q, h, d = q.shape
+    dv = v_cache.shape[-1]
+    causal = _flag(fn, "causal", causal)
+    window = _window(fn, window_size, causal, max_seqlen_k if isinstance(max_seqlen_k, int) else None)
+    if out is None:
+        out = q.new_empty((total_q, h, dv))
+    lse = torch.empty((h, total_q), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+                      device=q.device)
+    host = cu_seqlens_q if cu_seqlens_q.device.type == "cpu" else cu_seqlens_q.cpu()  # one copy, see docstring
+    starts = host.tolist()
+    end = starts[-1]
+    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) or end > total_q:
+        raise SinkattnValueError(
+            f"{_WHO}.{fn}: cu_seqlens_q is {starts if len(starts) <= 12 else starts[:12] + ['...']}; accepted: "
+            f"offsets starting at 0, non-decreasing, ending at most at total_q = {total_q}")
+    if end < total_q:
+        out[end:].zero_()
+        lse[:, end:] = float("-inf")
+    for run in plan_runs(host, batch):
+        n = run.r1 - run.r0
+        rows = slice(run.t0, run.t0 + n * run.L)
+        bt = None if block_table is None else block_table[run.r0:run.r1]
+        kc = k_cache if block_table is not None else k_cache[run.r0:run.r1]
+        vc = v_cache if block_table is not None else v_cache[run.r0:run.r1]
+        o, l = interface.flash_attn_with_kvcache(
+            q[rows].view(n, run.L, h, d), kc, vc, sinks, cache_seqlens=seqused_k[run.r0:run.r1], block_table=bt,
+            softmax_scale=softmax_scale, causal=causal, window_size=window, sink_tokens=sink_tokens,
+            softcap=softcap, return_lse=True, num_splits=num_splits, backend=backend)
+        out[rows].copy_(o.reshape(n * run.L, h, dv))
+        lse[:, rows] = l.permute(1, 0, 2).reshape(h, n * run.L)
+    # Empty requests between runs own no rows; a zero-length run leaves nothing unwritten below `end`.
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------------- vllm-flash-attn
+
+def vllm_flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
+                                seqused_k=None, q_v=None, dropout_p=0.0, softmax_scale=None, causal=False,
+                                window_size=None, softcap=0.0, alibi_slopes=None, deterministic=False,
+                                return_attn_probs=False, block_table=None, return_softmax_lse=False, out=None,
+                                scheduler_metadata=None, q_descale=None, k_descale=None, v_descale=None,
+                                num_splits=0, output_scale=None, fa_version=2, s_aux=None, cp_world_size=1,
+                                cp_rank=0, cp_tot_seqused_k=None, mask_mod=None, block_sparse_tensors=None,
+                                aux_tensors=None, aux_tensor_leading_dims=None, dynamic_causal=None,
+                                gather_kv_indices=None, gather_kv_valid_length=None, *, sinks=None,
+                                learnable_sink=None, sink_tokens=0, backend="auto"):
+    """vLLM's vllm.vllm_flash_attn.flash_attn_varlen_func (vLLM 0.33's positional order and keywords).
+
+    q (total_q, nheads, headdim). Exactly one of cu_seqlens_k (packed keys k/v (total_k, nheads_k, headdim))
+    and seqused_k (keys per sequence, int32 (batch,)) is given, as vLLM requires for FA2/FA3. With seqused_k,
+    k/v are a paged cache (num_pages, page_size, nheads_k, headdim) read through block_table (batch,
+    max_pages) int32, or without block_table a contiguous cache (batch, capacity, nheads_k, headdim); the
+    queries are each request's last positions. out= (total_q, nheads, headdim) is written in place and
+    returned. Returns out, or (out, softmax_lse (nheads, total_q) float32) with return_softmax_lse=True.
+
+    Accepted and ignored: scheduler_metadata, fa_version (any version's semantics above), cp_rank,
+    return_attn_probs (vLLM returns no probabilities either), q/k/v_descale for non-FP8 inputs. Refused with a
+    sinkattn error: dropout_p > 0, alibi_slopes, FP8 inputs, q_v, output_scale, cp_world_size > 1,
+    cp_tot_seqused_k, mask_mod, block_sparse_tensors, aux_tensors, dynamic_causal, gather_kv_*."""
+    fn = "vllm_flash_attn_varlen_func"
+    sinks = _sinks(fn, sinks, s_aux, learnable_sink)
+    _refuse_dropout_alibi(fn, dropout_p, alibi_slopes)
+    want_lse = _flag(fn, "return_softmax_lse", return_softmax_lse)
+    _flag(fn, "return_attn_probs", return_attn_probs)
+    _refuse_vllm_extras(fn, q, k, v, q_v=q_v, output_scale=output_scale, cp_world_size=cp_world_size,
+                        cp_tot_seqused_k=cp_tot_seqused_k, mask_mod=mask_mod,
+                        block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors,
+                        aux_tensor_leading_dims=aux_tensor_leading_dims, dynamic_causal=dynamic_causal,
+                        gather_kv_indices=gather_kv_indices, gather_kv_valid_length=gather_kv_valid_length,
+                        descales=(q_descale, k_descale, v_descale))
+    if (cu_seqlens_k is None) == (seqused_k is None):
+        raise SinkattnValueError(
+            f"{_WHO}.{fn}: give exactly one of cu_seqlens_k (packed keys) and seqused_k (keys per sequence in a "
+            f"cache); got {'both' if seqused_k is not None else 'neither'}")
+    if block_table is not None and seqused_k is None:
+        raise SinkattnValueError(f"{_WHO}.{fn}: block_table needs seqused_k (the keys per sequence in the paged "
+                                 f"cache), as vLLM requires; cu_seqlens_k describes packed keys")
+    if out is not None:
+        _check_out(fn, out, q, v)
+    if seqused_k is not None:
+        _check_int32(fn, "seqused_k", seqused_k)
+        _check_int32(fn, "cu_seqlens_q", cu_seqlens_q)
+        res, lse = _paged(fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal,
+                          window_size, softcap, sinks, sink_tokens, num_splits, backend, out)
+    else:
+        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+            raise SinkattnValueError(f"{_WHO}.{fn}: num_splits must be an int >= 0 (0 = heuristic); got "
+                                     f"{num_splits!r}")
+        res, lse = _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                           softmax_scale, causal, window_size, softcap, None, deterministic, sinks, sink_tokens,
+                           backend)
+        if out is not None:
+            out.copy_(res)
+            res = out
+    return (res, lse) if want_lse else res
+
+
+def _refuse_vllm_extras(fn, q, k, v, *, descales, cp_world_size, **features) -> None:
+    what = {
+        "q_v": "the fused q_v value input (FA3/FA4, MLA)", "output_scale": "fused FP8 output (FA4)",
+        "cp_tot_seqused_k": "context parallelism (see sinkattn.distributed)", "mask_mod": "a custom mask_mod (FA4)",
+        "block_sparse_tensors": "block-sparse attention (FA4)", "aux_tensors": "mask_mod's aux_tensors (FA4)",
+        "aux_tensor_leading_dims": "mask_mod's aux_tensors (FA4)", "dynamic_causal": "dynamic causal offsets (FA4)",
+        "gather_kv_indices": "gathered KV rows (FA4)", "gather_kv_valid_length": "gathered KV rows (FA4)",
+    }
+    for name, value in features.items():
+        if value is not None:
+            raise SinkattnValueError(f"{_WHO}.{fn}: {name} is not supported ({what[name]}); accepted: {name}=None. "
+                                     f"Keep vLLM's FlashAttention backend for this layer")
+    if cp_world_size != 1:
+        raise SinkattnValueError(
+            f"{_WHO}.{fn}: cp_world_size={cp_world_size!r} is not supported here; accepted: 1. For context "
+            f"parallelism attend each shard with return_softmax_lse=True and merge the partial results with "
+            f"sinkattn.merge_attn_states (sinkattn.distributed)")
+    fp8 = [f"{name} {t.dtype}" for name, t in (("q", q), ("k", k), ("v", v))
+           if isinstance(t, torch.Tensor) and t.dtype in _FP8]
+    if fp8:
+        raise SinkattnTypeError(
+            f"{_WHO}.{fn}: FP8 inputs ({', '.join(fp8)}) are not supported: sinkattn does not run FP8 attention "
+            f"yet, so q_descale/k_descale/v_descale cannot be applied; accepted: float16, bfloat16, float32. "
+            f"Dequantize first (x.to(torch.bfloat16) * x_descale) or use an unquantized KV cache "
+            f"(vLLM: kv_cache_dtype='auto')")
+    # Non-FP8 inputs: the descales mean nothing (vLLM's FA3/FA4 ignore them too), whatever they hold.
+    del descales
+
+
+def _check_out(fn, out, q, v) -> None:
+    want = (q.shape[0], q.shape[1], v.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() == 3 else None
+    if not isinstance(out, torch.Tensor) or want is None or tuple(out.shape) != want or out.dtype != q.dtype \
+            or out.device != q.device:
+        got = (tuple(out.shape), out.dtype, str(out.device)) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise SinkattnValueError(f"{_WHO}.{fn}: out must be a {want} tensor of q's dtype {q.dtype} on "
+                                 f"{q.device} (written in place); got {got}")
+
+
+def _check_int32(fn, name, t) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        raise SinkattnTypeError(f"{_WHO}.{fn}: {name} must be an int32 tensor; got "
+                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")

@@ -1,0 +1,594 @@
+"""sinkattn.flash_attn_interface: flash-attn 2.8's and vLLM's call forms, against the float64 oracle.
+
+Every call is written the way a flash-attn or vLLM caller writes it, from the peers' documented signatures
+(positional order and keyword names), with sinkattn's extras (sinks aliases, sink_tokens, backend) as
+keywords. Each case runs on the reference backend (CPU, backend left at its default, as a flash-attn caller
+leaves it) and, when the build holds them, on the emulated sm80 kernels (backend="sm80-emulated", bf16).
+"""
+import inspect
+import math
+
+import pytest
+import torch
+
+import sinkattn
+from sinkattn import _ext, reference
+from sinkattn import flash_attn_interface as fai
+from sinkattn.errors import SinkattnError, SinkattnTypeError, SinkattnValueError
+from oracle import attention_oracle, attention_oracle_varlen, rotary_oracle, tolerance_check
+from oracle import single_thread  # noqa: F401  (autouse: one torch thread per test)
+
+_EMU = {(k["headdim"], k["dtype"]) for k in _ext.registry() if k["family"] == "sm80-emulated"}
+# (backend, dtype): the default path (CPU -> reference) in float32, and the emulated kernel in bf16.
+BACKENDS = [
+    pytest.param("auto", torch.float32, id="reference-fp32"),
+    pytest.param("sm80-emulated", torch.bfloat16, id="sm80-emulated-bf16",
+                 marks=pytest.mark.skipif((64, "bf16") not in _EMU, reason="no emulated hdim64 bf16 kernel in this build")),
+]
+SINK_ALIASES = ["sinks", "s_aux", "learnable_sink"]
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(reference, "KEY_TILE", 32)
+    monkeypatch.setattr(reference, "ROW_CHUNK", 24)
+
+
+def extra(backend):
+    """sinkattn's backend keyword, left out on the default path (a flash-attn caller never passes it)."""
+    return {} if backend == "auto" else {"backend": backend}
+
+
+def check(name, out, lse, ref_fn, args, kw, dtype, seed):
+    """out/lse against the float64 oracle, with FlashAttention's rule (2x the same math at dtype + atol)."""
+    ref_out, ref_lse = ref_fn(*args, **kw)
+    if dtype == torch.float32:
+        base_out = base_lse = None
+        atol_out, atol_lse = 1e-5, 1e-4
+    else:
+        base_out, base_lse = ref_fn(*args, **kw, compute_dtype=dtype)
+        base_lse = base_lse.float()
+        atol_out, atol_lse = 1e-3, 1e-3
+    tolerance_check(f"{name} out", out, ref_out, base_out, atol_out, seed)
+    if lse is not None:
+        tolerance_check(f"{name} lse", lse, ref_lse, base_lse, atol_lse, seed)
+
+
+def cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def rand(*shape, dtype):
+    return torch.randn(*shape).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ signatures
+
+FLASH_ATTN_28 = {  # flash-attn 2.8.3's positional parameters, in order, with their defaults
+    "flash_attn_func": ("q k v dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic "
+                        "return_attn_probs", (0.0, None, False, (-1, -1), 0.0, None, False, False)),
+    "flash_attn_qkvpacked_func": ("qkv dropout_p softmax_scale causal window_size softcap alibi_slopes "
+                                  "deterministic return_attn_probs", (0.0, None, False, (-1, -1), 0.0, None, False,
+                                                                      False)),
+    "flash_attn_kvpacked_func": ("q kv dropout_p softmax_scale causal window_size softcap alibi_slopes "
+                                 "deterministic return_attn_probs", (0.0, None, False, (-1, -1), 0.0, None, False,
+                                                                     False)),
+    "flash_attn_varlen_func": ("q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p softmax_scale "
+                               "causal window_size softcap alibi_slopes deterministic return_attn_probs block_table",
+                               (0.0, None, False, (-1, -1), 0.0, None, False, False, None)),
+    "flash_attn_varlen_qkvpacked_func": ("qkv cu_seqlens max_seqlen dropout_p softmax_scale causal window_size "
+                                         "softcap alibi_slopes deterministic return_attn_probs",
+                                         (0.0, None, False, (-1, -1), 0.0, None, False, False)),
+    "flash_attn_varlen_kvpacked_func": ("q kv cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p "
+                                        "softmax_scale causal window_size softcap alibi_slopes deterministic "
+                                        "return_attn_probs", (0.0, None, False, (-1, -1), 0.0, None, False, False)),
+    "flash_attn_with_kvcache": ("q k_cache v_cache k v rotary_cos rotary_sin cache_seqlens cache_batch_idx "
+                                "cache_leftpad block_table softmax_scale causal window_size softcap "
+                                "rotary_interleaved alibi_slopes num_splits return_softmax_lse",
+                                (None, None, None, None, None, None, None, None, None, False, (-1, -1), 0.0, True,
+                                 None, 0, False)),
+    # vLLM 0.33's vllm.vllm_flash_attn.flash_attn_varlen_func
+    "vllm_flash_attn_varlen_func": (
+        "q k v max_seqlen_q cu_seqlens_q max_seqlen_k cu_seqlens_k seqused_k q_v dropout_p softmax_scale causal "
+        "window_size softcap alibi_slopes deterministic return_attn_probs block_table return_softmax_lse out "
+        "scheduler_metadata q_descale k_descale v_descale num_splits output_scale fa_version s_aux cp_world_size "
+        "cp_rank cp_tot_seqused_k mask_mod block_sparse_tensors aux_tensors aux_tensor_leading_dims dynamic_causal "
+        "gather_kv_indices gather_kv_valid_length",
+        (None, None, None, 0.0, None, False, None, 0.0, None, False, False, None, False, None, None, None, None,
+         None, 0, None, 2, None, 1, 0, None, None, None, None, None, None, None, None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLASH_ATTN_28))
+def test_positional_order_and_defaults_match_the_peer(name):
+    params = list(inspect.signature(getattr(fai, name)).parameters.values())
+    positional = [p for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    names, defaults = FLASH_ATTN_28[name]
+    assert [p.name for p in positional] == names.split()
+    got_defaults = tuple(p.default for p in positional if p.default is not p.empty)
+    assert got_defaults == defaults
+    keyword_only = {p.name for p in params if p.kind == p.KEYWORD_ONLY}
+    assert {"sink_tokens", "backend"} <= keyword_only
+    assert {"sinks", "s_aux", "learnable_sink"} <= keyword_only | {p.name for p in positional}
+
+
+# ------------------------------------------------------------------------------------------ flash_attn_func
+
+MASKS = [  # (seqlen_q, seqlen_k, flash-attn's causal and window_size, the same mask in sinkattn's contract)
+    (37, 37, dict(causal=False, window_size=(-1, -1)), dict()),
+    (20, 45, dict(causal=True, window_size=(-1, -1)), dict(causal=True)),
+    (33, 33, dict(causal=False, window_size=(7, 3)), dict(window_size=(7, 3))),
+    # flash-attn: causal=True sets the right edge to 0 whatever window_size says (transformers passes (w, w)).
+    (29, 29, dict(causal=True, window_size=(9, 9)), dict(causal=True, window_size=(9, 0))),
+    # flash-attn: an edge >= seqlen_k is unbounded (here right = 3 >= seqlen_k = 2 sees every key).
+    (5, 2, dict(causal=False, window_size=(-1, 3)), dict()),
+]
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("sq,sk,fa_kw,contract_kw", MASKS)
+def test_flash_attn_func_positional(sq, sk, fa_kw, contract_kw, backend, dtype, rng_seed):
+    b, h, hk, d = 2, 8, 2, 64
+    q, k, v = rand(b, sq, h, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype)
+    scale = 0.7 / math.sqrt(d)
+    # flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+    #                 deterministic, return_attn_probs)
+    res = fai.flash_attn_func(q, k, v, 0.0, scale, fa_kw["causal"], fa_kw["window_size"], 0.0, None, False, True,
+                              **extra(backend))
+    assert isinstance(res, tuple) and len(res) == 3
+    out, lse, probs = res
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    # flash-attn 2.8 at dropout_p = 0: S_dmask is an empty tensor of q's dtype.
+    assert isinstance(probs, torch.Tensor) and probs.shape == (0,) and probs.dtype == dtype
+    check("flash_attn_func", out, lse, attention_oracle, (q, k, v, None), dict(softmax_scale=scale, **contract_kw),
+          dtype, rng_seed)
+    plain = fai.flash_attn_func(q, k, v, softmax_scale=scale, **fa_kw, **extra(backend))
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("alias", SINK_ALIASES)
+def test_flash_attn_func_sinks_by_each_alias(alias, backend, dtype, rng_seed):
+    b, s, h, hk, d = 2, 40, 4, 4, 64
+    q, k, v = (rand(b, s, x, d, dtype=dtype) for x in (h, hk, hk))
+    sinks = torch.randn(h) * 2
+    sinks[1] = float("-inf")
+    out, lse, _ = fai.flash_attn_func(q, k, v, causal=True, window_size=(11, 0), return_attn_probs=True,
+                                      sink_tokens=3, **{alias: sinks}, **extra(backend))
+    check(f"sinks as {alias}", out, lse, attention_oracle, (q, k, v, sinks),
+          dict(causal=True, window_size=(11, 0), sink_tokens=3), dtype, rng_seed)
+    # The sinks really arrive: without them the answer differs.
+    assert not torch.allclose(out, fai.flash_attn_func(q, k, v, causal=True, window_size=(11, 0), sink_tokens=3,
+                                                       **extra(backend)))
+
+
+def test_two_sink_aliases_are_an_error():
+    q = torch.randn(1, 4, 2, 16)
+    s = torch.zeros(2)
+    for pair in (("sinks", "s_aux"), ("s_aux", "learnable_sink"), ("sinks", "learnable_sink")):
+        with pytest.raises(SinkattnValueError, match="aliases"):
+            fai.flash_attn_func(q, q, q, **{pair[0]: s, pair[1]: s})
+    with pytest.raises(SinkattnValueError, match="aliases"):
+        fai.vllm_flash_attn_varlen_func(q[0], q[0], q[0], 4, cu([4]), 4, cu([4]), s_aux=s, sinks=s)
+
+
+def test_empty_rows_and_headdim_padding(rng_seed):
+    """seqlen_q > seqlen_k with causal: the first rows see no key: out 0 (as flash-attn), lse -inf without sinks
+    (flash-attn 2 writes +inf there; documented) and sinks[h] with them. Head dim 20 is padded to 24, as
+    flash-attn pads it, with the default scale of the caller's head dim."""
+    b, sq, sk, h, d = 2, 9, 4, 2, 20
+    q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, h, d), torch.randn(b, sk, h, d)
+    sinks = torch.tensor([0.5, -1.0])
+    for s in (None, sinks):
+        out, lse, _ = fai.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, sinks=s)
+        assert out.shape == q.shape
+        check("padded head dim", out, lse, attention_oracle, (q, k, v, s), dict(causal=True), torch.float32,
+              rng_seed)
+        assert (out[:, : sq - sk] == 0).all()
+        want = torch.full((b, h, sq - sk), float("-inf")) if s is None else s.view(1, h, 1).expand(b, h, sq - sk)
+        assert torch.equal(lse[:, :, : sq - sk], want)
+
+
+# ------------------------------------------------------------------------------------------------ packed forms
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_qkvpacked_and_kvpacked(backend, dtype, rng_seed):
+    b, s, h, d = 2, 35, 4, 64
+    qkv = rand(b, s, 3, h, d, dtype=dtype)
+    sinks = torch.randn(h)
+    out, lse, probs = fai.flash_attn_qkvpacked_func(qkv, 0.0, None, True, (-1, -1), 0.0, None, False, True,
+                                                    s_aux=sinks, **extra(backend))
+    q, k, v = qkv.unbind(2)
+    assert probs.numel() == 0
+    check("qkvpacked", out, lse, attention_oracle, (q, k, v, sinks), dict(causal=True), dtype, rng_seed)
+    hk = 2
+    q = rand(b, s - 5, h, d, dtype=dtype)
+    kv = rand(b, s, 2, hk, d, dtype=dtype)
+    out, lse, _ = fai.flash_attn_kvpacked_func(q, kv, 0.0, None, False, (6, 2), 0.0, None, False, True,
+                                               learnable_sink=sinks, **extra(backend))
+    check("kvpacked (GQA)", out, lse, attention_oracle, (q, kv[:, :, 0], kv[:, :, 1], sinks),
+          dict(window_size=(6, 2)), dtype, rng_seed)
+
+
+def test_packed_gradients_reach_the_packed_tensor(rng_seed):
+    b, s, h, d = 1, 12, 2, 16
+    qkv = torch.randn(b, s, 3, h, d, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(h, dtype=torch.float64, requires_grad=True)
+    out = fai.flash_attn_qkvpacked_func(qkv, causal=True, sinks=sinks)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), (qkv, sinks))
+    ref_out, _ = attention_oracle(*qkv.unbind(2), sinks, causal=True)
+    want = torch.autograd.grad((ref_out * g).sum(), (qkv, sinks))
+    tolerance_check("d qkv", got[0], want[0], None, 1e-10, rng_seed)
+    tolerance_check("d sinks", got[1], want[1], None, 1e-10, rng_seed)
+
+
+# ------------------------------------------------------------------------------------------------------ varlen
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_varlen_positional(backend, dtype, rng_seed):
+    lq, lk = [5, 0, 33, 1, 17], [9, 3, 40, 0, 60]
+    h, hk, d = 8, 2, 64
+    q = rand(sum(lq) + 2, h, d, dtype=dtype)  # 2 padding rows past cu_seqlens_q[-1]
+    k, v = rand(sum(lk), hk, d, dtype=dtype), rand(sum(lk), hk, d, dtype=dtype)
+    cq, ck = cu(lq), cu(lk)
+    sinks = torch.randn(h)
+    # flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+    #                        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+    #                        return_attn_probs, block_table)
+    out, lse, probs = fai.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), 0.0, None, True, (12, 0), 0.0,
+                                                 None, False, True, None, sinks=sinks, sink_tokens=2,
+                                                 **extra(backend))
+    assert lse.shape == (h, q.shape[0]) and lse.dtype == torch.float32 and probs.numel() == 0
+    check("varlen", out, lse, attention_oracle_varlen, (q, k, v, cq, ck, sinks),
+          dict(causal=True, window_size=(12, 0), sink_tokens=2), dtype, rng_seed)
+    assert (out[-2:] == 0).all() and (lse[:, -2:] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_varlen_packed_forms(backend, dtype, rng_seed):
+    lens = [7, 0, 30, 12]
+    h, d = 4, 64
+    cs = cu(lens)
+    qkv = rand(sum(lens), 3, h, d, dtype=dtype)
+    out, lse, _ = fai.flash_attn_varlen_qkvpacked_func(qkv, cs, max(lens), 0.0, None, True, (-1, -1), 0.0, None,
+                                                       False, True, **extra(backend))
+    q, k, v = qkv.unbind(1)
+    check("varlen qkvpacked", out, lse, attention_oracle_varlen, (q, k, v, cs, cs, None), dict(causal=True), dtype,
+          rng_seed)
+    lk = [10, 4, 30, 1]
+    ck = cu(lk)
+    kv = rand(sum(lk), 2, 2, d, dtype=dtype)
+    sinks = torch.randn(h)
+    out, lse, _ = fai.flash_attn_varlen_kvpacked_func(q, kv, cs, ck, max(lens), max(lk), 0.0, None, False, (5, 5),
+                                                      0.0, None, False, True, s_aux=sinks, **extra(backend))
+    check("varlen kvpacked", out, lse, attention_oracle_varlen, (q, kv[:, 0], kv[:, 1], cs, ck, sinks),
+          dict(window_size=(5, 5)), dtype, rng_seed)
+
+
+# ------------------------------------------------------------------------------------------- paged KV caches
+
+class PagedCache:
+    """Sequences of the given key lengths stored in shuffled pages; dense(b) reads sequence b back."""
+
+    def __init__(self, lens, hk, d, page_size, dtype, spare=3):
+        self.lens, self.page_size = list(lens), page_size
+        pages = [max(1, -(-n // page_size)) for n in self.lens]
+        num_pages = sum(pages) + spare
+        perm = torch.randperm(num_pages)
+        self.block_table = torch.zeros(len(self.lens), max(pages), dtype=torch.int32)
+        used = 0
+        for b, p in enumerate(pages):
+            self.block_table[b, :p] = perm[used:used + p].to(torch.int32)
+            used += p
+        self.k = rand(num_pages, page_size, hk, d, dtype=dtype)
+        self.v = rand(num_pages, page_size, hk, d, dtype=dtype)
+
+    def dense(self, b):
+        pos = torch.arange(self.lens[b])
+        page = self.block_table[b].long()[pos // self.page_size]
+        return self.k[page, pos % self.page_size], self.v[page, pos % self.page_size]
+
+
+def check_paged(name, out, lse, q, cache, lq, sinks, kw, dtype, seed):
+    """Request b's queries are its last lq[b] positions over its cache.lens[b] keys (bottom-right)."""
+    t = 0
+    for b, L in enumerate(lq):
+        if L:
+            kb, vb = cache.dense(b)
+            check(f"{name} request {b}", out[None, t:t + L], lse[None, :, t:t + L], attention_oracle,
+                  (q[None, t:t + L], kb[None], vb[None], sinks), kw, dtype, seed)
+        t += L
+    assert (out[t:] == 0).all() and (lse[:, t:] == float("-inf")).all()
+
+
+# Odd lengths: decodes beside chunked prefills, an empty request, a query run longer than a page, keys = queries.
+PAGED = [(16, [1, 5, 1, 0, 17, 3, 3], [9, 40, 1, 0, 17, 100, 33]),
+         (5, [2, 1, 1, 9], [2, 70, 6, 23])]
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("page_size,lq,lk", PAGED)
+def test_vllm_paged_with_block_table_and_seqused_k(page_size, lq, lk, backend, dtype, rng_seed):
+    """The call vLLM's FlashAttention backend makes (keywords as it writes them), into out=, in place."""
+    h, hk, d = 8, 2, 64
+    cache = PagedCache(lk, hk, d, page_size, dtype)
+    q = rand(sum(lq) + 3, h, d, dtype=dtype)  # vLLM pads the token count beyond the scheduled tokens
+    output = torch.full_like(q, float("nan"))
+    sinks = torch.randn(h)
+    seq_lens = torch.tensor(lk, dtype=torch.int32)
+    ones = torch.ones(len(lq), hk)
+    res = fai.vllm_flash_attn_varlen_func(
+        q=q, k=cache.k, v=cache.v, out=output, cu_seqlens_q=cu(lq), max_seqlen_q=max(lq), seqused_k=seq_lens,
+        max_seqlen_k=max(lk), softmax_scale=d ** -0.5, causal=True, alibi_slopes=None, window_size=[24, 0],
+        block_table=cache.block_table, softcap=0, scheduler_metadata=None, fa_version=3, q_descale=None,
+        k_descale=ones, v_descale=ones, num_splits=0, s_aux=sinks, return_softmax_lse=True, **extra(backend))
+    out, lse = res
+    assert out is output, "out= is written in place and returned"
+    assert lse.shape == (h, q.shape[0]) and lse.dtype == torch.float32
+    check_paged("vllm paged", out, lse, q, cache, lq, sinks, dict(causal=True, window_size=(24, 0)), dtype,
+                rng_seed)
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_flash_attn_28_varlen_with_block_table(backend, dtype, rng_seed):
+    """flash-attn 2.8's varlen paged form: k/v are pages, cu_seqlens_k's differences are the key lengths."""
+    lq, lk = [3, 1, 6], [30, 7, 6]
+    h, hk, d = 4, 1, 64
+    cache = PagedCache(lk, hk, d, 8, dtype)
+    q = rand(sum(lq), h, d, dtype=dtype)
+    sinks = torch.randn(h)
+    out, lse, _ = fai.flash_attn_varlen_func(q, cache.k, cache.v, cu(lq), cu(lk), max(lq), max(lk), 0.0, None, True,
+                                             (-1, -1), 0.0, None, False, True, cache.block_table, sinks=sinks,
+                                             **extra(backend))
+    check_paged("flash-attn varlen paged", out, lse, q, cache, lq, sinks, dict(causal=True), dtype, rng_seed)
+
+
+def test_vllm_contiguous_cache_with_seqused_k(rng_seed):
+    """seqused_k without block_table: k/v are a (batch, capacity, nheads_k, headdim) cache."""
+    lq, lk = [2, 1, 4], [10, 1, 30]
+    h, hk, d, cap = 4, 2, 32, 32
+    kc, vc = torch.randn(3, cap, hk, d), torch.randn(3, cap, hk, d)
+    q = torch.randn(sum(lq), h, d)
+    out = fai.vllm_flash_attn_varlen_func(q, kc, vc, max(lq), cu(lq), max(lk), None,
+                                          torch.tensor(lk, dtype=torch.int32), causal=True)
+    t = 0
+    for b, L in enumerate(lq):
+        check(f"contiguous request {b}", out[None, t:t + L], None, attention_oracle,
+              (q[None, t:t + L], kc[b:b + 1, :lk[b]], vc[b:b + 1, :lk[b]], None), dict(causal=True), torch.float32,
+              rng_seed)
+        t += L
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_vllm_varlen_with_cu_seqlens_k_positional(backend, dtype, rng_seed):
+    lq, lk = [4, 0, 21], [4, 5, 30]
+    h, hk, d = 4, 2, 64
+    q = rand(sum(lq), h, d, dtype=dtype)
+    k, v = rand(sum(lk), hk, d, dtype=dtype), rand(sum(lk), hk, d, dtype=dtype)
+    cq, ck = cu(lq), cu(lk)
+    output = torch.empty_like(q)
+    sinks = torch.randn(h)
+    # vLLM: flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+    #                              q_v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+    #                              deterministic, return_attn_probs, block_table, return_softmax_lse, out)
+    out, lse = fai.vllm_flash_attn_varlen_func(q, k, v, max(lq), cq, max(lk), ck, None, None, 0.0, None, True,
+                                               [7, 0], 0.0, None, False, False, None, True, output, s_aux=sinks,
+                                               **extra(backend))
+    assert out is output and lse.shape == (h, q.shape[0])
+    check("vllm varlen", out, lse, attention_oracle_varlen, (q, k, v, cq, ck, sinks),
+          dict(causal=True, window_size=(7, 0)), dtype, rng_seed)
+    # Without return_softmax_lse: out alone.
+    alone = fai.vllm_flash_attn_varlen_func(q, k, v, max(lq), cq, max(lk), ck, causal=True, window_size=[7, 0],
+                                            s_aux=sinks, **extra(backend))
+    assert isinstance(alone, torch.Tensor) and torch.equal(alone, out)
+
+
+def test_vllm_ignored_arguments_change_nothing():
+    """scheduler_metadata, fa_version, cp_rank, return_attn_probs and the descales of non-FP8 inputs are
+    accepted and ignored: bit-identical results, the same return form."""
+    lq, lk = [1, 3], [17, 9]
+    h, hk, d = 4, 2, 32
+    cache = PagedCache(lk, hk, d, 4, torch.float32)
+    q = torch.randn(sum(lq), h, d)
+    base = dict(cu_seqlens_q=cu(lq), max_seqlen_q=3, seqused_k=torch.tensor(lk, dtype=torch.int32), max_seqlen_k=17,
+                block_table=cache.block_table, causal=True, return_softmax_lse=True)
+    want_out, want_lse = fai.vllm_flash_attn_varlen_func(q, cache.k, cache.v, **base)
+    descale = torch.full((2, hk), 3.0)
+    for extra_kw in (dict(scheduler_metadata=torch.zeros(7, dtype=torch.int32)), dict(fa_version=3),
+                     dict(fa_version=4), dict(cp_rank=0), dict(return_attn_probs=True),
+                     dict(q_descale=descale, k_descale=descale, v_descale=descale), dict(num_splits=3)):
+        got = fai.vllm_flash_attn_varlen_func(q, cache.k, cache.v, **base, **extra_kw)
+        assert isinstance(got, tuple) and len(got) == 2, extra_kw
+        assert torch.equal(got[0], want_out) and torch.equal(got[1], want_lse), extra_kw
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(q_v=torch.zeros(3, 4, 32)), "q_v"),
+    (dict(output_scale=torch.ones(1)), "output_scale"),
+    (dict(cp_world_size=2), "cp_world_size"),
+    (dict(cp_tot_seqused_k=torch.ones(1, dtype=torch.int32)), "cp_tot_seqused_k"),
+    (dict(mask_mod=lambda *a: True), "mask_mod"),
+    (dict(block_sparse_tensors=object()), "block_sparse_tensors"),
+    (dict(aux_tensors=[torch.ones(1)]), "aux_tensors"),
+    (dict(dynamic_causal=torch.ones(1)), "dynamic_causal"),
+    (dict(gather_kv_indices=torch.zeros(3, 128, dtype=torch.int32)), "gather_kv_indices"),
+    (dict(dropout_p=0.1), "dropout_p"),
+    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
+    (dict(cu_seqlens_k=cu([3])), "exactly one"),
+])
+def test_vllm_unsupported_arguments_raise(kw, match):
+    q = torch.randn(3, 4, 32)
+    kc = torch.randn(2, 4, 4, 32)
+    base = dict(max_seqlen_q=3, cu_seqlens_q=cu([3]), max_seqlen_k=5, seqused_k=torch.tensor([5], dtype=torch.int32),
+                block_table=torch.tensor([[0, 1]], dtype=torch.int32))
+    with pytest.raises(SinkattnError, match=match):
+        fai.vllm_flash_attn_varlen_func(q, kc, kc.clone(), **{**base, **kw})
+
+
+def test_vllm_argument_combinations_raise():
+    q = torch.randn(3, 4, 32)
+    k = torch.randn(3, 2, 32)
+    with pytest.raises(SinkattnValueError, match="exactly one"):
+        fai.vllm_flash_attn_varlen_func(q, k, k, 3, cu([3]), 3)
+    with pytest.raises(SinkattnValueError, match="block_table needs seqused_k"):
+        fai.vllm_flash_attn_varlen_func(q, k, k, 3, cu([3]), 3, cu([3]), block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(SinkattnValueError, match="out must be"):
+        fai.vllm_flash_attn_varlen_func(q, k, k, 3, cu([3]), 3, cu([3]), out=torch.empty(3, 4, 16))
+    with pytest.raises(SinkattnValueError, match="contiguous cache"):
+        fai.vllm_flash_attn_varlen_func(q, k, k, 3, cu([3]), 3, seqused_k=torch.tensor([3], dtype=torch.int32))
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch without float8")
+def test_vllm_fp8_inputs_raise_naming_the_fix():
+    q = torch.randn(3, 4, 32)
+    kc = torch.randn(2, 4, 4, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(SinkattnTypeError, match="Dequantize first"):
+        fai.vllm_flash_attn_varlen_func(q, kc, kc.clone(), 3, cu([3]), 5, seqused_k=torch.tensor([5], dtype=torch.int32),
+                                        block_table=torch.tensor([[0, 1]], dtype=torch.int32),
+                                        k_descale=torch.ones(1, 4), v_descale=torch.ones(1, 4))
+
+
+# ---------------------------------------------------------------------------------------- flash_attn_with_kvcache
+
+def rotary_tables(max_pos, rot_dim):
+    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_positional(paged, backend, dtype, rng_seed):
+    b, h, hk, d, cap, sq = 3, 8, 2, 64, 64, 4
+    lens = [0, 21, 57]
+    dense_k, dense_v = rand(b, cap, hk, d, dtype=dtype), rand(b, cap, hk, d, dtype=dtype)
+    if paged:
+        cache = PagedCache([cap] * b, hk, d, 16, dtype)
+        for bi in range(b):
+            for p in range(cap // 16):
+                cache.k[cache.block_table[bi, p]] = dense_k[bi, p * 16:(p + 1) * 16]
+                cache.v[cache.block_table[bi, p]] = dense_v[bi, p * 16:(p + 1) * 16]
+        k_cache, v_cache, block_table = cache.k, cache.v, cache.block_table
+    else:
+        k_cache, v_cache, block_table = dense_k.clone(), dense_v.clone(), None
+    q = rand(b, sq, h, d, dtype=dtype)
+    k_new, v_new = rand(b, sq, hk, d, dtype=dtype), rand(b, sq, hk, d, dtype=dtype)
+    cos, sin = rotary_tables(cap + sq, 32)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    sinks = torch.randn(h)
+    # flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+    #                         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+    #                         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+    out, lse = fai.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, None, None,
+                                           block_table, None, True, (30, 0), 0.0, False, None, 0, True,
+                                           learnable_sink=sinks, sink_tokens=2, **extra(backend))
+    assert out.shape == q.shape and lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    for bi, n in enumerate(lens):
+        pos = n + torch.arange(sq)[None]
+        qb = rotary_oracle(q[bi:bi + 1], cos, sin, pos, False)
+        kb = dense_k[bi, :n + sq].double().clone()
+        vb = dense_v[bi, :n + sq].double().clone()
+        kb[n:] = rotary_oracle(k_new[bi:bi + 1], cos, sin, pos, False)[0]
+        vb[n:] = v_new[bi].double()
+        check(f"kvcache[{bi}]", out[bi:bi + 1], lse[bi:bi + 1], attention_oracle, (qb, kb[None], vb[None], sinks),
+              dict(causal=True, window_size=(30, 0), sink_tokens=2), dtype, rng_seed)
+        # The append landed in the caller's cache, in place.
+        if paged:
+            page = block_table[bi].long()[(n + torch.arange(sq)) // 16]
+            got_v = v_cache[page, (n + torch.arange(sq)) % 16]
+        else:
+            got_v = v_cache[bi, n:n + sq]
+        assert torch.equal(got_v, v_new[bi])
+
+
+def test_kvcache_cache_batch_idx(rng_seed):
+    """Sequence b reads and appends to k_cache row cache_batch_idx[b]; other rows stay untouched."""
+    rows, b, h, d, cap = 5, 3, 4, 32, 40
+    kc, vc = torch.randn(rows, cap, h, d), torch.randn(rows, cap, h, d)
+    k0, v0 = kc.clone(), vc.clone()
+    idx = torch.tensor([3, 0, 4], dtype=torch.int32)
+    lens = torch.tensor([10, 0, 33], dtype=torch.int32)
+    q, kn, vn = torch.randn(b, 2, h, d), torch.randn(b, 2, h, d), torch.randn(b, 2, h, d)
+    out = fai.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, cache_batch_idx=idx, causal=True)
+    for bi in range(b):
+        r, n = int(idx[bi]), int(lens[bi])
+        assert torch.equal(kc[r, n:n + 2], kn[bi]) and torch.equal(vc[r, n:n + 2], vn[bi])
+        check(f"cache_batch_idx[{bi}]", out[bi:bi + 1], None, attention_oracle,
+              (q[bi:bi + 1], kc[r:r + 1, :n + 2], vc[r:r + 1, :n + 2], None), dict(causal=True), torch.float32,
+              rng_seed)
+    for r in (1, 2):
+        assert torch.equal(kc[r], k0[r]) and torch.equal(vc[r], v0[r])
+
+
+def test_kvcache_int_cache_seqlens_and_full_cache(rng_seed):
+    b, h, d = 2, 4, 32
+    kc, vc, q = torch.randn(b, 20, h, d), torch.randn(b, 20, h, d), torch.randn(b, 1, h, d)
+    out = fai.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=7)
+    check("int cache_seqlens", out, None, attention_oracle, (q, kc[:, :7], vc[:, :7], None), {}, torch.float32,
+          rng_seed)
+    out = fai.flash_attn_with_kvcache(q, kc, vc)
+    check("full cache", out, None, attention_oracle, (q, kc, vc, None), {}, torch.float32, rng_seed)
+
+
+def test_kvcache_rotary_noncausal_puts_every_query_at_cache_seqlens(rng_seed):
+    """flash-attn: without causal and window, all of q is rotated at position cache_seqlens (new key i at
+    cache_seqlens + i)."""
+    b, h, d, cap, sq = 2, 2, 32, 24, 3
+    kc, vc = torch.randn(b, cap, h, d), torch.randn(b, cap, h, d)
+    dense_k, dense_v = kc.clone(), vc.clone()
+    q, kn, vn = torch.randn(b, sq, h, d), torch.randn(b, sq, h, d), torch.randn(b, sq, h, d)
+    cos, sin = rotary_tables(cap, 16)
+    lens = [4, 11]
+    out = fai.flash_attn_with_kvcache(q, kc, vc, kn, vn, cos, sin, torch.tensor(lens, dtype=torch.int32),
+                                      rotary_interleaved=True)
+    for bi, n in enumerate(lens):
+        qb = rotary_oracle(q[bi:bi + 1], cos, sin, torch.full((1, sq), n), True)
+        kb = dense_k[bi, :n + sq].double().clone()
+        kb[n:] = rotary_oracle(kn[bi:bi + 1], cos, sin, n + torch.arange(sq)[None], True)[0]
+        vb = dense_v[bi, :n + sq].double().clone()
+        vb[n:] = vn[bi].double()
+        check(f"rotary non-causal[{bi}]", out[bi:bi + 1], None, attention_oracle, (qb, kb[None], vb[None], None), {},
+              torch.float32, rng_seed)
+        tolerance_check(f"rotated k in cache[{bi}]", kc[bi, n:n + sq], kb[n:], None, 1e-6, rng_seed)
+
+
+def test_kvcache_refusals():
+    q = torch.randn(2, 1, 4, 32)
+    kc = torch.randn(2, 16, 4, 32)
+    with pytest.raises(SinkattnValueError, match="cache_leftpad"):
+        fai.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=3, cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(SinkattnValueError, match="alibi_slopes"):
+        fai.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=3, alibi_slopes=torch.ones(4))
+    with pytest.raises(SinkattnValueError, match="cache_batch_idx and block_table"):
+        fai.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=3, cache_batch_idx=torch.zeros(2, dtype=torch.int32),
+                                    block_table=torch.zeros(2, 1, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------------------ dropout and ALiBi
+
+def _calls():
+    q4, kv5, qkv5 = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 2, 16), torch.randn(1, 4, 3, 2, 16)
+    q3, kv4, qkv4 = torch.randn(4, 2, 16), torch.randn(4, 2, 2, 16), torch.randn(4, 3, 2, 16)
+    c = cu([4])
+    return {
+        "flash_attn_func": lambda **kw: fai.flash_attn_func(q4, q4, q4, **kw),
+        "flash_attn_qkvpacked_func": lambda **kw: fai.flash_attn_qkvpacked_func(qkv5, **kw),
+        "flash_attn_kvpacked_func": lambda **kw: fai.flash_attn_kvpacked_func(q4, kv5, **kw),
+        "flash_attn_varlen_func": lambda **kw: fai.flash_attn_varlen_func(q3, q3, q3, c, c, 4, 4, **kw),
+        "flash_attn_varlen_qkvpacked_func": lambda **kw: fai.flash_attn_varlen_qkvpacked_func(qkv4, c, 4, **kw),
+        "flash_attn_varlen_kvpacked_func": lambda **kw: fai.flash_attn_varlen_kvpacked_func(q3, kv4, c, c, 4, 4,
+                                                                                             **kw),
+        "vllm_flash_attn_varlen_func": lambda **kw: fai.vllm_flash_attn_varlen_func(q3, q3, q3, 4, c, 4, c, **kw),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_calls()))
+def test_dropout_and_alibi_raise_naming_what_to_do(name):
+    call = _calls()[name]
+    assert call(dropout_p=0.0) is not None  # the accepted value runs
+    with pytest.raises(SinkattnValueError, match=r"dropout_p=0\.1 is not supported.*dropout_p=0\.0"):
+        call(dropout_p=0.1)
+    with pytest.raises(SinkattnValueError, match="alibi_slopes is not supported.*alibi_slopes=None"):
+        call(alibi_slopes=torch.ones(2))
