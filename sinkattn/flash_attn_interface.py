@@ -41,7 +41,7 @@ Conventions kept from the peers:
   refused here, so S_dmask is always that empty tensor, as flash-attn returns it at dropout_p=0.
 - softmax_lse: natural log of the softmax denominator of the scaled (and softcapped) scores, float32;
   (batch, nheads, seqlen_q) for the batched and KV-cache functions, (nheads, total_q) for varlen (flash-attn
-  >= 2.4 and vLLM). With sinks it includes the sink's exp term, as sinkattn's lse does.
+  2.8 and vLLM). With sinks it includes the sink's exp term, as sinkattn's lse does.
 - causal=True makes the right window edge 0 whatever window_size[1] says, and a window edge >= seqlen_k
   (max_seqlen_k for varlen) is unbounded, as flash-attn's C++ front end does before launching.
 - Head dims that are not a multiple of 8 are zero-padded and the output sliced back, as flash-attn 2.8 does
@@ -99,7 +99,7 @@ def _refuse_dropout_alibi(fn: str, dropout_p, alibi_slopes) -> None:
         raise SinkattnValueError(
             f"{_WHO}.{fn}: dropout_p={dropout_p!r} is not supported: sinkattn has no attention dropout; "
             f"accepted: dropout_p=0.0 (flash-attn's own advice for evaluation). To train with attention dropout "
-            f"keep flash_attn for that model, or apply dropout outside the attention op")
+            f"keep flash_attn (or eager attention) for that model; sinkattn's attention is exact")
     if alibi_slopes is not None:
         raise SinkattnValueError(
             f"{_WHO}.{fn}: alibi_slopes is not supported: sinkattn has no ALiBi bias; accepted: "
@@ -347,9 +347,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 def _rotate_at_cache_start(fn, q, k, cos, sin, cache_seqlens, interleaved, batch):
     """flash-attn's non-causal, non-local rotary: every query at position cache_seqlens, new key i at
     cache_seqlens + i."""
+    from ._checks import check_rotary_tables
     from .rotary import apply_rotary
-    if (cos is None) != (sin is None) or not isinstance(cos, torch.Tensor) or cos.dim() != 2:
-        interface.flash_attn_with_kvcache(q, q, q, rotary_cos=cos, rotary_sin=sin)  # sinkattn's message
+    check_rotary_tables(cos, sin, q.shape[-1], who=f"{_WHO}.{fn}")
     if not isinstance(cache_seqlens, torch.Tensor):
         raise SinkattnValueError(f"{_WHO}.{fn}: rotary with causal=False needs cache_seqlens (the query "
                                  f"positions); got None")
