@@ -158,6 +158,9 @@ def test_flash_attn_func_sinks_by_each_alias(alias, backend, dtype, rng_seed):
                                       sink_tokens=3, **{alias: sinks}, **extra(backend))
     check(f"sinks as {alias}", out, lse, attention_oracle, (q, k, v, sinks),
           dict(causal=True, window_size=(11, 0), sink_tokens=3), dtype, rng_seed)
+    # The same computation as sinkattn's own API, bit for bit.
+    assert torch.equal(out, sinkattn.flash_attn_with_sinks(q, k, v, sinks, causal=True, window_size=(11, 0),
+                                                           sink_tokens=3, backend=backend))
     # The sinks really arrive: without them the answer differs.
     assert not torch.allclose(out, fai.flash_attn_func(q, k, v, causal=True, window_size=(11, 0), sink_tokens=3,
                                                        **extra(backend)))
@@ -592,3 +595,23 @@ def test_dropout_and_alibi_raise_naming_what_to_do(name):
         call(dropout_p=0.1)
     with pytest.raises(SinkattnValueError, match="alibi_slopes is not supported.*alibi_slopes=None"):
         call(alibi_slopes=torch.ones(2))
+
+
+# ------------------------------------------------------------------------------------------------ transformers
+
+def test_transformers_flash_kwargs_reach_the_drop_in(rng_seed):
+    """transformers builds flash-attn's kwargs from the function's signature (its own code, run here): for
+    gpt-oss's sliding layers that is causal=True, window_size=(w - 1, w - 1) and s_aux=sinks."""
+    mfa = pytest.importorskip("transformers.modeling_flash_attention_utils")
+    if not hasattr(mfa, "_lazy_define_process_function"):
+        pytest.skip("this transformers release builds flash-attn kwargs differently")
+    process = mfa._lazy_define_process_function(fai.flash_attn_func)
+    b, s, h, hk, d, w = 2, 40, 8, 2, 64, 16
+    q, k, v = torch.randn(b, s, h, d), torch.randn(b, s, hk, d), torch.randn(b, s, hk, d)
+    sinks = torch.randn(h)
+    kw = process(query_length=s, key_length=s, is_causal=True, dropout=0.0, softmax_scale=d ** -0.5,
+                 sliding_window=w, s_aux=sinks)
+    assert kw["s_aux"] is sinks and tuple(kw["window_size"]) == (w - 1, w - 1) and kw["causal"] is True
+    out = fai.flash_attn_func(q, k, v, **kw)
+    check("transformers kwargs", out, None, attention_oracle, (q, k, v, sinks),
+          dict(softmax_scale=d ** -0.5, causal=True, window_size=(w - 1, 0)), torch.float32, rng_seed)
