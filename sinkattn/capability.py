@@ -98,6 +98,13 @@ def wider_build(build: dict | None) -> dict:
 
 def _mismatches(build: dict | None, runtime: dict, devices: list[dict]) -> list[dict]:
     out = []
+    shadow = _ext.SHADOWING
+    if not _ext.loaded() and shadow:
+        out.append({"problem": f"the imported sinkattn ({shadow['imported']}{', a source tree' if shadow['source_tree'] else ''}) "
+                               f"has no compiled extension and hides the build installed at {shadow['installed']}; "
+                               "every call runs on the reference backend",
+                    "fix": shadow["fix"]})
+        return out
     if not _ext.loaded():
         out.append({"problem": f"no compiled extension ({_ext.IMPORT_ERROR}); every call runs on the reference "
                                "backend",
@@ -160,6 +167,7 @@ def capabilities(devices: list[_device.DeviceInfo] | None = None) -> dict:
         "torch_version": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "extension": {"loaded": _ext.loaded(), "error": _ext.IMPORT_ERROR},
+        "package": _package(),
         "build": build,
         "runtime": runtime,
         "kernels": [dict(k) for k in _ext.registry()],
@@ -168,6 +176,11 @@ def capabilities(devices: list[_device.DeviceInfo] | None = None) -> dict:
         "sm80_smem_cap": _sm80_smem_cap(),
         "mismatches": _mismatches(build, runtime, dev_rows),
     }
+
+
+def _package() -> dict:
+    """Where the imported sinkattn lives and the other copies it hides (a clone run after a non-editable install)."""
+    return {"path": _ext.PACKAGE_DIR, "source_tree": _ext.is_source_tree(_ext.PACKAGE_DIR), "shadows": _ext.shadowed()}
 
 
 def _sm80_smem_cap() -> dict | None:

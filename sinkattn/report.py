@@ -47,8 +47,11 @@ def render(cap: dict) -> str:
                   "  the sm80 kernels pick their tiles as on a device with that limit (cc 8.6/8.9 allow 99 KB) and are "
                   "declined where none fits", ""]
     if not cap["devices"]:
-        lines += ["GPUs: none visible. CPU tensors are served by the reference backend "
-                  "(and backend='sm80-emulated' runs the sm80 kernel under host emulation, for tests)."]
+        # backend='sm80-emulated' is named only where the registry holds emulated kernels (SINKATTN_EMULATION=1)
+        emulated = any(k["family"] == "sm80-emulated" for k in cap["kernels"])
+        lines += ["GPUs: none visible. CPU tensors are served by the reference backend" +
+                  (" (and backend='sm80-emulated' runs the sm80 kernel under host emulation, for tests)."
+                   if emulated else ".")]
     for d in cap["devices"]:
         smem = f", {d['smem_per_block_optin'] // 1024} KB smem/block" if d["smem_per_block_optin"] else ""
         sms = f", {d['sm_count']} SMs" if d["sm_count"] else ""

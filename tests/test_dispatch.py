@@ -360,6 +360,7 @@ def test_device_smem_table_and_own_property(monkeypatch):
 
 
 # ---- softmax_scale <= 0: the kernels decline it (their running max is over raw scores, masks are -inf) -------
+@pytest.mark.needs_ext
 def test_kernels_decline_a_nonpositive_scale():
     for backend in ("sm80", "sm90", "sm80-emulated"):
         reason = dispatch.why_not(backend, dataclasses.replace(CUDA_PROBLEM, positive_scale=False,

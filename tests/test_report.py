@@ -7,6 +7,7 @@ independently of sinkattn/registry.py and sinkattn/dispatch.py.
 """
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import itertools
@@ -122,8 +123,16 @@ def fake_registry(archs: list[str], sm90: bool = False) -> tuple[dict, ...]:
 def fake_build(monkeypatch):
     def install(registry):
         monkeypatch.setattr(_ext, "registry", lambda: registry)
-        if not _ext.loaded():  # the paths below need a "loaded" extension to reach the registry logic
+        if not _ext.loaded():
+            # The paths below need a "loaded" extension to reach the registry logic. On a build without one (the
+            # pure-Python build) the rest of the binary's surface is faked too: a build consistent with this torch
+            # (no version mismatch to report) and no CUDA runtime.
             monkeypatch.setattr(_ext, "loaded", lambda: True)
+            archs = sorted({a.split("_")[1] for k in registry for a in k["archs"].split(",") if "_" in a})
+            monkeypatch.setattr(_ext, "build_info", lambda: {
+                "nvcc_version": f"{torch.version.cuda or '13.0'}.0", "cutlass_version": "0.0.0",
+                "torch_version_at_build": torch.__version__, "requested_archs": ";".join(archs)})
+            monkeypatch.setattr(capability, "_runtime", lambda: {"cuda_runtime": None, "cuda_driver": None})
     return install
 
 
@@ -198,6 +207,8 @@ def test_report_json_subprocess():
 
 
 def test_console_script_installed():
+    if not list(importlib.metadata.distributions(name="sinkattn")):
+        pytest.skip("sinkattn is not pip-installed here (the suite runs on a source tree): no console script to check")
     eps = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "sinkattn-report"]
     assert eps and eps[0].value == "sinkattn.report:main", eps
     exe = shutil.which("sinkattn-report") or str(pathlib.Path(sys.executable).parent / "sinkattn-report")
@@ -543,3 +554,110 @@ def test_this_build_reports_its_wider_build():
     cap = sinkattn.capabilities(devices=[])
     have = set(cap["build"]["requested_archs"].split(";"))
     assert set(cap["wider_build"]) == set(capability.ARCH_ADDS) - have
+
+
+# ---- the emulated kernels are named only where the build holds them --------------------------------------------
+def test_report_names_sm80_emulated_only_in_builds_that_hold_it():
+    cap = sinkattn.capabilities(devices=[])
+    emulated = any(k["family"] == "sm80-emulated" for k in _ext.registry())
+    assert ("sm80-emulated" in render(cap)) == emulated, (emulated, render(cap))
+    kernel = dict(name="fwd_emu_hdim64_bf16", family="sm80-emulated", op="fwd", headdim=64, dtype="bf16",
+                  features="sinks", archs="host")
+    merge = dict(name="merge_bf16", family="common", op="merge", headdim=0, dtype="bf16", features="sinks",
+                 archs="sm_80,compute_80")
+    assert "backend='sm80-emulated'" in render(dict(cap, kernels=[merge, kernel]))
+    text = render(dict(cap, kernels=[merge]))
+    assert "sm80-emulated" not in text and "GPUs: none visible. CPU tensors are served by the reference backend." in text
+
+
+# ---- a source tree that shadows an installed build -------------------------------------------------------------
+def _package_copy(dest: pathlib.Path, with_ext: bool) -> pathlib.Path:
+    """A copy of the sinkattn package at dest/sinkattn; with_ext adds a file named as this Python's compiled
+    sinkattn._C (never imported by these tests: the copy with it is the one hidden)."""
+    shutil.copytree(ROOT / "sinkattn", dest / "sinkattn", ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+    if with_ext:
+        (dest / "sinkattn" / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b"")
+    return dest / "sinkattn"
+
+
+def _clone(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A clone after a non-editable `pip install .`: setup.py and csrc/ beside a sinkattn/ without _C."""
+    clone = tmp_path / "clone"
+    (clone / "csrc").mkdir(parents=True)
+    (clone / "setup.py").write_text("# the clone's setup.py\n")
+    _package_copy(clone, with_ext=False)
+    return clone
+
+
+SHADOW_SCRIPT = r"""
+import json, sinkattn
+from sinkattn import _ext
+from sinkattn.report import render
+try:
+    _ext.require()
+    raise SystemExit("require() did not raise")
+except sinkattn.SinkattnRuntimeError as e:
+    require_msg = str(e)
+cap = sinkattn.capabilities(devices=[])
+print(json.dumps({"file": sinkattn.__file__, "require": require_msg, "cap": cap, "text": render(cap)}))
+"""
+
+
+def _run_in(cwd: pathlib.Path, pythonpath: list[pathlib.Path]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(map(str, pythonpath))
+    r = subprocess.run([sys.executable, "-c", SHADOW_SCRIPT], capture_output=True, text=True, timeout=180, cwd=cwd,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_report_detects_a_source_tree_shadowing_the_installed_build(tmp_path):
+    clone = _clone(tmp_path)
+    installed = _package_copy(tmp_path / "site-packages", with_ext=True).resolve()
+    res = _run_in(clone, [installed.parent])  # python run in the clone: its sinkattn/ comes first on sys.path
+    assert pathlib.Path(res["file"]).resolve() == (clone / "sinkattn" / "__init__.py").resolve()
+    cap, text = res["cap"], res["text"]
+    err = cap["extension"]["error"]
+    assert cap["extension"]["loaded"] is False and "pure-Python build" not in err and "pure-Python build" not in text
+    assert "source tree" in err and str(installed) in err and "shadows" in err
+    assert cap["package"]["source_tree"] is True
+    assert {"path": str(installed), "has_extension": True} in cap["package"]["shadows"]
+    [m] = cap["mismatches"]
+    assert str(installed) in m["problem"] and "reference backend" in m["problem"]
+    assert "cd elsewhere" in m["fix"] and "pip install --no-build-isolation -e ." in m["fix"]
+    assert m["problem"] in text and m["fix"] in text
+    # a kernel request says the same, not "build it"
+    assert err in res["require"] and "Build it with" not in res["require"]
+
+
+def test_report_without_an_installed_build_is_a_pure_python_build(tmp_path):
+    clone = _clone(tmp_path)
+    other = _package_copy(tmp_path / "elsewhere", with_ext=False).resolve()  # another copy, no extension either
+    res = _run_in(clone, [other.parent])
+    cap = res["cap"]
+    assert "pure-Python build" in cap["extension"]["error"] and "shadows" not in cap["extension"]["error"]
+    assert {"path": str(other), "has_extension": False} in cap["package"]["shadows"]
+    assert "Build it with" in res["require"]
+    assert not [m for m in cap["mismatches"] if "hides" in m["problem"]]
+
+
+def test_shadowed_finds_editable_and_installed_distributions(tmp_path):
+    clone = _clone(tmp_path)
+    # an editable install of another clone: its dist-info points at that clone through direct_url.json
+    other_clone = tmp_path / "other-clone"
+    other = _package_copy(other_clone, with_ext=True).resolve()
+    site = tmp_path / "site"
+    info = site / "sinkattn-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sinkattn\nVersion: 0.1.0\n")
+    (info / "direct_url.json").write_text(json.dumps({"url": other_clone.resolve().as_uri(),
+                                                      "dir_info": {"editable": True}}))
+    found = _ext.shadowed(str(clone / "sinkattn"), search_path=[str(clone), str(site)])
+    assert found == [{"path": str(other), "has_extension": True}]
+    note = _ext.shadowing(str(clone / "sinkattn"), found)
+    assert note["installed"] == str(other) and note["source_tree"] and "-e ." in note["fix"]
+    # the imported package itself is never reported, and a folder without a package is not one
+    assert _ext.shadowed(str(clone / "sinkattn"), search_path=[str(clone), str(tmp_path)]) == []
+    assert _ext.shadowing(str(clone / "sinkattn"), []) is None

@@ -113,6 +113,7 @@ def test_setter_rejects_bad_values_and_keeps_the_cap(bad, err):
 
 
 # ---- what it changes -----------------------------------------------------------------------------------------
+@pytest.mark.needs_ext
 def test_the_cap_picks_other_tiles():
     """The C++ tile choosers: at 99 KB the tables give the sm86/sm89 tiles the runs below take."""
     C = _ext.require()
