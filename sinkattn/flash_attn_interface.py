@@ -132,12 +132,9 @@ def _window(fn: str, window_size, causal, seqlen_k: int | None):
 
 
 def _pad8(*ts):
-    """Zero-pad the last dim to a multiple of 8 (flash-attn's rule); None passes through."""
-    d = next(t for t in ts if t is not None).shape[-1]
-    extra = (-d) % 8
-    if extra == 0:
-        return ts
-    return tuple(None if t is None else F.pad(t, (0, extra)) for t in ts)
+    """Zero-pad each tensor's last dim to a multiple of 8 (flash-attn's rule); anything else passes through."""
+    return tuple(F.pad(t, (0, -t.shape[-1] % 8)) if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] % 8
+                 else t for t in ts)
 
 
 def _scale(softmax_scale, headdim: int):
