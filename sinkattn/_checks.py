@@ -241,7 +241,9 @@ def _check_float(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SinkattnTypeError(f"sinkattn: {name} must be a float; got {type(value).__name__} {value!r}")
     value = float(value)
-    if not math.isfinite(value):
+    # A comparison, not math.isfinite: under torch.compile(dynamic=True) a float can be a SymFloat, which
+    # math.isfinite does not take; NaN fails both comparisons, +-inf one of them.
+    if not -math.inf < value < math.inf:
         raise SinkattnValueError(f"sinkattn: {name} is {value}; accepted: a finite float")
     return value
 
@@ -341,8 +343,8 @@ def check_writable_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 def check_kvcache_values(cache_seqlens, seqlen_new: int, seqlen_q: int, capacity: int, block_table,
                          page_size: int, num_pages: int, rotary_positions: int | None) -> None:
-    """Value checks, before anything is written to the cache."""
-    lens = cache_seqlens.tolist()
+    """Value checks, before anything is written to the cache (cache_seqlens: the tensor, or its values as a list)."""
+    lens = cache_seqlens if isinstance(cache_seqlens, list) else cache_seqlens.tolist()
     for b, n in enumerate(lens):
         if n < 0:
             raise SinkattnValueError(f"sinkattn: cache_seqlens[{b}] is {n}; accepted: >= 0")
@@ -367,6 +369,21 @@ def check_kvcache_values(cache_seqlens, seqlen_new: int, seqlen_q: int, capacity
                 f"sinkattn: rotary_cos/rotary_sin have {rotary_positions} positions but position {needed - 1} "
                 f"is needed (cache_seqlens up to {max(lens)} plus {max(seqlen_q, seqlen_new)} new tokens); "
                 f"accepted: tables with at least {needed} rows")
+
+
+def check_no_grad_needed(op: str, tensors: dict) -> None:
+    """An op without a backward refuses, at call time, inputs autograd would have to differentiate (rather than
+    return an output whose .backward() fails later inside torch)."""
+    if not torch.is_grad_enabled():
+        return
+    names = [name for name, t in tensors.items() if t is not None and t.requires_grad]
+    if names:
+        raise SinkattnRuntimeError(
+            f"sinkattn: {op} has no backward (it is for inference: it appends to the cache in place), but "
+            f"{', '.join(names)} require{'s' if len(names) == 1 else ''} grad and grad mode is on. For inference, "
+            f"call it under torch.no_grad() or torch.inference_mode() (or pass .detach()ed tensors); to train, gather "
+            f"the cached keys and values and call flash_attn_with_sinks (or flash_attn_varlen_with_sinks for "
+            f"packed sequences), which have a backward")
 
 
 def forced_backend_error(backend: str, reason: str, would: str) -> SinkattnRuntimeError:

@@ -274,14 +274,23 @@ def choose_backward(problem: Problem, requested: str) -> str:
 
 
 # ---- the op bodies -------------------------------------------------------------------------------------------
+def _reference_anyway(q, backend: str) -> bool:
+    """What `choose` answers without looking at the problem: backend="reference", or "auto" on tensors that are
+    not CUDA tensors. The op bodies skip building the Problem then (a few microseconds of a CPU decode step)."""
+    return backend == "reference" or (backend == "auto" and q.device.type != "cuda")
+
+
 def run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             window_left, window_right, sink_tokens, softcap, deterministic, backend):
     """Body of the sinkattn::fwd op (plain and varlen) -> (out, lse)."""
     varlen = cu_seqlens_q is not None
-    problem = make_problem("fwd", q, k, sinks, window_left=window_left, window_right=window_right,
-                           sink_tokens=sink_tokens, softcap=softcap, varlen=varlen,
-                           deterministic=deterministic, softmax_scale=softmax_scale)
-    chosen = choose(problem, backend)
+    if _reference_anyway(q, backend):
+        chosen = "reference"
+    else:
+        problem = make_problem("fwd", q, k, sinks, window_left=window_left, window_right=window_right,
+                               sink_tokens=sink_tokens, softcap=softcap, varlen=varlen,
+                               deterministic=deterministic, softmax_scale=softmax_scale)
+        chosen = choose(problem, backend)
     if varlen and _checks.value_checks_on(cu_seqlens_q):
         _checks.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                         max_seqlen_k)
@@ -318,10 +327,13 @@ def _clear_tail_rows(out, lse, cu_seqlens_q) -> None:
 def run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, window_left, window_right, sink_tokens, softcap, deterministic, backend):
     """Body of the sinkattn::bwd op -> (dq, dk, dv, dsinks); dsinks is zeros without sinks."""
-    problem = make_problem("bwd", q, k, sinks, window_left=window_left, window_right=window_right,
-                           sink_tokens=sink_tokens, softcap=softcap, varlen=cu_seqlens_q is not None,
-                           deterministic=deterministic, softmax_scale=softmax_scale)
-    chosen = choose_backward(problem, backend)
+    if _reference_anyway(q, backend):
+        chosen = "reference"
+    else:
+        problem = make_problem("bwd", q, k, sinks, window_left=window_left, window_right=window_right,
+                               sink_tokens=sink_tokens, softcap=softcap, varlen=cu_seqlens_q is not None,
+                               deterministic=deterministic, softmax_scale=softmax_scale)
+        chosen = choose_backward(problem, backend)
     sink_dtype = sinks.dtype if sinks is not None else acc_dtype(q.dtype)
     if chosen == "reference":
         dq, dk, dv, dsinks = reference.attention_bwd(
@@ -346,16 +358,21 @@ def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, ro
                 backend):
     """Body of the sinkattn::kvcache_fwd op -> (out, lse): rotary and the append (kvcache.prepare), then
     attention over the cache on the chosen backend."""
-    problem = make_problem("kvcache", q, k_cache, sinks, window_left=window_left, window_right=window_right,
-                           sink_tokens=sink_tokens, softcap=softcap, paged=block_table is not None,
-                           softmax_scale=softmax_scale)
-    chosen = choose(problem, backend)
+    if _reference_anyway(q, backend):
+        chosen = "reference"
+    else:
+        problem = make_problem("kvcache", q, k_cache, sinks, window_left=window_left, window_right=window_right,
+                               sink_tokens=sink_tokens, softcap=softcap, paged=block_table is not None,
+                               softmax_scale=softmax_scale)
+        chosen = choose(problem, backend)
     q, seqlens_k = kvcache.prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                                    rotary_interleaved)
     if chosen == "reference":
         return reference.attention_kvcache(
             q, k_cache, v_cache, sinks, seqlens_k, block_table,
             reference.Mask(softmax_scale, window_left, window_right, sink_tokens, softcap))
+    if isinstance(seqlens_k, list):  # CPU tensors (sm80-emulated): prepare read the lengths on the host
+        seqlens_k = torch.tensor(seqlens_k, dtype=torch.int32, device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(q, False), dtype=torch.float32, device=q.device)
     kernels.launch_kvcache(chosen, q.contiguous(), k_cache, v_cache, sinks, out, lse, cache_seqlens=seqlens_k,

@@ -63,8 +63,7 @@ def flash_attn_with_sinks(q, k, v, sinks=None, *, softmax_scale=None, causal=Fal
                                                     deterministic=deterministic)
     _checks.check_batched(q, k, v)
     _checks.check_sinks(sinks, q)
-    out, lse = torch.ops.sinkattn.fwd(q, k, v, sinks, None, None, 0, 0, scale, left, right, n, cap,
-                                      bool(deterministic), backend)
+    out, lse = ops.call_fwd(q, k, v, sinks, None, None, 0, 0, scale, left, right, n, cap, deterministic, backend)
     return (out, lse) if return_lse else out
 
 
@@ -84,8 +83,8 @@ def flash_attn_varlen_with_sinks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
                                                     deterministic=deterministic)
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _checks.check_sinks(sinks, q)
-    out, lse = torch.ops.sinkattn.fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      scale, left, right, n, cap, bool(deterministic), backend)
+    out, lse = ops.call_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left,
+                            right, n, cap, deterministic, backend)
     return (out, lse) if return_lse else out
 
 
@@ -93,7 +92,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
                             block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                             softmax_scale=None, causal=False, window_size=(-1, -1), sink_tokens=0, softcap=0.0,
                             return_lse=False, num_splits=0, backend="auto", s_aux=None):
-    """Decode / chunked prefill over a KV cache, appending the new k/v in place (no autograd).
+    """Decode / chunked prefill over a KV cache, appending the new k/v in place. Inference only: it has no
+    backward, and an input that requires grad while grad mode is on raises SinkattnRuntimeError (wrap the call in
+    torch.no_grad() / torch.inference_mode(); to train, gather the keys and call flash_attn_with_sinks or
+    flash_attn_varlen_with_sinks, which are differentiable).
 
     q: (batch, seqlen_q, nheads, headdim).
     k_cache, v_cache: contiguous (batch, capacity, nheads_k, headdim), or paged
@@ -118,9 +120,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
     _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, num_splits)
     _checks.check_sinks(sinks, q)
     _checks.check_bool("rotary_interleaved", rotary_interleaved)
-    out, lse = torch.ops.sinkattn.kvcache_fwd(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table,
-                                              rotary_cos, rotary_sin, rotary_interleaved, scale, left, right, n,
-                                              cap, num_splits, backend)
+    _checks.check_no_grad_needed("flash_attn_with_kvcache", {"q": q, "k_cache": k_cache, "v_cache": v_cache,
+                                                             "sinks": sinks, "k": k, "v": v, "rotary_cos": rotary_cos,
+                                                             "rotary_sin": rotary_sin})
+    out, lse = ops.call_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                                rotary_interleaved, scale, left, right, n, cap, num_splits, backend)
     return (out, lse) if return_lse else out
 
 

@@ -35,22 +35,43 @@ def append(k_cache, v_cache, k, v, start, block_table) -> None:
         v_cache[page, pos % page_size] = v
 
 
+def append_host(k_cache, v_cache, k, v, lens) -> None:
+    """append() with the start positions known on the host (lens, a list): one slice copy per sequence
+    (contiguous cache) instead of an index_put and its index tensors."""
+    s = k.shape[1]
+    for b, n in enumerate(lens):
+        k_cache[b, n:n + s] = k[b]
+        v_cache[b, n:n + s] = v[b]
+
+
 def prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved):
-    """Validate the index values, rotate q and the new k, append k/v -> (q rotated, keys per sequence (int32))."""
+    """Validate the index values, rotate q and the new k, append k/v -> (q rotated, keys per sequence).
+
+    The keys per sequence are an int32 tensor, or for CPU tensors a list of ints: reading cache_seqlens costs no
+    device synchronisation there, so it is read once and the lengths serve the value checks, the append and the
+    reference backend (which reads them on the host anyway)."""
     seqlen_new = 0 if k is None else k.shape[1]
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
+    host = cache_seqlens.device.type == "cpu"
+    lens = cache_seqlens.tolist() if host else cache_seqlens
     # Validate before writing anything (reading cache_seqlens synchronises: see _checks.value_checks_on).
     if _checks.value_checks_on(cache_seqlens):
-        _checks.check_kvcache_values(cache_seqlens, seqlen_new, q.shape[1], capacity, block_table, page_size,
+        _checks.check_kvcache_values(lens, seqlen_new, q.shape[1], capacity, block_table, page_size,
                                      k_cache.shape[0], None if rotary_cos is None else rotary_cos.shape[0])
-    start = cache_seqlens.long()
+    start = None
     if rotary_cos is not None:
+        start = cache_seqlens.long()
         q = apply_rotary(q, rotary_cos, rotary_sin, start[:, None] + torch.arange(q.shape[1], device=q.device),
                          rotary_interleaved)
         if k is not None:
             k = apply_rotary(k, rotary_cos, rotary_sin, start[:, None] + torch.arange(seqlen_new, device=k.device),
                              rotary_interleaved)
     if k is not None:
-        append(k_cache, v_cache, k, v, start, block_table)
+        if host and block_table is None:
+            append_host(k_cache, v_cache, k, v, lens)
+        else:
+            append(k_cache, v_cache, k, v, cache_seqlens.long() if start is None else start, block_table)
+    if host:
+        return q, [n + seqlen_new for n in lens]
     return q, (cache_seqlens + seqlen_new).to(torch.int32)

@@ -9,6 +9,12 @@ fake implementation (shapes and dtypes only), so torch.compile(fullgraph=True) t
 autograd is registered on the op, so compiled graphs get the same backward. The real implementations are
 dispatch.run_fwd / run_bwd / run_kvcache, which choose the backend at run time, never while tracing.
 Inputs arrive validated by sinkattn.interface; the ops trust their metadata.
+
+`call_fwd` / `call_kvcache` are how the interface calls the ops: through torch.ops where the op layer has
+something to do (autograd, torch.compile's tracing, fake tensors, a torch function / dispatch mode, a functorch
+transform), else straight into the op's body (`direct`): eager inference on plain tensors, where the op wrapper
+only costs time (tens of microseconds a call on a CPU, more than a decode step's attention; bench/cpu_overhead.py).
+The body is the same function either way, so the results are the same.
 """
 # No `from __future__ import annotations`: custom_op reads the annotations to build the schema.
 from typing import Optional
@@ -91,3 +97,44 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, sinks: Optional[Ten
 def _(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
       softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits, backend):
     return q.new_empty(q.shape), q.new_empty(lse_shape(q, False), dtype=acc_dtype(q.dtype))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def direct(*tensors) -> bool:
+    """Whether a call on `tensors` (None entries ignored) may run the op's body without torch.ops: eager (not
+    traced by torch.compile), no torch function or dispatch mode (fake tensors, make_fx, FlopCounterMode, a
+    `with torch.device(...)` block) and no functorch transform (vmap, grad) active, plain tensors (nn.Parameter
+    included), and no autograd to record (grad mode off, or no input requiring grad)."""
+    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled() \
+            or torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def call_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+             window_right, sink_tokens, softcap, deterministic, backend):
+    """sinkattn::fwd, or its body where `direct` allows -> (out, lse)."""
+    if direct(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k):
+        return dispatch.run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                window_left, window_right, sink_tokens, softcap, deterministic, backend)
+    return torch.ops.sinkattn.fwd.default(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          softmax_scale, window_left, window_right, sink_tokens, softcap,
+                                          deterministic, backend)
+
+
+def call_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                 rotary_interleaved, softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits,
+                 backend):
+    """sinkattn::kvcache_fwd, or its body where `direct` allows -> (out, lse). (The op has no autograd: the
+    interface refuses inputs that need it before calling.)"""
+    args = (q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
+            softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits, backend)
+    if direct(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin):
+        return dispatch.run_kvcache(*args)
+    return torch.ops.sinkattn.kvcache_fwd.default(*args)

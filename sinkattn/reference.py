@@ -293,9 +293,12 @@ def _forward_direct(q, k, v, sink, m: Mask):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
-    if q.device.type == "cpu" and q.dtype == torch.float32 and m.softcap == 0 and \
-            _fully_visible(0, sq, 0, sk, sk - sq, m):
-        return _direct_flash_cpu(q, k, v, sink, m.scale)
+    if _fused_applies(q, m):
+        fused = _fused_forward(q, lambda ranges: (_take(k, ranges, 1), _take(v, ranges, 1)), sk, hk, sink, m)
+        if fused is not None:
+            return fused
+    if sk > KEY_TILE * 16 or b * h * sq * sk > SCORE_BUDGET:
+        return None  # the scores of one pass would not fit the memory bound: the tiled path
     acc_t = acc_dtype(q.dtype)
     qs = q.to(acc_t).view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b * hk, g * sq, d)
     kt = k.to(acc_t).permute(0, 2, 3, 1).reshape(b * hk, d, sk)
@@ -320,13 +323,94 @@ def _forward_direct(q, k, v, sink, m: Mask):
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
-def _flash_cpu_heads(qs, k, v, sink, scale, sq, need_lse=True):
+def _fused_applies(q, m: Mask) -> bool:
+    """Whether PyTorch's fused CPU attention can serve this call (fp32 CPU tensors, no softcap)."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and m.softcap == 0
+
+
+def _fused_plan(sq: int, sk: int, g: int, m: Mask):
+    """How the fused CPU kernel serves sq query rows (bottom-right aligned) over sk keys, g query heads per KV
+    head: (ranges, mask) with `ranges` the key ranges to gather (key_ranges: the sink tokens and the window, so
+    the keys no row sees are never read) and `mask` None when every row sees every gathered key (always so for
+    one row: decode), else the additive (g * sq, gathered keys) float mask (0 / -inf), cached per shape. None
+    when a row sees no key: the fused kernel would give it lse 0 instead of the contract's out 0, lse = sink."""
+    off = sk - sq
+    if sk <= 0 or sq <= 0 or (m.window_right >= 0 and off + m.window_right < 0):
+        return None  # (row 0 sees the fewest keys: with a right bound, none when off + right < 0)
+    ranges = tuple(key_ranges(0, sq, sk, off, m))
+    if not ranges:
+        return None
+    if all(_fully_visible(0, sq, t0, t1, off, m) for t0, t1 in ranges):
+        return ranges, None
+    key = (sq, sk, g, ranges, m.window_left, m.window_right, m.sink_tokens)
+    mask = _MASKS.get(key)
+    if mask is None:
+        pos = torch.cat([torch.arange(t0, t1) for t0, t1 in ranges])
+        if g * sq * pos.shape[0] > SCORE_BUDGET:
+            return None
+        vis = _visible(0, sq, 0, 0, off, m, "cpu", keys=pos)
+        mask = torch.zeros(vis.shape).masked_fill_(~vis, float("-inf")).repeat(g, 1)
+        if len(_MASKS) >= _MASKS_MAX:
+            _MASKS.clear()
+        _MASKS[key] = mask
+    return ranges, mask
+
+
+# (sq, sk, g, ranges, window_left, window_right, sink_tokens) -> the additive mask of _fused_plan. The masks of a
+# model's few shapes are built once; the cache is cleared when it holds _MASKS_MAX of them (at most 16 MiB each).
+_MASKS: dict = {}
+_MASKS_MAX = 32
+
+
+def _take(x, ranges, dim: int):
+    """The key ranges of x along `dim`, as a view for one range, else their concatenation."""
+    if len(ranges) == 1:
+        t0, t1 = ranges[0]
+        return x if t0 == 0 and t1 == x.shape[dim] else x.narrow(dim, t0, t1 - t0)
+    return torch.cat([x.narrow(dim, t0, t1 - t0) for t0, t1 in ranges], dim)
+
+
+def _fused_forward(q, fetch, sk: int, hk: int, sink, m: Mask):
+    """q (b, sq, h, d) over sk keys (hk heads) that fetch(ranges) -> (k, v) (b, keys, hk, d) gathers, on the
+    fused CPU kernel (see _fused_plan) -> (out (b, sq, h, d), lse (b, h, sq)), contiguous like the op's fake
+    outputs, or None where it does not apply (the caller takes another path). A mask hides keys by -inf scores,
+    and the kernel's p @ v would turn 0 * inf into NaN for a masked non-finite V: then None too (the tiled path
+    keeps such keys out exactly, see _pv)."""
+    b, sq, h, d = q.shape
+    g = h // hk
+    plan = _fused_plan(sq, sk, g, m)
+    if plan is None:
+        return None
+    ranges, mask = plan
+    k, v = fetch(ranges)
+    if mask is not None and not bool(torch.isfinite(v).all()):
+        return None
+    # (b, sq, h, d) <-> (b, hk, g * sq, d) in as few ops as the case allows (at decode size each op is a good part
+    # of the call): a view at one query row, a transpose without GQA.
+    if sq == 1:
+        qs = q.view(b, hk, g, d)
+    elif g == 1:
+        qs = q.transpose(1, 2)
+    else:
+        qs = q.view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * sq, d)
+    out, lse = _flash_cpu_heads(qs, k.transpose(1, 2), v.transpose(1, 2), sink, m.scale, sq, mask=mask)
+    # (the kernel writes out and lse in (b, rows, hk) memory order, transposed: lse needs a copy to be contiguous)
+    if sq == 1:
+        return out.view(b, 1, h, d), lse
+    if g == 1:
+        return out.transpose(1, 2).contiguous(), lse.contiguous()
+    return out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous(), lse.contiguous()
+
+
+def _flash_cpu_heads(qs, k, v, sink, scale, sq, need_lse=True, mask=None):
     """qs (b, hk, g * sq, d): each KV head's query heads and rows as one block over its keys k, v (b, hk, sk, d),
-    every query seeing every key. PyTorch's fused CPU attention (the kernel SDPA runs) gives out and lse (natural
-    log); the sink joins afterwards: lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'). -> (out like qs,
-    lse (b, h, sq), or None when not needed and there is no sink)."""
+    every query seeing every key (or those `mask`, additive (g * sq, sk), lets it see). PyTorch's fused CPU
+    attention (the kernel SDPA runs) gives out and lse (natural log); the sink joins afterwards:
+    lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'). -> (out like qs, lse (b, h, sq), or None when not
+    needed and there is no sink)."""
     b, hk, rows, _ = qs.shape
-    out, lse = _FLASH_CPU(qs, k, v, scale=scale)
+    out, lse = _FLASH_CPU(qs, k, v, scale=scale) if mask is None else _FLASH_CPU(qs, k, v, attn_mask=mask,
+                                                                                 scale=scale)
     if sink is None and not need_lse:
         return out, None
     h = hk * (rows // sq)
@@ -334,20 +418,9 @@ def _flash_cpu_heads(qs, k, v, sink, scale, sq, need_lse=True):
     if sink is not None:
         total = torch.logaddexp(lse, sink.view(1, h, 1))
         # a +inf sink takes all the weight: exp(lse - inf) = 0
-        out = out * torch.exp(lse - total).view(b, hk, rows, 1)
+        out = out * (lse - total).exp_().view(b, hk, rows, 1)
         lse = total
     return out, lse
-
-
-def _direct_flash_cpu(q, k, v, sink, scale):
-    """_flash_cpu_heads on (b, s, h, d) tensors -> (out (b, sq, h, d), lse (b, h, sq)), contiguous like the op's
-    fake (meta) outputs (free at one query: size-1 dims do not count)."""
-    b, sq, h, d = q.shape
-    hk = k.shape[2]
-    g = h // hk
-    qs = q.view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * sq, d)
-    out, lse = _flash_cpu_heads(qs, k.transpose(1, 2), v.transpose(1, 2), sink, scale, sq)
-    return out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous(), lse.contiguous()
 
 
 def decode_bhsd(q, k, v, sinks, mask: Mask):
@@ -371,8 +444,7 @@ def decode_bhsd(q, k, v, sinks, mask: Mask):
 def attention_fwd(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
     """Batched (q (b, sq, h, d)) or varlen (q (total_q, h, d) + cu_seqlens) forward -> (out, lse)."""
     acc_t = acc_dtype(q.dtype)
-    if cu_seqlens_q is None and 0 < q.shape[1] <= DIRECT_MAX_ROWS and 0 < k.shape[1] <= KEY_TILE * 16 \
-            and q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] <= SCORE_BUDGET:
+    if cu_seqlens_q is None and 0 < q.shape[1] <= DIRECT_MAX_ROWS and k.shape[1] > 0:
         direct = _forward_direct(q, k, v, None if sinks is None else sinks.to(acc_t), mask)
         if direct is not None:
             return direct
@@ -431,18 +503,52 @@ def _paged_fetch(k_cache, v_cache, pages, page_size: int):
     return fetch
 
 
+def _paged_take(cache, pages, page_size: int, ranges):
+    """The key ranges of one sequence of a paged cache (pages: its block_table row) -> (1, keys, hk, d): the pages
+    each range touches, gathered (index_select) and cut to the range."""
+    parts = []
+    for t0, t1 in ranges:
+        p0, p1 = t0 // page_size, (t1 - 1) // page_size + 1
+        block = cache.index_select(0, pages[p0:p1]).flatten(0, 1)
+        parts.append(block.narrow(0, t0 - p0 * page_size, t1 - t0))
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).unsqueeze(0)
+
+
 def attention_kvcache(q, k_cache, v_cache, sinks, seqlens_k, block_table, mask: Mask):
     """q (b, sq, h, d) over a contiguous (b, capacity, hk, d) or paged (pages, page_size, hk, d) cache holding
-    seqlens_k[b] keys per sequence (int32 (b,); read on the host) -> (out, lse (b, h, sq))."""
+    seqlens_k[b] keys per sequence (int32 (b,) read on the host, or those lengths as a list) -> (out, lse (b, h,
+    sq)). Decode-sized fp32 calls on the CPU run the fused CPU kernel over the keys each sequence sees (the whole
+    batch at once when a contiguous cache holds the same length for every sequence); the rest, the tiled path."""
     b, sq, h, _ = q.shape
+    hk = k_cache.shape[2]
     acc_t = acc_dtype(q.dtype)
+    lens = seqlens_k if isinstance(seqlens_k, list) else seqlens_k.tolist()
+    fused = _fused_applies(q, mask) and 0 < sq <= DIRECT_MAX_ROWS
+    sink_f = None if sinks is None else sinks.to(acc_t)
+    if fused and block_table is None and b > 0 and lens.count(lens[0]) == b:
+        res = _fused_forward(q, lambda r: (_take(k_cache, r, 1), _take(v_cache, r, 1)), lens[0], hk, sink_f, mask)
+        if res is not None:
+            return res
     sink = _sink_vector(sinks, h, acc_t, q.device)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=acc_t, device=q.device)
-    for bi, n in enumerate(seqlens_k.tolist()):
+    for bi, n in enumerate(lens):
+        if fused:
+            if block_table is None:
+                kc, vc = k_cache[bi:bi + 1], v_cache[bi:bi + 1]
+                fetch = lambda r, kc=kc, vc=vc: (_take(kc, r, 1), _take(vc, r, 1))  # noqa: E731
+            else:
+                pages = block_table[bi]
+                fetch = lambda r, p=pages: (_paged_take(k_cache, p, k_cache.shape[1], r),  # noqa: E731
+                                            _paged_take(v_cache, p, k_cache.shape[1], r))
+            res = _fused_forward(q[bi:bi + 1], fetch, n, hk, sink_f, mask)
+            if res is not None:
+                out[bi].copy_(res[0][0])
+                lse[bi].copy_(res[1][0])
+                continue
         if block_table is None:
             fetch = _slicer(k_cache[bi], v_cache[bi])
         else:
             fetch = _paged_fetch(k_cache, v_cache, block_table[bi].long(), k_cache.shape[1])
-        _forward_seq(q[bi], fetch, n, k_cache.shape[2], sink, out[bi], lse[bi], mask)
+        _forward_seq(q[bi], fetch, n, hk, sink, out[bi], lse[bi], mask)
     return out, lse
