@@ -10,7 +10,7 @@ saves little. So:
   this machine. Cost at run time: none here; the build does not hold other archs' SASS (the report says what a
   wider build adds).
 - No GPU is visible: the first-look grid, every kernel family for every default arch at head dim 64 and bf16
-  (gpt-oss's attention shape): 8 units. Cost at run time: calls at other head dims or fp16 run on the PyTorch
+  (gpt-oss's attention shape): 9 units. Cost at run time: calls at other head dims or fp16 run on the PyTorch
   reference backend with a one-time warning naming the rebuild, and the report lists what is compiled.
   `make install` (or `pip install --no-build-isolation .`) builds the full default grid.
 
