@@ -131,10 +131,17 @@ def _window(fn: str, window_size, causal, seqlen_k: int | None):
     return (left, right)
 
 
-def _pad8(*ts):
-    """Zero-pad each tensor's last dim to a multiple of 8 (flash-attn's rule); anything else passes through."""
-    return tuple(F.pad(t, (0, -t.shape[-1] % 8)) if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] % 8
-                 else t for t in ts)
+def _pad8(fn, q, k, v):
+    """Zero-pad the head dim to a multiple of 8 (flash-attn's rule), after checking that q, k and v share it
+    (so an error names the caller's head dims, not the padded ones)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() for t in (q, k, v)):
+        return q, k, v  # sinkattn's own checks name what is wrong
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[-1] != q.shape[-1]:
+            raise SinkattnValueError(f"{_WHO}.{fn}: {name} has head dim {t.shape[-1]} but q has {q.shape[-1]}; "
+                                     f"they must match")
+    extra = -q.shape[-1] % 8
+    return (q, k, v) if extra == 0 else tuple(F.pad(t, (0, extra)) for t in (q, k, v))
 
 
 def _scale(softmax_scale, headdim: int):
@@ -162,7 +169,7 @@ def _batched(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
         interface.flash_attn_with_sinks(q, k, v)  # sinkattn's own message for a wrong q
     d = q.shape[-1]
     window = _window(fn, window_size, causal, k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else None)
-    qp, kp, vp = _pad8(q, k, v)
+    qp, kp, vp = _pad8(fn, q, k, v)
     out, lse = interface.flash_attn_with_sinks(
         qp, kp, vp, sinks, softmax_scale=_scale(softmax_scale, d), causal=causal, window_size=window,
         sink_tokens=sink_tokens, softcap=softcap, return_lse=True, deterministic=deterministic, backend=backend)
@@ -178,7 +185,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         interface.flash_attn_varlen_with_sinks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     d = q.shape[-1]
     window = _window(fn, window_size, causal, max_seqlen_k if isinstance(max_seqlen_k, int) else None)
-    qp, kp, vp = _pad8(q, k, v)
+    qp, kp, vp = _pad8(fn, q, k, v)
     out, lse = interface.flash_attn_varlen_with_sinks(
         qp, kp, vp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
         softmax_scale=_scale(softmax_scale, d), causal=causal, window_size=window, sink_tokens=sink_tokens,

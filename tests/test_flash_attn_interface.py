@@ -193,6 +193,15 @@ def test_empty_rows_and_headdim_padding(rng_seed):
         assert torch.equal(lse[:, :, : sq - sk], want)
 
 
+def test_headdim_mismatch_names_the_callers_dims():
+    """Checked before the padding to a multiple of 8, so the message has the caller's numbers."""
+    q = torch.randn(1, 4, 2, 20)
+    with pytest.raises(SinkattnValueError, match="v has head dim 12 but q has 20"):
+        fai.flash_attn_func(q, q, torch.randn(1, 4, 2, 12))
+    with pytest.raises(SinkattnValueError, match="k has head dim 12 but q has 20"):
+        fai.flash_attn_varlen_func(q[0], torch.randn(4, 2, 12), q[0], cu([4]), cu([4]), 4, 4)
+
+
 # ------------------------------------------------------------------------------------------------ packed forms
 
 @pytest.mark.parametrize("backend,dtype", BACKENDS)
