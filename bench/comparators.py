@@ -374,7 +374,7 @@ def _flex_fn(device: torch.device):
 
 
 def mask_mod_for(case: Case):
-    """DESIGN.md section 1's visibility as a FlexAttention mask_mod (bottom-right alignment)."""
+    """docs/DESIGN.md section 1's visibility as a FlexAttention mask_mod (bottom-right alignment)."""
     off, left, right, n = case.seqlen_k - case.seqlen_q, case.window_left, case.window_right, case.sink_tokens
 
     def mask_mod(b, h, q_idx, kv_idx):

@@ -1,6 +1,6 @@
-"""FLOP and byte counting for the benchmarks (DESIGN.md section 7).
+"""FLOP and byte counting for the benchmarks (docs/DESIGN.md section 7).
 
-Counts are exact, from the visibility rule of DESIGN.md section 1 (bottom-right alignment,
+Counts are exact, from the visibility rule of docs/DESIGN.md section 1 (bottom-right alignment,
 window (left, right) with -1 = unbounded, causal = right 0, sink tokens relaxing only the left edge):
 
     visible(i, j) = (right < 0 or j <= i + off + right)
@@ -130,7 +130,7 @@ def attention_bytes(batch: int, nheads: int, nheads_k: int, headdim: int, seqlen
 
 def decode_bytes(batch: int, nheads: int, nheads_k: int, headdim: int, seqlen_k: int, *, elem_bytes: int,
                  seqlen_q: int = 1, causal: bool = True, window_size=(-1, -1), sink_tokens: int = 0) -> int:
-    """Decode traffic per DESIGN.md section 7: K and V of the visible keys (once per KV head) + q + out."""
+    """Decode traffic per docs/DESIGN.md section 7: K and V of the visible keys (once per KV head) + q + out."""
     left, right = normalize_window(causal, window_size)
     keys = visible_keys(seqlen_q, seqlen_k, left, right, sink_tokens)
     kv = 2 * batch * keys * nheads_k * headdim

@@ -10,7 +10,7 @@ beside them as backends "sm90" / "sm80" (CUDA) or "sm80-emulated" (CPU).
 
     phase 1  every variant and default on small cases at its head dim (CHECKS): fresh random inputs, outputs
              poisoned with NaN, out and lse against the float64 oracle (tests/oracle.py). A variant that fails
-             DESIGN.md's rule on a case is FAIL, with the case and the error, and is not timed. One that passes
+             docs/DESIGN.md's rule on a case is FAIL, with the case and the error, and is not timed. One that passes
              it but not the tighter fp32 baseline (check_case) is SUSPECT: timed and ranked, marked, and never
              named winner (the fp32 bound has been measured on the emulated kernels only, so a too-tight bound
              must not cost a lease its timings; a 1% error must not win a round either).
@@ -422,7 +422,7 @@ def _sinks(kind: str, h: int, device) -> torch.Tensor | None:
 
 
 class Suspect(AssertionError):
-    """Within DESIGN.md's bound, beyond the fp32 baseline's (check_case)."""
+    """Within docs/DESIGN.md's bound, beyond the fp32 baseline's (check_case)."""
 
 
 def check_case(v: Variant, c: Check, device: torch.device) -> None:
@@ -430,7 +430,7 @@ def check_case(v: Variant, c: Check, device: torch.device) -> None:
     the error when out or lse is off.
 
     Two baselines, both with FlashAttention's rule max|got - ref| <= 2 max|baseline - ref| + atol:
-    - DESIGN.md section 6's: the same math in PyTorch at the input dtype (tests/kernel_cases.py's atols);
+    - docs/DESIGN.md section 6's: the same math in PyTorch at the input dtype (tests/kernel_cases.py's atols);
     - the float32 oracle, its out rounded to the input dtype. The kernels compute scores, softmax and lse in
       fp32 and round P and out; the bf16 baseline rounds the scores before exp, which makes its bound loose
       enough (about 5e-2 on these cases, the kernels' own error ~5e-3) to pass an output off by 1% or an lse

@@ -1,4 +1,4 @@
-"""Timing (DESIGN.md section 7; /work/.library/device/METHOD.md).
+"""Timing (the performance protocol of docs/DESIGN.md section 7, as below).
 
 On CUDA: warm-up first (module load, autotuning, torch.compile and handle creation stay out of the
 numbers), then many timed runs, each bracketed by its own pair of CUDA events, with the L2 cache

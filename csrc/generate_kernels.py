@@ -143,7 +143,7 @@ def family_targets(family: str, archs: list[str]) -> list[tuple[str, str]]:
 
 
 def ptx_target(family: str, archs: list[str]) -> str | None:
-    """The PTX a family embeds for GPUs newer than its SASS (the portable path elsewhere, DESIGN.md section 2)."""
+    """The PTX a family embeds for GPUs newer than its SASS (the portable path elsewhere, docs/DESIGN.md section 2)."""
     return "compute_80" if family in ("sm80", "common") and archs else None
 
 
@@ -268,7 +268,7 @@ SINKATTN_REGISTER_KERNEL(merge_{dtype}, "common", "merge", 0, "{dtype}", "sinks"
     return Unit(f"merge_{dtype}", "common", text)
 
 
-# ---- the tuning grid of `make gpu-sweep` (issue 17 item 4, DESIGN.md section 8) --------------------------------
+# ---- the tuning grid of `make gpu-sweep` (issue 17 item 4, docs/DESIGN.md section 8) --------------------------------
 # Kernel variants beside the default tables, each its own unit (they build in parallel), registered by name and
 # run by bench/sweep.py, which checks every one against the oracle and times them all on the target shapes. Off
 # by default: every unit costs every build. A round's winners move into the tables (sm90/fwd_tiles.h,

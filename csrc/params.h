@@ -64,7 +64,7 @@ struct FwdParams : AttnParams {
   float* lse_accum = nullptr;
 };
 
-// Backward (DESIGN.md section 1; sm80 kernels in sm80/bwd_*.h). Three steps:
+// Backward (docs/DESIGN.md section 1; sm80 kernels in sm80/bwd_*.h). Three steps:
 //   preprocess (common/bwd_prepost.h): per row, delta_i = rowsum(dO_i * O_i) - dlse_i, and the row's dsinks
 //     term -exp(sink - lse_i) * delta_i into dsink_rows (same layout as lse);
 //   main kernel, one CTA per (n-block, query head, sequence): dK, dV of the block in registers (written to

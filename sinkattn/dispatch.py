@@ -1,4 +1,4 @@
-"""Backend choice (DESIGN.md section 2) and the call into the chosen backend: the third layer of
+"""Backend choice (docs/DESIGN.md section 2) and the call into the chosen backend: the third layer of
 
     interface (validation) -> ops (torch.library custom ops, fake impls, autograd) -> dispatch (here)
         -> kernels (the _C bridge) | reference (PyTorch)

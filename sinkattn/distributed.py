@@ -168,7 +168,7 @@ def ring_attention(q, k, v, sinks=None, *, group=None, softmax_scale=None, causa
     q (batch, S, nheads, headdim), k, v (batch, S, nheads_k, headdim): this rank's chunk of one
     sequence of length S * world_size split contiguously in rank order (same S on every rank).
     sinks / s_aux (nheads,), the same on every rank, counted once. causal / window_size / sink_tokens
-    / softcap / softmax_scale mean what they mean for the whole sequence (DESIGN.md section 1).
+    / softcap / softmax_scale mean what they mean for the whole sequence (docs/DESIGN.md section 1).
     Returns this rank's out (batch, S, nheads, headdim), and lse (batch, nheads, S) with return_lse.
     Differentiable in q, k, v and sinks; the sinks gradient is this rank's share (sum it over the group).
     """

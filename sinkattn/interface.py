@@ -1,4 +1,4 @@
-"""The public attention functions (DESIGN.md sections 1 and 2).
+"""The public attention functions (docs/DESIGN.md sections 1 and 2).
 
 Each function's docstring ends with the conventions below (appended at import, so help() shows them).
 

@@ -1,4 +1,4 @@
-"""The PyTorch reference backend: DESIGN.md section 1 computed tile by tile.
+"""The PyTorch reference backend: docs/DESIGN.md section 1 computed tile by tile.
 
 It serves every problem on CPU tensors and is the fallback on GPUs, so it has to scale: queries are
 processed in row chunks and keys in tiles with an online softmax, so memory stays

@@ -1,7 +1,7 @@
 """Problems that exercise the backward kernels, and the check of one backward run against the oracle.
 
 Shared by the emulated backward tests (CPU) and the GPU backward tests (marked `gpu`), so both hold the
-kernels to the same cases and the same tolerance rule (DESIGN.md section 6): the reference gradients are
+kernels to the same cases and the same tolerance rule (docs/DESIGN.md section 6): the reference gradients are
 float64 autograd on the oracle, the baseline is autograd on the oracle computed at the input dtype, and
 error <= 2 x baseline error + atol for dq, dk, dv and dsinks.
 

@@ -1,7 +1,7 @@
 """Problems that exercise the attention kernels, and the check of one kernel run against the oracle.
 
 Shared by the emulated-kernel tests (CPU, every CI run) and the GPU tests (marked `gpu`), so both hold the
-kernels to the same cases and the same tolerance rule (DESIGN.md section 6): error <= 2x the error of the
+kernels to the same cases and the same tolerance rule (docs/DESIGN.md section 6): error <= 2x the error of the
 same math done in PyTorch at the input dtype, plus a small atol.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A naive float64 oracle for DESIGN.md section 1, written straight from the contract.
+"""A naive float64 oracle for docs/DESIGN.md section 1, written straight from the contract.
 
 Other test files, the kernel tests, the benchmarks and the integrations import these names; keep
 them stable:

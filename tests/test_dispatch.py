@@ -1,4 +1,4 @@
-"""Backend choice (DESIGN.md section 2) without a GPU: the device's capability and the binary's registry are
+"""Backend choice (docs/DESIGN.md section 2) without a GPU: the device's capability and the binary's registry are
 faked, so every branch of "auto", forcing, the fallback warning and the kernel launch points runs on the CPU,
 and every "can this kernel serve this call" answer is dispatch.why_not deciding from the registry."""
 import dataclasses

@@ -1,7 +1,7 @@
 """The sm80 backward kernel (preprocess, main kernel, postprocess), run on the CPU under host emulation.
 
 Gradients dq, dk, dv and dsinks against float64 autograd on the oracle (tests/bwd_cases.py, the tolerance
-rule of DESIGN.md section 6), with and without a returned lse in the loss (dlse), over the masks, GQA,
+rule of docs/DESIGN.md section 6), with and without a returned lse in the loss (dlse), over the masks, GQA,
 varlen, softcap and sink values; deterministic mode gives identical bits across runs.
 """
 from __future__ import annotations

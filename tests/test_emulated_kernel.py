@@ -1,4 +1,4 @@
-"""The sm80 forward kernel itself, run on the CPU under host emulation (DESIGN.md section 6).
+"""The sm80 forward kernel itself, run on the CPU under host emulation (docs/DESIGN.md section 6).
 
 The kernel body is the GPU's code: same tiling, block ranges, masks, online softmax with the sink, layouts
 of accumulators and shared memory, epilogue and LSE. Emulated atoms keep the real atoms' layouts, so only

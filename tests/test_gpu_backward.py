@@ -1,4 +1,4 @@
-"""The compiled sm80 backward kernels against float64 autograd on the oracle (DESIGN.md section 6). Skipped without
+"""The compiled sm80 backward kernels against float64 autograd on the oracle (docs/DESIGN.md section 6). Skipped without
 a GPU. Same cases as the emulated backward tests (tests/bwd_cases.py) on every compiled head dim and dtype, plus a
 large case; deterministic mode gives identical bits across 3 runs; the public autograd path. The helpers serve
 tests/test_gpu_sm90_backward.py too (the sm90 backward: the same tests plus its own cases, in a file of its own so

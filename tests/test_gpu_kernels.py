@@ -1,4 +1,4 @@
-"""The compiled CUDA kernels against the float64 oracle (DESIGN.md section 6). Skipped without a GPU.
+"""The compiled CUDA kernels against the float64 oracle (docs/DESIGN.md section 6). Skipped without a GPU.
 
 Every case of tests/kernel_cases.py runs on every compiled head dim and dtype of the sm80 family; on a
 cc 9.0 device the sm80 path is forced too, so one H200 tests it. Inputs are fresh each run and outputs are

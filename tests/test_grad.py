@@ -84,7 +84,7 @@ def test_minus_inf_sink_has_zero_grad(rng_seed):
 
 
 def test_dsinks_closed_form(rng_seed):
-    """dsinks[h] = sum_i p_i (dlse_i - D_i), p_i = exp(sink - lse_i), D_i = dO_i . out_i (DESIGN.md 1)."""
+    """dsinks[h] = sum_i p_i (dlse_i - D_i), p_i = exp(sink - lse_i), D_i = dO_i . out_i (docs/DESIGN.md 1)."""
     q, k, v, s = leaves(2, 20, 25, 4, 4, 16, torch.float64)
     out, lse = sinkattn.flash_attn_with_sinks(q, k, v, s, causal=True, return_lse=True)
     gout, glse = torch.randn_like(out), torch.randn_like(lse)

@@ -1,6 +1,6 @@
 """The kernels' host-visible mask policy and softmax/merge math (csrc/common/), called through _C.
 
-Checked against DESIGN.md section 1 written out again here (`spec_visible`), independently of the code
+Checked against docs/DESIGN.md section 1 written out again here (`spec_visible`), independently of the code
 under test and of tests/oracle.py (which is cross-checked too when it is importable):
 
   (a) `mask_visible` equals the contract's visibility exactly;
@@ -32,7 +32,7 @@ BLOCKS = [(128, 64), (64, 64), (64, 32), (128, 128), (16, 16)]
 
 # ---- the contract, written out again -------------------------------------------------------------------
 def spec_visible(sq: int, sk: int, left: int, right: int, ns: int) -> np.ndarray:
-    """DESIGN.md section 1: right_ok and left_ok (sink tokens relax the left edge only), j < sk."""
+    """docs/DESIGN.md section 1: right_ok and left_ok (sink tokens relax the left edge only), j < sk."""
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
     off = sk - sq
@@ -108,7 +108,7 @@ def test_mask_visible_matches_contract(rng_seed):
         assert got.dtype == torch.bool and tuple(got.shape) == (sq, sk)
         want = spec_visible(sq, sk, wl, wr, ns)
         bad = np.argwhere(got.numpy() != want)
-        assert bad.size == 0, (f"seed {rng_seed}: mask_visible{(sq, sk, wl, wr, ns)} differs from DESIGN.md at "
+        assert bad.size == 0, (f"seed {rng_seed}: mask_visible{(sq, sk, wl, wr, ns)} differs from docs/DESIGN.md at "
                                f"(i, j) = {bad[:5].tolist()} (want {want[tuple(bad[0])]})")
         if ov is not None:
             assert (ov(sq, sk, wl, wr, ns).numpy() == want).all(), f"tests/oracle.visible{(sq, sk, wl, wr, ns)}"

@@ -1,5 +1,5 @@
 """The backward's transposed block range (TileMask::m_range: the M tiles one key block visits), called through
-_C.mask_col_blocks and checked against DESIGN.md section 1 written out again (test_mask_policy.spec_visible):
+_C.mask_col_blocks and checked against docs/DESIGN.md section 1 written out again (test_mask_policy.spec_visible):
 
   (b) per key block, the union of the visited M tiles covers every visible pair of the block's columns,
       no M tile visited twice;

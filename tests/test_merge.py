@@ -1,6 +1,6 @@
 """merge_attn_states: the merge of two partial (out, lse) states with the sink counted once.
 
-CPU: the reference path against float64 math written here from DESIGN.md section 1:
+CPU: the reference path against float64 math written here from docs/DESIGN.md section 1:
 
     lse = log(exp(lse_a) + exp(lse_b) + exp(sink))
     out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b      (a part with lse -inf contributes 0)

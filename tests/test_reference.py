@@ -1,4 +1,4 @@
-"""The reference backend against the float64 oracle over a sampled grid (DESIGN.md section 6).
+"""The reference backend against the float64 oracle over a sampled grid (docs/DESIGN.md section 6).
 
 The grid is sampled, not a cartesian product: every value of every axis appears in at least one case,
 usually next to the defaults, plus a handful of mixed cases. Tiles are shrunk (32 keys, 24 rows) so

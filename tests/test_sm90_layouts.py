@@ -1,4 +1,4 @@
-"""The layout facts the sm90 backward relies on, checked on the host without a GPU (DESIGN.md section 6): the
+"""The layout facts the sm90 backward relies on, checked on the host without a GPU (docs/DESIGN.md section 6): the
 transposed shared-memory views (Q^T, dO^T, K^T, dS^T) address the bytes TMA and the consumers write, the S^T
 accumulator's registers are exactly the A operand of dV += P^T dO, S^T's rows are keys and its columns queries
 (the per-key mask bounds and the per-query LSE reads), dQ / dK / dV register pairs are adjacent columns (8-byte

@@ -87,7 +87,7 @@ def test_check_passes_the_kernel_fails_each_plant_and_plants_are_not_ranked():
     verdicts = sweep.check(plants, CPU, sweep.Clock(300), **QUIET)
     ok = verdicts["correct"]
     assert ok.status == "PASS" and ok.checked == [c.name for c in sweep.CHECKS if not c.cuda_only], ok
-    # Each plant, and the assertion of the check that catches it. The bf16 baseline of DESIGN.md's rule alone
+    # Each plant, and the assertion of the check that catches it. The bf16 baseline of docs/DESIGN.md's rule alone
     # bounds out by ~5e-2 and lse by ~5e-2 here: it passes the first two, so the fp32 baseline is what sees them,
     # and they are SUSPECT (timed, marked, never the winner), not FAIL.
     assert verdicts["scaled-1.01"].status == "SUSPECT"

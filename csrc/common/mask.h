@@ -1,5 +1,5 @@
 // mask.h: the mask policy. It owns both the key blocks a CTA visits and the per-element mask inside
-// them, so the two cannot drift apart (DESIGN.md section 1 for the math, section 3 for the rule).
+// them, so the two cannot drift apart (docs/DESIGN.md section 1 for the math, section 3 for the rule).
 //
 // Visibility of key j to query i, with off = seqlen_k - seqlen_q (bottom-right alignment):
 //   right_ok = right < 0 || j <= i + off + right

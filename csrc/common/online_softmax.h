@@ -1,4 +1,4 @@
-// online_softmax.h: the softmax of every kernel, forward and backward, in one place (DESIGN.md section 1).
+// online_softmax.h: the softmax of every kernel, forward and backward, in one place (docs/DESIGN.md section 1).
 //
 // - ScoreScale: what turns a raw dot product q.k into a score: softmax_scale, or with softcap
 //   s = softcap * tanh(softmax_scale * qk / softcap), then unscaled.

@@ -1,5 +1,5 @@
 // sm90_bwd.cu: the layout facts the sm90 backward relies on, evaluated on the host (CuTe layouts are host code),
-// so they are checked without a GPU (DESIGN.md section 6). tests/test_sm90_layouts.py compiles and runs it.
+// so they are checked without a GPU (docs/DESIGN.md section 6). tests/test_sm90_layouts.py compiles and runs it.
 // Prints one line per fact and head dim, "ok" or what broke; exits 1 when anything broke. With --mutant it checks
 // three plausible kernel bugs instead (two views built in the untransposed order, and the S^T registers regrouped
 // into k16 blocks from the wrong mode), each of which must be reported broken: the checks can fail.
