@@ -26,11 +26,15 @@ WINDOW = 8                       # gpt-oss slides 128; 8 lets the window bite at
 
 
 @pytest.fixture(scope="session")
-def vllm_src():
-    """The wheel's source, fetched once per run (tests/vllm_stubs.py)."""
+def vllm_src(request):
+    """The wheel's source, fetched once (tests/vllm_stubs.py; only with SINKATTN_FETCH_VLLM=1, announced first)."""
     t = time.time()
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    announce = (lambda line: reporter.write_line(line)) if reporter is not None else None  # not captured
     try:
-        root = vllm_stubs.vllm_root()
+        root = vllm_stubs.vllm_root(announce=announce)
+    except vllm_stubs.NotFetched as e:
+        pytest.skip(str(e))
     except RuntimeError as e:
         pytest.skip(f"vLLM {vllm_stubs.VLLM_VERSION} wheel could not be fetched: {e}")
     print(f"\nvLLM {vllm_stubs.VLLM_VERSION} source ready in {time.time() - t:.1f} s at {root}")
@@ -44,6 +48,38 @@ def vb(vllm_src):
     import sinkattn.integrations.vllm_backend as mod
     yield mod
     vllm_stubs.park()
+
+
+def test_the_wheel_is_fetched_only_when_asked_and_announced(tmp_path, monkeypatch):
+    """The first run used to download the 336 MB wheel silently: now only with SINKATTN_FETCH_VLLM=1, said first."""
+    monkeypatch.setenv("SINKATTN_CACHE", str(tmp_path))
+    monkeypatch.delenv(vllm_stubs.FETCH_ENV, raising=False)
+    calls, lines = [], []
+
+    def fake_pip(cmd, **kw):
+        calls.append((list(cmd), list(lines)))
+        return SimpleNamespace(returncode=1, stdout="", stderr="no network here")
+
+    monkeypatch.setattr(vllm_stubs.subprocess, "run", fake_pip)
+    with pytest.raises(vllm_stubs.NotFetched) as e:
+        vllm_stubs.vllm_root(announce=lines.append)
+    msg = str(e.value)
+    assert calls == [] and lines == []
+    assert "336 MB" in msg and "SINKATTN_FETCH_VLLM=1" in msg and str(tmp_path) in msg
+    monkeypatch.setenv(vllm_stubs.FETCH_ENV, "1")
+    with pytest.raises(RuntimeError, match="no network here") as e:
+        vllm_stubs.vllm_root(announce=lines.append)
+    assert not isinstance(e.value, vllm_stubs.NotFetched)
+    [(cmd, said_before)] = calls
+    assert cmd[1:4] == ["-m", "pip", "download"] and f"vllm=={vllm_stubs.VLLM_VERSION}" in cmd
+    assert len(said_before) == 1 and "336 MB" in said_before[0] and "downloading" in said_before[0]
+    # a wheel already in the cache needs no opt-in (nothing is downloaded)
+    monkeypatch.delenv(vllm_stubs.FETCH_ENV)
+    base = tmp_path / f"vllm-{vllm_stubs.VLLM_VERSION}"
+    import zipfile
+    with zipfile.ZipFile(base / f"vllm-{vllm_stubs.VLLM_VERSION}-py3-none-any.whl", "w") as z:
+        z.writestr("vllm/v1/attention/backend.py", "# stand-in\n")
+    assert (vllm_stubs.vllm_root() / "vllm" / "v1" / "attention" / "backend.py").exists() and len(calls) == 1
 
 
 def _config(num_spec=None):

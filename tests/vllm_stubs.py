@@ -1,8 +1,9 @@
 """Load the real vLLM 0.33 Python modules on a CPU, with only their heavy imports stubbed.
 
-The vLLM wheel is a test dependency: `vllm_root()` downloads it once (`pip download vllm==0.33.0
---no-deps`, 336 MB, into SINKATTN_CACHE or ~/.cache/sinkattn) and unpacks its .py files next to it.
-Nothing from it enters the project.
+The vLLM wheel is a test dependency, fetched only when asked: with SINKATTN_FETCH_VLLM=1 (.ci/run sets it)
+`vllm_root()` downloads it once (`pip download vllm==0.33.0 --no-deps`, 336 MB, into SINKATTN_CACHE or
+~/.cache/sinkattn), saying so first, and unpacks its .py files next to it; without it and without the wheel in
+that cache, the vLLM tests skip and say how to fetch it. Nothing from it enters the project.
 
 `install(root)` puts a finder first on sys.meta_path that serves every `vllm.*` module:
   - the packages in HOLLOW are served from their directory without running their __init__.py (those
@@ -31,22 +32,41 @@ import zipfile
 from pathlib import Path
 
 VLLM_VERSION = "0.33.0"
+WHEEL_SIZE = "336 MB"  # vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl: 336,361,138 bytes
+FETCH_ENV = "SINKATTN_FETCH_VLLM"
+
+
+class NotFetched(RuntimeError):
+    """The wheel is not in the cache and fetching it was not asked for (FETCH_ENV)."""
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SINKATTN_CACHE", Path.home() / ".cache" / "sinkattn"))
 
 
-def vllm_root() -> Path:
-    """The unpacked vllm/ source tree of the 0.33 wheel, downloading the wheel if needed.
-    Raises RuntimeError (with pip's message) when it cannot be fetched."""
+def fetch_hint() -> str:
+    return (f"the vLLM tests need the vllm {VLLM_VERSION} wheel ({WHEEL_SIZE}, no dependencies), not in "
+            f"{cache_dir() / f'vllm-{VLLM_VERSION}'}; fetch it once with {FETCH_ENV}=1 (or put the wheel there, or "
+            "point SINKATTN_CACHE at a folder that holds it)")
+
+
+def vllm_root(fetch: bool | None = None, announce=None) -> Path:
+    """The unpacked vllm/ source tree of the 0.33 wheel, downloading the wheel if needed and allowed
+    (`fetch`, default: FETCH_ENV=1); `announce(line)` is told before a download starts.
+    Raises NotFetched when the wheel is missing and not to be fetched, RuntimeError (with pip's message)
+    when it cannot be fetched."""
     base = cache_dir() / f"vllm-{VLLM_VERSION}"
     src = base / "src"
     if (src / "vllm" / "v1" / "attention" / "backend.py").exists():
         return src
-    base.mkdir(parents=True, exist_ok=True)
     wheels = sorted(base.glob(f"vllm-{VLLM_VERSION}-*.whl"))
     if not wheels:
+        if not (os.environ.get(FETCH_ENV) == "1" if fetch is None else fetch):
+            raise NotFetched(fetch_hint())
+        base.mkdir(parents=True, exist_ok=True)
+        (announce or (lambda line: print(line, file=sys.stderr, flush=True)))(
+            f"sinkattn tests: downloading the vllm {VLLM_VERSION} wheel ({WHEEL_SIZE}, once) into {base} "
+            f"({FETCH_ENV}=1; unset it to skip the vLLM tests instead)")
         r = subprocess.run([sys.executable, "-m", "pip", "download", f"vllm=={VLLM_VERSION}", "--no-deps",
                             "--only-binary=:all:", "-d", str(base), "-q"], capture_output=True, text=True)
         wheels = sorted(base.glob(f"vllm-{VLLM_VERSION}-*.whl"))
