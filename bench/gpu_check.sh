@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make gpu-check: one call on a fresh GPU machine with no network (DESIGN.md section 6, issue 9).
+# make gpu-check: one call on a fresh GPU machine with no network (docs/DESIGN.md section 6, issue 9).
 #
 #   1. build only what this GPU needs, with every core (SINKATTN_CUDA_ARCHS from the GPU's compute
 #      capability: 90a on cc 9.0, which holds the sm90 kernels and the sm80 kernels as sm_90 SASS;
@@ -10,15 +10,15 @@
 #   3. a short benchmark grid (python -m bench --grid check)
 #   and writes everything into one folder: $OUT when set, else bench/results/gpucheck-<timestamp>.
 #
-# Each step is time-boxed against one deadline (GPU_CHECK_TOTAL, default 450 s, inside the 8 minutes).
-# The folder holds 8 files at most (the device tool returns 8): summary.txt, build.log, tests.log,
+# Each step is time-boxed against one deadline (GPU_CHECK_TOTAL, default 450 s: a GPU round is short).
+# The folder holds 8 files at most (few, to bring back from the GPU machine): summary.txt, build.log, tests.log,
 # bench.log, results.csv, results.md, env.json, plots.png.
 #
-# On the device tool: run(command="bash bench/gpu_check.sh", carry=["third_party/cutlass/include"],
-# timeout_s=540). The CUTLASS headers are git-ignored, so they travel only when carried. To spend the lease on
-# tests rather than compiles, `make gpu-prebuilt` here first and run SINKATTN_PREBUILT_KERNELS=$PWD/.prebuilt
-# SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh with only ".prebuilt.tar.xz" carried
-# (unpacked here into .prebuilt/; linking prebuilt objects needs no CUTLASS header).
+# A GPU round: on the GPU machine, in the checkout with the CUTLASS headers (third_party/cutlass/include is
+# git-ignored: take it along), run `make gpu-check`. To spend the GPU's time on tests rather than compiles, run
+# `make gpu-prebuilt` here first, take only .prebuilt.tar.xz along (unpacked there into .prebuilt/; linking prebuilt
+# objects needs no CUTLASS header) and run there SINKATTN_PREBUILT_KERNELS=$PWD/.prebuilt SINKATTN_CUDA_ARCHS="80;90a"
+# SINKATTN_EMULATION=0 bash bench/gpu_check.sh.
 #
 # Knobs (environment): SINKATTN_CUDA_ARCHS / SINKATTN_HEADDIMS / SINKATTN_DTYPES / SINKATTN_EMULATION
 # (build grid; defaults: by GPU, all head dims, bf16+fp16, no emulation), GPU_CHECK_JOBS (default: nproc;

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# make gpu-sweep: one round of kernel tuning on a borrowed GPU (issue 17 item 4; DESIGN.md section 8).
+# make gpu-sweep: one round of kernel tuning on a borrowed GPU (issue 17 item 4; docs/DESIGN.md section 8).
 #
 # Built here first: `make sweep-prebuilt` puts the default kernels and the tuning variants of
 # csrc/generate_kernels.py (SWEEP_SM90, SWEEP_SM80; bf16, 80;90a) into .prebuilt/, with the grid it was built for
-# (sweep.txt) and the CUTLASS version (cutlass_version.txt), packed into .prebuilt.tar.xz. There, in one call:
-#   run(command="make gpu-sweep", carry=[".prebuilt.tar.xz"], timeout_s=600)
+# (sweep.txt) and the CUTLASS version (cutlass_version.txt), packed into .prebuilt.tar.xz. Take that file to the GPU
+# machine with the checkout and run `make gpu-sweep` there (one command, about ten minutes), which
 #   1. unpacks .prebuilt.tar.xz into .prebuilt/ and links api.cpp against that machine's torch and the carried
 #      objects (no kernel compiles; ~1 min);
 #   2. python -m bench.sweep: every variant and default kernel checked against the float64 oracle on small
@@ -19,7 +19,7 @@
 # arguments, e.g. "--filter hdim128"), GPU_SWEEP_JOBS (compile jobs when there are no prebuilt objects: nproc),
 # GPU_SWEEP_RELAUNCHES (default 8), GPU_SWEEP_SKIP_BUILD=1 (the extension is already built in place: no step 1;
 # tests/test_sweep.py runs this script on the CPU that way).
-# Without .prebuilt/ it compiles the grid itself (SINKATTN_SWEEP, default 1) with every core: minutes of the lease.
+# Without .prebuilt/ it compiles the grid itself (SINKATTN_SWEEP, default 1) with every core: minutes of GPU time.
 set -u -o pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

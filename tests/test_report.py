@@ -661,3 +661,84 @@ def test_shadowed_finds_editable_and_installed_distributions(tmp_path):
     # the imported package itself is never reported, and a folder without a package is not one
     assert _ext.shadowed(str(clone / "sinkattn"), search_path=[str(clone), str(tmp_path)]) == []
     assert _ext.shadowing(str(clone / "sinkattn"), []) is None
+
+
+# ---- the commands around the report: make help / make report / make build-all, setup.py's messages ---------------
+def _fake_python(tmp_path: pathlib.Path, import_ok: bool) -> tuple[pathlib.Path, pathlib.Path]:
+    """A stand-in for $(PYTHON) that logs each call and runs nothing; `import sinkattn` succeeds or fails."""
+    log = tmp_path / "calls.log"
+    exe = tmp_path / "fake-python"
+    exe.write_text("#!/bin/sh\n"
+                   f"printf '%s\\n' \"$*\" >> {log}\n"
+                   f"case \"$*\" in *'import sinkattn'*) exit {0 if import_ok else 1};; esac\n"
+                   "exit 0\n")
+    exe.chmod(0o755)
+    return exe, log
+
+
+def _make(*args, **env) -> subprocess.CompletedProcess:
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    quiet = [] if "-w" in args else ["--no-print-directory"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")} | env
+    return subprocess.run(["make", *quiet, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+
+
+def _phony_targets() -> list[str]:
+    text = (ROOT / "Makefile").read_text()
+    phony = re.search(r"^\.PHONY:(.*)$", text, re.M).group(1).split()
+    return [t for t in phony if t != "FORCE"]
+
+
+def test_bare_make_is_help_and_installs_nothing(tmp_path):
+    exe, log = _fake_python(tmp_path, import_ok=True)
+    dry = _make("-n", f"PYTHON={exe}")
+    assert dry.returncode == 0, dry.stderr
+    assert "pip" not in dry.stdout and "install" not in dry.stdout.replace("installs", ""), dry.stdout
+    r = _make(f"PYTHON={exe}")
+    assert r.returncode == 0, r.stderr
+    assert not log.exists(), log.read_text()  # $(PYTHON) never ran
+    listed = {line.split()[0]: line for line in r.stdout.splitlines()[1:] if line.startswith("  ")}
+    assert list(listed)[0] == "help"
+    for target in _phony_targets():  # every target, one line each, with what it does
+        assert target in listed and len(listed[target].split()) > 2, (target, r.stdout)
+    assert _make("help").stdout == _make().stdout
+
+
+def test_make_report_builds_only_when_sinkattn_does_not_import(tmp_path):
+    exe, log = _fake_python(tmp_path, import_ok=True)
+    r = _make("report", f"PYTHON={exe}")
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    assert calls == ["-c import sinkattn", "-m sinkattn.report"], calls
+    # a dry run (make still runs the line holding $(MAKE), so the import check is real): a sub-make for the build
+    # starts only when sinkattn does not import
+    r = _make("-n", "-w", "report", f"PYTHON={exe}")
+    assert r.returncode == 0 and "make[1]" not in r.stdout, r.stdout
+    second = tmp_path / "second"
+    second.mkdir()
+    exe, log = _fake_python(second, import_ok=False)
+    r = _make("-n", "-w", "report", f"PYTHON={exe}")
+    assert "make[1]: Entering directory" in r.stdout and r.stdout.count(f"{exe} -m sinkattn.report") == 1, r.stdout
+
+
+def test_make_build_all_without_the_sass_tool_fails_first_and_says_where_it_is(tmp_path):
+    exe, log = _fake_python(tmp_path, import_ok=True)
+    r = _make("build-all", f"PYTHON={exe}", SASS_REPORT=str(tmp_path / "absent.py"))
+    assert r.returncode != 0
+    assert "../shared/tools/sass_report.py" in r.stderr and str(tmp_path / "absent.py") in r.stderr, r.stderr
+    assert "SASS_REPORT=" in r.stderr and "tools/sass_report.py sinkattn" not in r.stdout
+    assert not log.exists(), log.read_text()  # nothing built or installed before failing
+
+
+def test_setup_messages_have_no_unformatted_placeholders():
+    """setup.py's CUDA-mismatch message printed a literal {major} (an f missing on one part of the string)."""
+    import ast
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    in_fstring = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        a.arg for n in ast.walk(tree) if isinstance(n, ast.arg) for a in [n]}
+    bad = [(node.lineno, node.value) for node in ast.walk(tree)
+           if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in in_fstring
+           and any(m in names for m in re.findall(r"(?<!\{)\{(\w+)[^}]*\}(?!\})", node.value))]
+    assert not bad, f"plain strings in setup.py with a {{name}} that an f-string would fill: {bad}"
