@@ -157,3 +157,76 @@ def test_backward_is_deterministic(rng_seed):
         runs.append(torch.autograd.grad(out, (q, k, v, s), gout))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+# ---- every public op: a backward, or a sinkattn error at call time that names what to use for training -------
+# (issue 29: flash_attn_with_kvcache returned an output with requires_grad=True whose .backward() died inside
+# torch's "please use register_autograd" message). A public callable added to sinkattn.__all__ must be sorted here.
+DIFFERENTIABLE = {"flash_attn_with_sinks", "flash_attn_varlen_with_sinks", "merge_attn_states"}
+INFERENCE_ONLY = {"flash_attn_with_kvcache", "SinkKVCache"}
+NOT_OPS = {"capabilities", "sm80_smem_limit", "get_sm80_smem_limit", "ReferenceFallbackWarning", "SinkattnError",
+           "SinkattnValueError", "SinkattnTypeError", "SinkattnRuntimeError"}
+
+
+def test_every_public_callable_is_sorted():
+    public = {n for n in sinkattn.__all__ if callable(getattr(sinkattn, n))}
+    assert public == DIFFERENTIABLE | INFERENCE_ONLY | NOT_OPS, (
+        "sort each public callable into DIFFERENTIABLE (with a gradient test below), INFERENCE_ONLY (with a "
+        "call-time refusal test) or NOT_OPS")
+
+
+def test_differentiable_public_ops_have_a_backward(rng_seed):
+    """One gradient through each differentiable public op, against the oracle (float64)."""
+    q, k, v, s = leaves(2, 5, 7, 4, 2, 16, torch.float64)
+    out, lse = sinkattn.flash_attn_with_sinks(q, k, v, s, causal=True, return_lse=True)
+    got = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v, s))
+    ref, ref_lse = attention_oracle(q, k, v, s, causal=True)
+    for name, a, w in zip(["dq", "dk", "dv", "dsinks"], got, torch.autograd.grad(ref.sum() + ref_lse.sum(),
+                                                                                 (q, k, v, s))):
+        tolerance_check(f"flash_attn_with_sinks {name}", a, w, None, 1e-9, rng_seed)
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    cuk = torch.tensor([0, 7, 14], dtype=torch.int32)
+    qp, kp, vp = (t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v))
+    out = sinkattn.flash_attn_varlen_with_sinks(qp, kp, vp, cu, cuk, 5, 7, s, causal=True)
+    got = torch.autograd.grad(out.sum(), (qp, kp, vp, s))
+    ref, _ = attention_oracle(q, k, v, s, causal=True)
+    want = torch.autograd.grad(ref.sum(), (q, k, v, s))
+    for name, a, w in zip(["dq", "dk", "dv", "dsinks"], got, want):
+        tolerance_check(f"flash_attn_varlen_with_sinks {name}", a.view_as(w), w, None, 1e-9, rng_seed)
+    oa, ob = torch.randn(2, 3, 4, 8, requires_grad=True), torch.randn(2, 3, 4, 8, requires_grad=True)
+    la, lb = torch.randn(2, 4, 3, requires_grad=True), torch.randn(2, 4, 3, requires_grad=True)
+    ms = torch.randn(4, requires_grad=True)
+    out, lse = sinkattn.merge_attn_states(oa, la, ob, lb, ms)
+    (out.sum() + lse.sum()).backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (oa, la, ob, lb, ms))
+
+
+@pytest.mark.parametrize("needs_grad", ["q", "k_cache", "sinks", "k"])
+def test_kvcache_refuses_inputs_that_need_grad(needs_grad):
+    """flash_attn_with_kvcache has no backward: with grad mode on and an input requiring grad it raises at call
+    time (naming the input and the differentiable ops), and writes nothing; under no_grad it runs."""
+    t = dict(q=torch.randn(1, 1, 4, 16), k_cache=torch.randn(1, 8, 2, 16), v_cache=torch.randn(1, 8, 2, 16),
+             sinks=torch.randn(4), k=torch.randn(1, 1, 2, 16), v=torch.randn(1, 1, 2, 16))
+    t[needs_grad].requires_grad_()
+    before = t["k_cache"].detach().clone()
+    with pytest.raises(sinkattn.SinkattnRuntimeError, match=f"no backward.*{needs_grad} requires grad.*no_grad.*"
+                                                            f"flash_attn_with_sinks.*flash_attn_varlen_with_sinks"):
+        sinkattn.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["sinks"], k=t["k"], v=t["v"],
+                                         cache_seqlens=3)
+    assert torch.equal(t["k_cache"].detach(), before)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            out = sinkattn.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["sinks"], k=t["k"],
+                                                   v=t["v"], cache_seqlens=3)
+        assert out.shape == (1, 1, 4, 16) and not out.requires_grad
+
+
+def test_sink_kv_cache_refuses_inputs_that_need_grad():
+    """SinkKVCache.attend runs on flash_attn_with_kvcache: the same call-time refusal."""
+    cache = sinkattn.SinkKVCache(8, 2, num_layers=1, batch_size=1, num_kv_heads=2, head_dim=16)
+    q, k, v = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16)
+    sinks = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(sinkattn.SinkattnRuntimeError, match="no backward.*flash_attn_with_sinks"):
+        cache.attend(0, q, k, v, sinks)
+    with torch.no_grad():
+        assert cache.attend(0, q, k, v, sinks).shape == (1, 1, 4, 16)
