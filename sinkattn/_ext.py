@@ -102,11 +102,22 @@ def shadowing(imported: str = PACKAGE_DIR, hidden: list[dict] | None = None) -> 
     return {"imported": imported, "source_tree": tree, "installed": built[0], "fix": fix, "note": note}
 
 
-if importlib.util.find_spec(__package__ + "._C") is None:
+_spec = importlib.util.find_spec(__package__ + "._C")
+# Only the package's own _C is loaded: a finder may offer one from another copy (setuptools' editable finder maps
+# every sinkattn.* name to its clone, so a pure-Python install on PYTHONPATH would load that clone's binary,
+# built from other sources).
+_foreign = _spec is not None and _spec.origin is not None and \
+    os.path.realpath(os.path.dirname(_spec.origin)) != os.path.realpath(PACKAGE_DIR)
+if _spec is None or _foreign:
     SHADOWING = shadowing()
-    IMPORT_ERROR = SHADOWING["note"] if SHADOWING else (
-        "this is a pure-Python build: sinkattn._C was not compiled (SINKATTN_SKIP_CUDA=1, or no nvcc was found at "
-        "build time)")
+    if SHADOWING:
+        IMPORT_ERROR = SHADOWING["note"]
+    elif _foreign:
+        IMPORT_ERROR = (f"the sinkattn._C on offer ({_spec.origin}) is not the imported package's own "
+                        f"({PACKAGE_DIR}): it belongs to another copy of sinkattn and is not loaded")
+    else:
+        IMPORT_ERROR = ("this is a pure-Python build: sinkattn._C was not compiled (SINKATTN_SKIP_CUDA=1, or no nvcc "
+                        "was found at build time)")
 else:
     try:
         from . import _C  # noqa: F811

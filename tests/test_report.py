@@ -590,7 +590,13 @@ def _clone(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 SHADOW_SCRIPT = r"""
-import json, sinkattn
+import importlib.metadata, json, sys
+# The layout under tmp_path is the whole world: this machine's own sinkattn installs (an editable one, whose
+# finder would also serve sinkattn.* names) are hidden.
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+_distributions = importlib.metadata.distributions
+importlib.metadata.distributions = lambda **kw: iter(()) if kw.get("name") == "sinkattn" else _distributions(**kw)
+import sinkattn
 from sinkattn import _ext
 from sinkattn.report import render
 try:
@@ -661,6 +667,43 @@ def test_shadowed_finds_editable_and_installed_distributions(tmp_path):
     # the imported package itself is never reported, and a folder without a package is not one
     assert _ext.shadowed(str(clone / "sinkattn"), search_path=[str(clone), str(tmp_path)]) == []
     assert _ext.shadowing(str(clone / "sinkattn"), []) is None
+
+
+FOREIGN_EXT_SCRIPT = r"""
+import importlib.abc, importlib.machinery, json, sys
+called = []
+
+class Loader(importlib.abc.Loader):
+    def create_module(self, spec):
+        called.append(spec.origin)
+        raise ImportError("the other copy's _C was loaded")
+
+    def exec_module(self, module):
+        pass
+
+class Finder(importlib.abc.MetaPathFinder):  # what setuptools' editable finder does for another clone
+    def find_spec(self, name, path, target=None):
+        if name == "sinkattn._C":
+            return importlib.machinery.ModuleSpec(name, Loader(), origin="/elsewhere/sinkattn/_C.so")
+
+sys.meta_path.insert(0, Finder())
+import sinkattn
+from sinkattn import _ext
+print(json.dumps({"file": sinkattn.__file__, "called": called, "loaded": _ext.loaded(), "error": _ext.IMPORT_ERROR}))
+"""
+
+
+def test_a_compiled_extension_of_another_copy_is_not_loaded(tmp_path):
+    """With an editable install present, a pure-Python copy earlier on sys.path loaded the clone's sinkattn._C
+    (built from other sources) through setuptools' editable finder."""
+    clone = _clone(tmp_path)
+    r = subprocess.run([sys.executable, "-c", FOREIGN_EXT_SCRIPT], capture_output=True, text=True, timeout=180,
+                       cwd=clone)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert pathlib.Path(res["file"]).resolve().parent == (clone / "sinkattn").resolve()
+    assert res["called"] == [] and res["loaded"] is False
+    assert "/elsewhere/sinkattn/_C.so" in res["error"] or "shadows the build installed" in res["error"], res
 
 
 # ---- the commands around the report: make help / make report / make build-all, setup.py's messages ---------------
