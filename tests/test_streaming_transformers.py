@@ -271,3 +271,88 @@ def test_set_streaming_left_padded_batch_equals_each_row_alone():
     with torch.no_grad():
         assert (plain(ids, attention_mask=mask, position_ids=pos).logits[0] - both[0]).abs().max() > 1e-3
 
+
+
+# ---- the pinned release's call forms; padded batches (issue 29: no silent no-op, no silent wrong result) -----
+def test_cache_and_past_key_values_both_stream_through_the_sink_cache():
+    """On the pinned release (5.24) `model(ids, cache=c)` (the README's form) and `past_key_values=c` both run
+    through the SinkCache: it holds the tokens, evicts, is the cache returned, and the logits are the stream's."""
+    model = _model("llama")
+    ids = _ids(40, 21)
+    logits, caches = {}, {}
+    for kw in ("cache", "past_key_values"):
+        cache = caches[kw] = sat.SinkCache.from_model(model, CAP, SINKS)
+        out = []
+        with torch.no_grad():
+            for i, s in ((0, 12), *((t, 1) for t in range(12, 40))):
+                step = model(ids[:, i:i + s], **{kw: cache}, use_cache=True)
+                assert step.past_key_values is cache
+                out.append(step.logits)
+        logits[kw] = torch.cat(out, 1)
+        st = cache.stats()
+        assert (st["tokens_seen"], st["length"], st["evicted"]) == (40, CAP, 40 - CAP), kw
+        assert all(int(layer.seen) == 40 and layer.keys.shape[2] == CAP for layer in cache.layers)
+    assert torch.equal(logits["cache"], logits["past_key_values"])
+    want = _stream(model, sat.SinkCache.from_model(model, CAP, SINKS), ids, [1] * 40)  # token by token
+    torch.testing.assert_close(logits["cache"], want, **CLOSE)
+    dense = _stream(model, DynamicCache(config=model.config), ids, [40])  # and it is not the dense model
+    assert (dense[:, CAP + 4:] - logits["cache"][:, CAP + 4:]).abs().max() > 1e-3
+
+
+def test_generate_streams_through_the_sink_cache():
+    model = _model("gptoss")
+    cache = sat.SinkCache.from_model(model, CAP, SINKS)
+    with torch.no_grad():
+        out = model.generate(_ids(6, 22), past_key_values=cache, max_new_tokens=30, min_new_tokens=30,
+                             do_sample=False, pad_token_id=0)
+    assert out.shape[1] == 36
+    st = cache.stats()  # generate feeds the prompt and 29 generated tokens (the last one is only sampled)
+    assert (st["tokens_seen"], st["length"], st["evicted"]) == (35, CAP, 35 - CAP)
+
+
+def _left_padded(rows, width):
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
+    return ids, mask
+
+
+def test_left_padded_batch_is_refused():
+    """The sink tokens are the cache's first tokens, shared by the rows: a left-padded row's padding would
+    become its sinks after the first eviction. Every way of passing the padding is refused, naming what to do."""
+    model = _model("llama")
+    rows = [_ids(20, 23)[0], _ids(13, 24)[0]]
+    ids, mask = _left_padded(rows, 20)
+    with pytest.raises(SinkattnValueError, match=r"row\(s\) \[1\] of this batch are padded.*one at a time"):
+        with torch.no_grad():
+            model(ids, attention_mask=mask, cache=sat.SinkCache.from_model(model, CAP, SINKS))
+    cache = sat.SinkCache.from_model(model, CAP, SINKS)
+    with pytest.raises(SinkattnValueError, match="padded"), torch.no_grad():
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, pad_token_id=0)
+    assert cache.stats()["tokens_seen"] == 0  # refused before anything was stored
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # the position_ids of a padded batch, without a mask
+    with pytest.raises(SinkattnValueError, match="position_ids"), torch.no_grad():
+        model(ids, position_ids=pos, past_key_values=sat.SinkCache.from_model(model, CAP, SINKS))
+    with pytest.raises(SinkattnValueError, match="2-D"), torch.no_grad():
+        model(ids, attention_mask=torch.ones(2, 1, 20, 20, dtype=torch.bool),
+              past_key_values=sat.SinkCache.from_model(model, CAP, SINKS))
+
+
+def test_unpadded_batch_equals_each_row_alone():
+    """What the refusal leaves: a batch of equal-length rows with an all-ones mask (what generate passes) streams
+    past the capacity exactly as each row alone (float64)."""
+    model = _model("gptoss")
+    rows = torch.cat([_ids(30, 25), _ids(30, 26)])
+    ones = torch.ones_like(rows)
+    cache = sat.SinkCache.from_model(model, CAP, SINKS)
+    got, i = [], 0
+    with torch.no_grad():
+        for s in (10, 1, 1, 18):
+            got.append(model(rows[:, i:i + s], attention_mask=ones[:, :i + s], past_key_values=cache).logits)
+            i += s
+    got = torch.cat(got, 1)
+    assert cache.stats()["evicted"] == 30 - CAP
+    for r in range(2):
+        alone = _stream(model, sat.SinkCache.from_model(model, CAP, SINKS), rows[r:r + 1], [10, 1, 1, 18])
+        torch.testing.assert_close(got[r:r + 1], alone, rtol=1e-9, atol=1e-9)

@@ -24,11 +24,26 @@ needs each query to see only its own window and the sinks at its own distance; t
 function does that exactly (window keys through the kernel with a window, sink keys with the query
 rotated to its per-token position, merged with the learnable sinks once), so chunked prefill equals
 token-by-token decoding. Other attention implementations are refused for such chunks.
+
+Supported transformers releases: 5.24 and later (tested: 5.24.0, the release `make deps` pins). 5.24 renamed
+the models' `past_key_values=` argument to `cache=` (the old name still works there). On 5.13-5.23 a model
+silently ignores `cache=` (it lands in **kwargs and the model builds its own growing DynamicCache, while
+the hook still assigns in-cache positions: wrong logits, no error), and before 5.13 the cache-layer API
+differs; so SinkCache refuses every release before 5.24 with a SinkattnRuntimeError naming the upgrade
+(`_require_transformers`).
+
+Batches: rows of equal length without padding. The sink tokens are the first tokens of the cache, shared
+by the rows, so in a left-padded batch the padding would become a row's sink tokens after the first
+eviction (logits off by ~0.2 against the row run alone). The hook refuses any padded row (an
+attention_mask with a zero, rows whose position_ids differ) with a SinkattnValueError saying what to do.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
+import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import SinkattnRuntimeError, SinkattnValueError
@@ -38,8 +53,51 @@ from ..layout import acc_dtype
 from ..rotary import halves_table, rotate_by_table, rotate_halves
 from ..streaming import ring_slots
 
+MIN_TRANSFORMERS = (5, 24)  # the first release whose models take cache= (module docstring)
 STREAM_KWARG = "sinkattn_stream"  # the kwarg through which the hook hands the cache to the attention function
 _HOOK_FLAG = "_sinkattn_stream_hook"
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "5.24.0", "5.24.0.dev0" or "5.25.0rc1"."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def _require_transformers() -> None:
+    """Refuse transformers releases on which SinkCache would be silently ignored (module docstring)."""
+    have = transformers.__version__
+    if _release(have) < MIN_TRANSFORMERS:
+        want = ".".join(map(str, MIN_TRANSFORMERS))
+        raise SinkattnRuntimeError(
+            f"SinkCache needs transformers >= {want}; this is transformers {have}, whose models ignore cache= (it "
+            f"lands in **kwargs and the model builds its own growing cache) or lack the cache-layer API SinkCache "
+            f"implements. Upgrade: pip install \"transformers>={want}\"")
+
+
+def _refuse_padding(kwargs) -> None:
+    """SinkCache streams equal-length rows without padding; refuse a padded batch (module docstring)."""
+    mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+        raise SinkattnValueError(
+            f"SinkCache: attention_mask of shape {tuple(mask.shape)} given; SinkCache lays out the keys itself and "
+            f"accepts only a 2-D (batch, tokens) mask of ones (or none). For a custom mask use a DynamicCache")
+    checks = []
+    if isinstance(mask, torch.Tensor) and mask.numel():
+        checks.append((mask == 0).any(dim=-1))  # (batch,) padded rows
+    if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] > 1:
+        checks.append((pos != pos[:1]).any(dim=-1))  # rows at different positions: padding
+    if not checks:
+        return
+    bad = checks[0] if len(checks) == 1 else checks[0] | checks[1]  # (batch,) or (1,), broadcast
+    rows = bad.nonzero().flatten().tolist()  # one sync for both checks
+    if rows:
+        raise SinkattnValueError(
+            f"SinkCache: row(s) {rows} of this batch are padded (attention_mask has zeros, or their position_ids "
+            f"differ from row 0's); SinkCache streams rows of equal length without padding: its sink tokens are "
+            f"the first tokens of the cache, so a row's left padding would become its sink tokens. Stream padded "
+            f"prompts one at a time (batch size 1, no padding), or make the rows the same length; for a padded "
+            f"batch without a bounded cache use set_streaming(model, sink_tokens, window) with a DynamicCache")
 
 
 class SinkCacheLayer(CacheLayerMixin):
@@ -194,9 +252,10 @@ class SinkCache(Cache):
     """StreamingLLM for transformers: every layer holds the first `sink_tokens` tokens and the most recent
     `capacity - sink_tokens`, memory fixed, positions inside the cache, per-token semantics for any chunk
     (module docstring). Build it with `from_model`, which installs the hook that assigns the positions.
-    For batches of equal-length streams without padding."""
+    For batches of equal-length streams without padding (a padded row is refused). transformers >= 5.24."""
 
     def __init__(self, capacity: int, sink_tokens: int = 4, *, num_layers: int, inv_freq: torch.Tensor):
+        _require_transformers()
         memo = {}
         super().__init__(layers=[SinkCacheLayer(capacity, sink_tokens, inv_freq, memo) for _ in range(num_layers)])
         self.capacity, self.sink_tokens = capacity, sink_tokens
@@ -264,6 +323,7 @@ def _stream_pre_hook(module, args, kwargs):
     if x is None:
         x = kwargs.get("inputs_embeds") if kwargs.get("inputs_embeds") is not None else args[0]
     b, s = x.shape[0], x.shape[1]
+    _refuse_padding(kwargs)
     layer = cache.layers[0]
     impl = getattr(module.config, "_attn_implementation", None)
     if s > 1 and layer.seen + s > layer.capacity and impl != "sinkattn":
