@@ -8,7 +8,7 @@ q/k). set_streaming: the sink-token window through transformers equals the float
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.0")
+transformers = pytest.importorskip("transformers", minversion="5.24")  # SinkCache refuses older
 from transformers import DynamicCache  # noqa: E402
 
 import sinkattn.integrations.transformers as sat  # noqa: E402

@@ -1,7 +1,8 @@
 """transformers integration: the "sinkattn" attention implementation and SinkCache (StreamingLLM).
 
 Tiny randomly initialised GptOss and Llama models built from configs (nothing is downloaded); the
-reference is the same model with transformers' eager attention. Skipped when transformers is absent.
+reference is the same model with transformers' eager attention. Skipped when transformers is absent or older than
+5.24 (the supported range: sinkattn/integrations/transformers.py).
 """
 import copy
 import warnings
@@ -9,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.0")
+transformers = pytest.importorskip("transformers", minversion="5.24")  # SinkCache refuses older
 from transformers import DynamicCache, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gptoss_eager  # noqa: E402
 
@@ -17,7 +18,8 @@ import sinkattn.integrations.transformers as sat  # noqa: E402
 
 sat.register()
 VOCAB = 128
-# transformers 5.24 renames past_key_values= to cache=; the old name works across 5.x, so keep it.
+# transformers 5.24 renamed past_key_values= to cache=; the old name still works (deprecated) and these tests use
+# it; test_streaming_transformers.py checks that both reach the SinkCache.
 pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
               pytest.mark.usefixtures("one_thread")]
 

@@ -22,6 +22,13 @@ and padded training batches produce), the padding is packed away and the kernels
 other mask (an additive bias, a custom pattern) runs a dense PyTorch fallback that computes the same
 thing, with a one-time MaskFallbackWarning. Dropout is not supported (the attention is exact).
 
+Supported transformers releases: 5.24 and later; tested on 5.24.0, the release `make deps` pins. SinkCache
+refuses any release before 5.24 with a SinkattnRuntimeError naming the upgrade (`pip install
+"transformers>=5.24"`): there the models ignore `cache=` and build their own growing cache, a silent no-op
+(transformers_streaming.py). The attention implementation and set_streaming import on any 5.x, but only
+5.24 is tested (their tests also passed on 5.19.0, run once by hand). SinkCache refuses padded batches (left padding would become the sink tokens); the attention
+implementation and set_streaming handle them.
+
 transformers is imported by this module only; `import sinkattn` never needs it.
 """
 from __future__ import annotations
@@ -36,8 +43,8 @@ try:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 except ImportError as _e:  # pragma: no cover - exercised only without transformers
-    raise ImportError("sinkattn.integrations.transformers needs Hugging Face transformers >= 5: "
-                      "pip install 'transformers>=5,<6'") from _e
+    raise ImportError("sinkattn.integrations.transformers needs Hugging Face transformers >= 5.24: "
+                      "pip install 'transformers>=5.24,<6'") from _e
 
 from .. import reference
 from ..distributed import visible_rectangle
