@@ -5,7 +5,7 @@ layer) is then most of it. Every case runs in this one process; rounds are inter
 every case once, --calls calls each), so a busy machine slows all cases alike; the table shows the median
 per-call time over rounds, in microseconds, and the ratio to the case's baseline:
 
-    python3 -m bench.cpu_overhead [--calls 300] [--rounds 7] [--threads 1] [--context 1024]
+    python3 -m bench.cpu_overhead [--calls 300] [--rounds 7] [--threads 1] [--context 1024] [--only tiny]
 
 Cases (fp32, CPU, inference: torch.no_grad):
   tiny forward     flash_attn_with_sinks on (1, 16, 4, 64) q/k/v   vs SDPA on the same tensors as (b, h, s, d) views
@@ -13,6 +13,8 @@ Cases (fp32, CPU, inference: torch.no_grad):
                    keys, appending one token in place   vs SDPA (enable_gqa) over the same keys (+ the append)
   windowed decode  the same step with gpt-oss's sliding layers' window (127, 0), with 4 sink tokens or with
                    learnable sinks   vs the full-attention decode step through the same call
+  transformers fn  the decode step through sinkattn's transformers attention function (q/k/v (b, h, s, d)), full
+                   and sliding_window=128 with learnable sinks (gpt-oss's layers)   (when transformers is installed)
 """
 from __future__ import annotations
 
@@ -98,6 +100,25 @@ def cases(context: int):
         ("with_sinks window(127,0)+4 sink tokens", full_s, sinks_api(window_size=(127, 0), sink_tokens=4)),
         ("with_sinks window(127,0)+learnable sinks", full_s, sinks_api(window_size=(127, 0), sinks=sinks)),
     ]
+    # the same decode step through the transformers attention function (transformers' (b, h, s, d) layout; what a
+    # gpt-oss model's sliding and full layers call), when transformers is installed
+    try:
+        import types
+        from sinkattn.integrations import transformers as sat
+    except ImportError:
+        return rows
+    module = types.SimpleNamespace(is_causal=True, layer_idx=0, config=None)
+    kt_full, vt_full = kc_full.transpose(1, 2), vc_full.transpose(1, 2)
+
+    def hf(**kw):
+        return lambda: sat.sinkattn_attention_forward(module, qdt, kt_full, vt_full, None, scaling=0.125, **kw)
+
+    full_hf = f"transformers fn decode ({context} keys)"
+    rows += [
+        (full_hf, f"sdpa decode ({context} keys, gqa)", hf()),
+        ("transformers fn decode, learnable sinks", f"sdpa decode ({context} keys, gqa)", hf(s_aux=sinks)),
+        ("transformers fn sliding_window=128+sinks", full_hf, hf(sliding_window=128, s_aux=sinks)),
+    ]
     return rows
 
 
@@ -107,9 +128,13 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--context", type=int, default=1024, help="cached keys of the decode cases")
+    p.add_argument("--only", default="", help="run only the cases whose name (or baseline's) contains this")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     rows = cases(a.context)
+    if a.only:
+        keep = {n for n, b, _ in rows if a.only in n}
+        rows = [r for r in rows if r[0] in keep or any(r[0] == b for n, b, _ in rows if n in keep)]
     got = {name: [] for name, _, _ in rows}
     with torch.no_grad():
         for _, _, fn in rows:  # warm-up (one-time warnings, caches, lazy imports)

@@ -78,11 +78,19 @@ def check_heads(nheads: int, nheads_k: int, k_name: str = "k") -> None:
 
 
 def check_qkv_common(q, k, v, k_name="k", v_name="v") -> None:
-    """The checks shared by all layouts: dtypes, devices, strides, heads, head dims."""
-    check_dtype("q", q)
-    check_same_dtype("q", q, {k_name: k, v_name: v})
-    check_same_device("q", q, {k_name: k, v_name: v})
-    check_last_dim_contiguous({"q": q, k_name: k, v_name: v})
+    """The checks shared by all layouts: dtypes, devices, strides, heads, head dims. (Each check tests the
+    good case inline and calls the function that words the message only when it fails: this runs on every
+    call, and at decode size every microsecond of it shows; bench/cpu_overhead.py.)"""
+    dtype, device = q.dtype, q.device
+    if dtype not in DTYPES:
+        check_dtype("q", q)
+    if k.dtype != dtype or v.dtype != dtype:
+        check_same_dtype("q", q, {k_name: k, v_name: v})
+    if k.device != device or v.device != device:
+        check_same_device("q", q, {k_name: k, v_name: v})
+    if (q.stride(-1) != 1 and q.shape[-1] > 1) or (k.stride(-1) != 1 and k.shape[-1] > 1) \
+            or (v.stride(-1) != 1 and v.shape[-1] > 1):
+        check_last_dim_contiguous({"q": q, k_name: k, v_name: v})
     check_headdim("q", q.shape[-1])
     if k.shape[-1] != q.shape[-1]:
         raise SinkattnValueError(
@@ -214,8 +222,8 @@ def normalize_mask(headdim: int, softmax_scale, causal, window_size, sink_tokens
         raise SinkattnValueError(
             f"sinkattn: window_size must be a pair (left, right); got {window_size!r}; -1 means unbounded")
     left, right = window_size
-    for side, value in (("window_size[0] (left)", left), ("window_size[1] (right)", right)):
-        check_int(side, value, minimum=-1)
+    check_int("window_size[0] (left)", left, minimum=-1)
+    check_int("window_size[1] (right)", right, minimum=-1)
     if not isinstance(causal, bool):
         raise SinkattnTypeError(f"sinkattn: causal must be a bool; got {type(causal).__name__} {causal!r}")
     if causal:
@@ -227,7 +235,7 @@ def normalize_mask(headdim: int, softmax_scale, causal, window_size, sink_tokens
     check_int("sink_tokens", sink_tokens, minimum=0)
     # The kernels take int32 bounds. Positions are int32 too (cu_seqlens, cache_seqlens), so a bound past
     # INT32_MAX reaches past every key and clamping it changes nothing.
-    left, right, sink_tokens = (min(x, INT32_MAX) for x in (left, right, sink_tokens))
+    left, right, sink_tokens = min(left, INT32_MAX), min(right, INT32_MAX), min(sink_tokens, INT32_MAX)
     softcap = _check_float("softcap", softcap)
     if softcap < 0:
         raise SinkattnValueError(f"sinkattn: softcap is {softcap}; accepted: 0 (off) or a positive float")

@@ -325,7 +325,7 @@ _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 def _fused_applies(q, m: Mask) -> bool:
     """Whether PyTorch's fused CPU attention can serve this call (fp32 CPU tensors, no softcap)."""
-    return q.device.type == "cpu" and q.dtype == torch.float32 and m.softcap == 0
+    return q.dtype == torch.float32 and m.softcap == 0 and q.is_cpu
 
 
 def _fused_plan(sq: int, sk: int, g: int, m: Mask):
