@@ -19,7 +19,7 @@ STAMP := build/.installed
 STAMP_EMU := build/.installed-emulation
 GRID := build/.grid
 
-.PHONY: help install deps cutlass run test report bench build-all build-times gpu-check gpu-prebuilt sweep-prebuilt gpu-sweep peer-vllm streaming-perplexity clean FORCE
+.PHONY: help install deps deps-build cutlass run test report bench build-all build-times gpu-check gpu-prebuilt sweep-prebuilt gpu-sweep peer-vllm streaming-perplexity clean FORCE
 .DEFAULT_GOAL := help
 
 # Each target's line for `make help` is the `## ` text after its prerequisites.
@@ -29,12 +29,16 @@ help: ## this list (the default target: installs and builds nothing)
 	  $(firstword $(MAKEFILE_LIST)) | \
 	  while IFS='|' read -r t d; do printf "  %-22s %s\n" "$$t" "$$d"; done
 
-deps: ## install what is missing: torch $(TORCH_VERSION), pytest and the test tools, transformers, ninja
+deps-build: ## install what a build needs and is missing: torch $(TORCH_VERSION), ninja
 	@mkdir -p build/logs
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PROGRESS) --name "installing torch $(TORCH_VERSION)" --log build/logs/torch.log -- $(PYTHON) -m pip install torch==$(TORCH_VERSION)
-	@$(PYTHON) -c "import pytest, numpy, matplotlib, hypothesis" 2>/dev/null || $(PROGRESS) --name "installing test tools" --log build/logs/test-tools.log -- $(PYTHON) -m pip install pytest numpy matplotlib hypothesis
-	@$(PYTHON) -c "import transformers" 2>/dev/null || $(PROGRESS) --name "installing transformers" --log build/logs/transformers.log -- $(PYTHON) -m pip install "transformers==5.24.0"
 	@command -v ninja >/dev/null || $(PYTHON) -m pip install ninja
+
+# transformers: SinkCache needs 5.24 or later (on older releases cache= is ignored; sinkattn/integrations/
+# transformers_streaming.py refuses them), so an older installed one is upgraded to the pinned release.
+deps: deps-build ## also what the tests need and is missing: pytest and the test tools, transformers (>= 5.24)
+	@$(PYTHON) -c "import pytest, numpy, matplotlib, hypothesis" 2>/dev/null || $(PROGRESS) --name "installing test tools" --log build/logs/test-tools.log -- $(PYTHON) -m pip install pytest numpy matplotlib hypothesis
+	@$(PYTHON) -c "import sys, transformers; from packaging.version import Version; sys.exit(Version(transformers.__version__) < Version('5.24'))" 2>/dev/null || $(PROGRESS) --name "installing transformers" --log build/logs/transformers.log -- $(PYTHON) -m pip install "transformers==5.24.0"
 
 cutlass: ## fetch the CUTLASS/CuTe headers (the pinned nvidia-cutlass wheel) into third_party/cutlass
 	$(PYTHON) third_party/fetch_cutlass.py
@@ -49,7 +53,7 @@ $(GRID): FORCE
 # $(1): SINKATTN_EMULATION of the build. pip runs -v under the progress wrapper, which shows the kernel build's
 # "[n/N] ..." lines and a heartbeat; the whole output is in build/logs/pip-install.log.
 define build_extension
-	$(MAKE) deps cutlass
+	$(MAKE) deps-build cutlass
 	SINKATTN_EMULATION=$(1) $(PROGRESS) --name "building sinkattn" --log build/logs/pip-install.log \
 	  --show "sinkattn build" -- $(PYTHON) -m pip install -v --no-build-isolation --no-deps -e .
 endef
@@ -67,11 +71,15 @@ $(STAMP_EMU): $(SOURCES) $(GRID)
 
 install: $(STAMP) ## build and install the extension in place (pip install -e .; rebuilt when a source changes)
 
-run: install ## install, print the capability report, run examples/quickstart.py
+# make run builds what a first look on this machine needs (tools/run_grid.py says why): a GPU's native archs where
+# one is visible, the first-look grid (every kernel family and arch at head dim 64, bf16) where none is, the grid of
+# an install that is already here otherwise; SINKATTN_* given by the caller win. `make install` builds the default grid.
+run: ## install (the kernels this machine needs, tools/run_grid.py), print the capability report, run examples/quickstart.py
+	@$(MAKE) --no-print-directory install $(shell $(PYTHON) tools/run_grid.py)
 	$(PYTHON) -m sinkattn.report
 	$(PYTHON) examples/quickstart.py
 
-test: $(STAMP_EMU) ## install with the host-emulated kernels and run the test suite (PYTEST_ARGS=...)
+test: deps $(STAMP_EMU) ## install with the host-emulated kernels and run the test suite (PYTEST_ARGS=...)
 	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
 
 # The report describes what is there: it builds only when sinkattn does not import at all (no torch, say).

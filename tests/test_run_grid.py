@@ -35,6 +35,23 @@ def test_the_callers_grid_wins(gpu):
     assert chosen == {"SINKATTN_DTYPES": "bf16"}
 
 
+def test_an_installed_build_keeps_its_grid(tmp_path):
+    assert run_grid.installed_grid(str(tmp_path)) is None
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / ".grid").write_text("80;90a|64,128,256|bf16,fp16|\n")
+    assert run_grid.installed_grid(str(tmp_path)) is None  # a grid without an install is no install
+    (tmp_path / "build" / ".installed").write_text("")
+    installed = run_grid.installed_grid(str(tmp_path))
+    assert installed == {"SINKATTN_CUDA_ARCHS": "80;90a", "SINKATTN_HEADDIMS": "64,128,256",
+                         "SINKATTN_DTYPES": "bf16,fp16"}
+    # no GPU, but a full install exists (make test ran first): make run keeps it, never narrows it
+    chosen, why = run_grid.choose(env={}, gpu=False, installed=installed)
+    assert chosen == installed and "already installed" in why
+    # the default grid recorded as empty values: nothing to set, so make sees the same grid string
+    (tmp_path / "build" / ".grid").write_text("|||\n")
+    assert run_grid.choose(env={}, gpu=False, installed=run_grid.installed_grid(str(tmp_path)))[0] == {}
+
+
 def test_first_look_grid_holds_every_family_and_arch():
     grid = gen.parse_grid(env=dict(run_grid.FIRST_LOOK))
     assert grid.archs == ["80", "90a"] and grid.headdims == [64] and grid.dtypes == ["bf16"]
@@ -45,10 +62,13 @@ def test_first_look_grid_holds_every_family_and_arch():
     assert len(names) <= 10, names  # the first look stays a few minutes on 2 cores
 
 
-def test_script_prints_make_arguments():
+def test_script_prints_make_arguments(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SINKATTN_")}
     env["PATH"] = "/nonexistent"  # no nvidia-smi: the no-GPU answer
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "run_grid.py")], env=env,
-                         capture_output=True, text=True, check=True)
+    tools = tmp_path / "tools"
+    tools.mkdir()  # a checkout with no build yet
+    script = tools / "run_grid.py"
+    script.write_text(open(os.path.join(ROOT, "tools", "run_grid.py")).read())
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
     assert sorted(out.stdout.split()) == ["SINKATTN_DTYPES=bf16", "SINKATTN_HEADDIMS=64"]
     assert "no GPU is visible" in out.stderr

@@ -14,6 +14,8 @@ saves little. So:
   reference backend with a one-time warning naming the rebuild, and the report lists what is compiled.
   `make install` (or `pip install --no-build-isolation .`) builds the full default grid.
 
+Where make already installed a build (build/.installed and the grid it was built with, build/.grid), make run keeps
+that grid: `make run` after `make test` or `make install` rebuilds nothing and never narrows an install.
 A SINKATTN_CUDA_ARCHS / _HEADDIMS / _DTYPES set in the environment or on make's command line wins: this prints
 only the variables the caller left unset, as make arguments (`VAR=value ...`), and a line on stderr saying why.
 No torch here: make runs it before anything is installed.
@@ -21,11 +23,25 @@ No torch here: make runs it before anything is installed.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 
 FIRST_LOOK = {"SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "bf16"}
+# The Makefile's build/.grid holds these, joined by "|" (its GRID_STRING), for the build it last installed.
+GRID_VARS = ("SINKATTN_CUDA_ARCHS", "SINKATTN_HEADDIMS", "SINKATTN_DTYPES", "SINKATTN_SWEEP")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def installed_grid(root: str = ROOT) -> dict[str, str] | None:
+    """The grid of the build make last installed here ({} for the default grid), or None when there is none."""
+    stamp, grid = os.path.join(root, "build", ".installed"), os.path.join(root, "build", ".grid")
+    if not (os.path.exists(stamp) and os.path.exists(grid)):
+        return None
+    with open(grid) as f:
+        values = f.read().strip().split("|")
+    return {k: v for k, v in zip(GRID_VARS, values) if v}
 
 
 def gpu_visible() -> bool:
@@ -39,8 +55,11 @@ def gpu_visible() -> bool:
     return out.returncode == 0 and "GPU" in out.stdout
 
 
-def choose(env=os.environ, gpu: bool | None = None) -> tuple[dict[str, str], str]:
-    """(the variables to set, why) for make run."""
+def choose(env=os.environ, gpu: bool | None = None, installed: dict | None = None) -> tuple[dict[str, str], str]:
+    """(the variables to set, why) for make run; `installed` is installed_grid()'s answer."""
+    if installed is not None:
+        chosen = {k: v for k, v in installed.items() if not env.get(k)}
+        return chosen, "keeping the grid of the build already installed here (build/.grid)"
     gpu = gpu_visible() if gpu is None else gpu
     if gpu:
         want, why = {"SINKATTN_CUDA_ARCHS": "native"}, "a GPU is visible: building its native archs only"
@@ -54,9 +73,9 @@ def choose(env=os.environ, gpu: bool | None = None) -> tuple[dict[str, str], str
 
 
 def main() -> int:
-    chosen, why = choose()
+    chosen, why = choose(installed=installed_grid())
     print(f"make run: {why}", file=sys.stderr)
-    print(" ".join(f"{k}={v}" for k, v in chosen.items()))
+    print(" ".join(shlex.quote(f"{k}={v}") for k, v in chosen.items()))  # "80;90a" must reach make whole
     return 0
 
 
