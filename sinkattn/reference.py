@@ -373,9 +373,10 @@ def _take(x, ranges, dim: int):
 def _fused_forward(q, fetch, sk: int, hk: int, sink, m: Mask):
     """q (b, sq, h, d) over sk keys (hk heads) that fetch(ranges) -> (k, v) (b, keys, hk, d) gathers, on the
     fused CPU kernel (see _fused_plan) -> (out (b, sq, h, d), lse (b, h, sq)), contiguous like the op's fake
-    outputs, or None where it does not apply (the caller takes another path). A mask hides keys by -inf scores,
-    and the kernel's p @ v would turn 0 * inf into NaN for a masked non-finite V: then None too (the tiled path
-    keeps such keys out exactly, see _pv)."""
+    outputs, or None where it does not apply (the caller takes another path). A mask hides keys by adding -inf
+    to their scores: a masked non-finite K makes that score NaN (inf - inf), and the kernel's p @ v turns 0 * inf
+    into NaN for a masked non-finite V; with a mask and a non-finite K or V, None too (the tiled path keeps such
+    keys out exactly, see _pv). Without a mask the keys no row sees are not even gathered."""
     b, sq, h, d = q.shape
     g = h // hk
     plan = _fused_plan(sq, sk, g, m)
@@ -383,7 +384,7 @@ def _fused_forward(q, fetch, sk: int, hk: int, sink, m: Mask):
         return None
     ranges, mask = plan
     k, v = fetch(ranges)
-    if mask is not None and not bool(torch.isfinite(v).all()):
+    if mask is not None and not (bool(torch.isfinite(v).all()) and bool(torch.isfinite(k).all())):
         return None
     # (b, sq, h, d) <-> (b, hk, g * sq, d) in as few ops as the case allows (at decode size each op is a good part
     # of the call): a view at one query row, a transpose without GQA.

@@ -84,19 +84,28 @@ def test_decode_reads_only_the_window_and_sink_tokens(fused_calls):
 
 
 def test_masked_nonfinite_value_does_not_leak_and_empty_rows(fused_calls):
-    """Several rows with a mask: a masked key holding inf/NaN in V must not reach rows that do not see it
-    (the fused kernel would give 0 * inf = NaN: that call takes the exact path), and a row that sees no key gets
+    """Several rows with a mask: a key holding inf/NaN in K or V must not reach rows that do not see it (the
+    fused kernel would give NaN + -inf or 0 * inf = NaN: such calls take the exact path), and a row that sees no key gets
     out 0 and lse = sink (the fused kernel would give lse 0)."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 6, 4, 32, generator=g)
     k, v = (torch.randn(1, 20, 2, 32, generator=g) for _ in range(2))
     v[0, 2, 1, 3] = float("inf")
     v[0, 5, 0, 0] = float("nan")
+
     s = torch.randn(4, generator=g)
     kw = dict(causal=True, window_size=(4, 0))
     out, lse = sinkattn.flash_attn_with_sinks(q, k, v, s, return_lse=True, **kw)
-    _check(out, lse, q, k, v.nan_to_num(0, 0, 0), s, kw)  # no visible key holds them: as if they were 0
+    _check(out, lse, q, k, v.nan_to_num(0, 0, 0), s, kw)  # no row sees them: as if they were 0
     assert torch.isfinite(out).all()
+    # a non-finite K that the last row sees and the others do not: only that row's heads of that KV head are NaN
+    # (a masked score would be NaN + -inf = NaN in the fused kernel, so the call takes the exact path)
+    k[0, 19, 0, 1] = float("nan")
+    out, lse = sinkattn.flash_attn_with_sinks(q, k, v, s, return_lse=True, **kw)
+    want, want_lse = attention_oracle(q.double(), k.double(), v.nan_to_num(0, 0, 0).double(), s.double(), **kw)
+    assert torch.isnan(out[0, 5, :2]).all() and torch.isfinite(out[0, 5, 2:]).all()
+    torch.testing.assert_close(out[0, :5].double(), want[0, :5], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(lse[0, :, :5].double(), want_lse[0, :, :5], rtol=1e-5, atol=2e-5)
     # rows that see no key: seqlen_q > seqlen_k, causal
     q2 = torch.randn(1, 9, 4, 32, generator=g)
     k2, v2 = (torch.randn(1, 4, 2, 32, generator=g) for _ in range(2))
