@@ -97,8 +97,8 @@ def shadowing(imported: str = PACKAGE_DIR, hidden: list[dict] | None = None) -> 
     else:
         fix = f"take {os.path.dirname(imported)} off PYTHONPATH, or remove that copy"
     note = (f"sinkattn was imported from {'the source tree' if tree else 'the package'} {imported}, which has no "
-            f"compiled extension, and it shadows the build installed at {built[0]}, which has one (Python puts the "
-            f"current directory and PYTHONPATH ahead of site-packages); {fix}")
+            f"compiled extension (sinkattn._C), and it shadows the build installed at {built[0]}, which has one "
+            f"(Python puts the current directory and PYTHONPATH ahead of site-packages); {fix}")
     return {"imported": imported, "source_tree": tree, "installed": built[0], "fix": fix, "note": note}
 
 

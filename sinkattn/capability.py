@@ -100,8 +100,9 @@ def _mismatches(build: dict | None, runtime: dict, devices: list[dict]) -> list[
     out = []
     shadow = _ext.SHADOWING
     if not _ext.loaded() and shadow:
-        out.append({"problem": f"the imported sinkattn ({shadow['imported']}{', a source tree' if shadow['source_tree'] else ''}) "
-                               f"has no compiled extension and hides the build installed at {shadow['installed']}; "
+        tree = ", a source tree" if shadow["source_tree"] else ""
+        out.append({"problem": f"the imported sinkattn ({shadow['imported']}{tree}) has no compiled extension and "
+                               f"hides the build installed at {shadow['installed']}; "
                                "every call runs on the reference backend",
                     "fix": shadow["fix"]})
         return out
