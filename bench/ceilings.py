@@ -1,4 +1,4 @@
-"""The machine's ceilings, measured in the same run as the benchmarks (METHOD.md: "two numbers first").
+"""The machine's ceilings, measured in the same run as the benchmarks.
 
 - copy: a large device-to-device copy, counting bytes read plus bytes written, in GB/s (1e9 B/s);
 - matmul: a large bf16 matrix product (random data, never zeros) through torch.matmul, in TFLOP/s.

@@ -1,7 +1,7 @@
 """Property-based fuzzing: whole random problems (tests/fuzz_problems.py) against the float64 oracle.
 
-CI runs a fixed number of problems per backend, sized to stay inside its time budget (measured: see README,
-Testing); SINKATTN_FUZZ_SCALE multiplies the counts for a nightly run (e.g. SINKATTN_FUZZ_SCALE=20).
+CI runs a fixed number of problems per backend, sized to stay inside its time budget (measured: see docs/testing.md,
+Reliability); SINKATTN_FUZZ_SCALE multiplies the counts for a nightly run (e.g. SINKATTN_FUZZ_SCALE=20).
 Failing examples found so far are pinned below with @example, so they run first on every CI run.
 The GPU fuzz mode (marked gpu) draws from the same generator for the real sm80 and sm90 kernels.
 """

@@ -205,7 +205,7 @@ def test_noncontiguous_views_everywhere(bk):
 def test_streaming_decode_at_one_million_tokens(bk):
     """A StreamingLLM step at position 2^20: 4 sink tokens + a 1024-token window over a 2^20-token cache. The keys
     between the sink tokens and the window hold 100.0 (finite: a kernel may load them in a key block and mask them,
-    see README "Non-finite values"); any of them wrongly seen would dominate the softmax."""
+    see docs/semantics.md "Non-finite values"); any of them wrongly seen would dominate the softmax."""
     backend, device = bk
     n, hk, h, d, sink, win = 2**20, 1, 8, 64, 4, 1023
     kc = torch.full((1, n + 1, hk, d), 100.0, dtype=torch.bfloat16, device=device)

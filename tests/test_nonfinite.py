@@ -1,4 +1,4 @@
-"""Non-finite values (README, Semantics, "Non-finite values").
+"""Non-finite values (docs/semantics.md, "Non-finite values").
 
 Masked keys never leak: a K/V row a query may not see because of its sequence's extent (the next varlen
 sequence, a padded page, a cache slot past cache_seqlens, rows past seqlen_k of a strided view) can hold
@@ -344,7 +344,7 @@ def test_decode_sized_calls_keep_masked_v_out(poison):
     row holding inf/NaN must not reach the rows that do not see it there either (found by merging the decode
     fast path with these tests: p @ v multiplied p = 0 by inf). Keys past the window's right edge (causal) and
     left of its left edge (window) are poisoned; only the last query sees key 9. Reference only: inside a
-    sequence's key range the kernels may turn a block's rows into NaN (README, "Non-finite values")."""
+    sequence's key range the kernels may turn a block's rows into NaN (docs/semantics.md, "Non-finite values")."""
     backend, device = "reference", "cpu"
     gen = torch.Generator().manual_seed(13)
     q = torch.randn(1, 3, 2, 64, generator=gen).to(torch.bfloat16).to(device)

@@ -1,6 +1,6 @@
 """Which transformers releases SinkCache supports (sinkattn/integrations/transformers_streaming.py's docstring).
 
-SinkCache needs transformers >= 5.24: before 5.24 a model ignores `cache=` (the README's call) and builds its own
+SinkCache needs transformers >= 5.24: before 5.24 a model ignores `cache=` (docs/streaming.md's call) and builds its own
 growing cache, so SinkCache refuses older releases instead of running as a silent no-op. The release `make deps`
 pins (5.24.0, the installed one) is tested throughout tests/test_streaming_transformers.py and
 tests/test_transformers_integration.py; here: the version gate in-process, and on a real 5.23.0 in a subprocess
