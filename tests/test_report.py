@@ -472,7 +472,16 @@ def test_mismatch_flags(monkeypatch):
 
 
 # ---- a CPU-only build: the extension is missing ---------------------------------------------------------------
-MISSING_EXT_SCRIPT = r"""
+# Prepended to the scripts below that model one layout: this machine's own sinkattn installs (an editable one,
+# whose finder would also serve sinkattn.* names) are hidden, so the package imported is the only one.
+HIDE_INSTALLS = r"""
+import importlib.metadata, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+_distributions = importlib.metadata.distributions
+importlib.metadata.distributions = lambda **kw: iter(()) if kw.get("name") == "sinkattn" else _distributions(**kw)
+"""
+
+MISSING_EXT_SCRIPT = HIDE_INSTALLS + r"""
 import json, sys
 sys.modules["sinkattn._C"] = None          # what a pure-Python build (SINKATTN_SKIP_CUDA=1) looks like
 import torch
@@ -591,13 +600,8 @@ def _clone(tmp_path: pathlib.Path) -> pathlib.Path:
     return clone
 
 
-SHADOW_SCRIPT = r"""
-import importlib.metadata, json, sys
-# The layout under tmp_path is the whole world: this machine's own sinkattn installs (an editable one, whose
-# finder would also serve sinkattn.* names) are hidden.
-sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
-_distributions = importlib.metadata.distributions
-importlib.metadata.distributions = lambda **kw: iter(()) if kw.get("name") == "sinkattn" else _distributions(**kw)
+SHADOW_SCRIPT = HIDE_INSTALLS + r"""
+import json
 import sinkattn
 from sinkattn import _ext
 from sinkattn.report import render
