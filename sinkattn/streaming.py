@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_bool, check_int, check_rotary_tables
+from ._checks import check_bool, check_int, check_no_grad_needed, check_rotary_tables
 from .errors import SinkattnTypeError, SinkattnValueError
 from .interface import flash_attn_with_kvcache
 from .rotary import apply_rotary
@@ -219,6 +219,8 @@ class SinkKVCache:
         number of tokens kept after making room, and sees every kept token and new tokens <= i.
         """
         self._check_step(layer, q, k, v)
+        # Before any write: a refused call must not have overwritten a slot of the ring (it would lose a token).
+        check_no_grad_needed("SinkKVCache.attend", {"q": q, "k": k, "v": v, "sinks": sinks, "s_aux": s_aux})
         s = q.shape[1]
         if s == 0:
             out = q.new_zeros(q.shape)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from sinkattn import SinkattnTypeError, SinkattnValueError
+from sinkattn import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
 from sinkattn.streaming import SinkKVCache
 from tests.oracle import attention_oracle, rotary_oracle
 
@@ -217,3 +217,20 @@ def test_long_stream_example_smoke(tmp_path):
     assert summary["cache_mib_range"][0] == summary["cache_mib_range"][1]
     assert summary["full_kv_cache_would_be_mib"] > summary["cache_mib"]
     assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+def test_attend_refuses_grad_before_writing_the_ring():
+    """SinkKVCache.attend has no backward: an input that needs grad is refused before the ring is written, so a
+    refused call loses no token (before: the full ring's oldest window slot was overwritten, then the op raised)."""
+    cache = SinkKVCache(6, 2, num_layers=1, batch_size=1, num_kv_heads=1, head_dim=8)
+    with torch.no_grad():
+        for _ in range(8):  # past capacity: the next token would overwrite a window slot
+            cache.attend(0, torch.randn(1, 1, 2, 8), torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8))
+    k_before, v_before, stats = cache.k[0].clone(), cache.v[0].clone(), cache.stats()
+    q = torch.randn(1, 1, 2, 8, requires_grad=True)
+    with pytest.raises(SinkattnRuntimeError, match="no backward"):
+        cache.attend(0, q, torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8))
+    assert torch.equal(cache.k[0], k_before) and torch.equal(cache.v[0], v_before)
+    assert cache.stats() == stats
+    with torch.no_grad():  # the same call for inference goes through
+        assert cache.attend(0, q, torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)).shape == (1, 1, 2, 8)
