@@ -18,6 +18,7 @@ Layer: dispatch calls `attention_fwd`, `attention_bwd` and `attention_kvcache` (
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -384,8 +385,6 @@ def _fused_forward(q, fetch, sk: int, hk: int, sink, m: Mask):
         return None
     ranges, mask = plan
     k, v = fetch(ranges)
-    if mask is not None and not (bool(torch.isfinite(v).all()) and bool(torch.isfinite(k).all())):
-        return None
     # (b, sq, h, d) <-> (b, hk, g * sq, d) in as few ops as the case allows (at decode size each op is a good part
     # of the call): a view at one query row, a transpose without GQA.
     if sq == 1:
@@ -394,7 +393,17 @@ def _fused_forward(q, fetch, sk: int, hk: int, sink, m: Mask):
         qs = q.transpose(1, 2)
     else:
         qs = q.view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * sq, d)
-    out, lse = _flash_cpu_heads(qs, k.transpose(1, 2), v.transpose(1, 2), sink, m.scale, sq, mask=mask)
+    # Plain causal attention (sq == sk, one query head per KV head: top-left and bottom-right alignment agree)
+    # needs no mask tensor: the kernel's own causal mode, cheaper than an additive mask at small sizes.
+    causal = mask is not None and g == 1 and sq == sk and len(ranges) == 1 and _plain_causal(m)
+    out, lse = _flash_cpu_heads(qs, k.transpose(1, 2), v.transpose(1, 2), sink, m.scale, sq,
+                                mask=None if causal else mask, is_causal=causal)
+    # A masked non-finite K or V can only show as NaN in out (a NaN score, or 0 * inf in p @ v, spreads over its
+    # row), never as a wrong finite value; so one reduction of out after the call replaces isfinite(k), isfinite(v)
+    # before it (two full passes and four ops). A non-finite sum (that, a huge legitimate out, or a visible NaN)
+    # sends the call to the exact tiled path, which keeps masked keys out (_pv) and gives the same answer otherwise.
+    if mask is not None and not math.isfinite(float(out.sum())):
+        return None
     # (the kernel writes out and lse in (b, rows, hk) memory order, transposed: lse needs a copy to be contiguous)
     if sq == 1:
         return out.view(b, 1, h, d), lse
@@ -403,15 +412,22 @@ def _fused_forward(q, fetch, sk: int, hk: int, sink, m: Mask):
     return out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous(), lse.contiguous()
 
 
-def _flash_cpu_heads(qs, k, v, sink, scale, sq, need_lse=True, mask=None):
+def _plain_causal(m: Mask) -> bool:
+    """The mask is causal and nothing else: right edge 0, no left edge (sink tokens then change nothing)."""
+    return m.window_right == 0 and m.window_left < 0
+
+
+def _flash_cpu_heads(qs, k, v, sink, scale, sq, need_lse=True, mask=None, is_causal=False):
     """qs (b, hk, g * sq, d): each KV head's query heads and rows as one block over its keys k, v (b, hk, sk, d),
     every query seeing every key (or those `mask`, additive (g * sq, sk), lets it see). PyTorch's fused CPU
     attention (the kernel SDPA runs) gives out and lse (natural log); the sink joins afterwards:
     lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'). -> (out like qs, lse (b, h, sq), or None when not
     needed and there is no sink)."""
     b, hk, rows, _ = qs.shape
-    out, lse = _FLASH_CPU(qs, k, v, scale=scale) if mask is None else _FLASH_CPU(qs, k, v, attn_mask=mask,
-                                                                                 scale=scale)
+    if mask is not None:
+        out, lse = _FLASH_CPU(qs, k, v, attn_mask=mask, scale=scale)
+    else:
+        out, lse = _FLASH_CPU(qs, k, v, is_causal=is_causal, scale=scale)
     if sink is None and not need_lse:
         return out, None
     h = hk * (rows // sq)

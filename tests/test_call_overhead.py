@@ -115,6 +115,30 @@ def test_masked_nonfinite_value_does_not_leak_and_empty_rows(fused_calls):
     assert torch.equal(lse[0, :, :5], s[:, None].expand(4, 5))
 
 
+@pytest.mark.parametrize("bad", ["k_nan", "k_inf", "v_inf", "v_nan"])
+def test_plain_causal_uses_the_kernels_causal_mode_and_keeps_masked_nonfinite_keys_out(fused_calls, bad):
+    """sq == sk, one query head per KV head, causal only: the fused kernel's own causal mode (no mask tensor). A
+    non-finite value in the last key, which only the last row sees, must leave every other row exact: the call
+    checks out after the kernel (one reduction) and takes the exact path when it is not finite."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 16, 4, 64, generator=g) for _ in range(3))
+    s = torch.randn(4, generator=g)
+    out, lse = sinkattn.flash_attn_with_sinks(q, k, v, s, causal=True, return_lse=True)
+    _check(out, lse, q, k, v, s, dict(causal=True))
+    assert len(fused_calls) == 1  # served by the fused kernel
+    t = k if bad.startswith("k") else v
+    t[0, 15, 2, 7] = float("nan") if bad.endswith("nan") else float("inf")
+    out, lse = sinkattn.flash_attn_with_sinks(q, k, v, s, causal=True, return_lse=True)
+    clean_k, clean_v = k.clone(), v.clone()
+    (clean_k if bad.startswith("k") else clean_v)[0, 15, 2, 7] = 0.0
+    want, want_lse = attention_oracle(q.double(), clean_k.double(), clean_v.double(), s.double(), causal=True)
+    torch.testing.assert_close(out[0, :15].double(), want[0, :15], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(lse[0, :, :15].double(), want_lse[0, :, :15], rtol=1e-5, atol=2e-5)
+    # the row that sees it: what the oracle gives with the value itself (NaN, or a weight of 0 for a -inf score)
+    full, _ = attention_oracle(q.double(), k.double(), v.double(), s.double(), causal=True)
+    torch.testing.assert_close(out[0, 15].double(), full[0, 15], rtol=1e-5, atol=2e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("paged", [None, 5])
 @pytest.mark.parametrize("lens,sn", [((1,), 0), ((37, 37, 37), 1), ((0, 1, 37), 1), ((200, 3, 129), 1),
                                      ((130, 0, 77), 3)])
