@@ -177,7 +177,7 @@ def cuda_extension():
              f"toolkit or install a torch built for CUDA {major}.")
     # Kernel objects hold no torch and no Python, so a machine whose time is scarce (the borrowed GPU) can
     # link objects compiled elsewhere for the same grid and compile only api.cpp against its own torch. api.cpp
-    # includes no CUTLASS header, so the headers (27 MB of a 64 MiB carry) need not travel with the objects:
+    # includes no CUTLASS header, so the headers (27 MB) need not travel with the objects:
     # the CUTLASS version they were built with comes from cutlass_version.txt beside them.
     prebuilt = os.environ.get("SINKATTN_PREBUILT_KERNELS")
     cutlass_inc = find_cutlass()

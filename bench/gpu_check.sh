@@ -126,7 +126,7 @@ if [ "${GPU_CHECK_SKIP_BUILD:-0}" = "1" ]; then
 else
   if [ -z "${SINKATTN_PREBUILT_KERNELS:-}" ] && [ -z "${SINKATTN_CUTLASS_DIR:-}" ] && [ ! -f third_party/cutlass/include/cute/tensor.hpp ]; then
     say "build: CUTLASS headers missing at third_party/cutlass/include (git-ignored; there is no network here):"
-    say "       carry them (device tool: carry=[\"third_party/cutlass/include\"]) or set SINKATTN_CUTLASS_DIR"
+    say "       take third_party/cutlass/include along to this machine, or set SINKATTN_CUTLASS_DIR"
   fi
   step build "$OUT/build.log" "$(min "$BUILD_CAP" $(($(left) - TEST_MIN - BENCH_MIN)))" \
     "$PY" setup.py build_ext --inplace || FAILED=1
@@ -187,7 +187,7 @@ tail -15 "$OUT/tests.log" >>"$SUMMARY"
 
 # ---------------------------------------------------------------------------------------------- 2b. sanitizers
 # compute-sanitizer (memcheck with padding, racecheck, synccheck, initcheck) over a small case of every kernel
-# family (bench/sanitize.py), time-boxed. Its full output goes into tests.log (the device tool returns 8 files);
+# family (bench/sanitize.py), time-boxed. Its full output goes into tests.log (the folder is kept to 8 files);
 # the verdicts into the summary. A tool that could not run (no sanitizer, runtime refused it, out of time) is
 # reported NOT RUN, never as passed.
 SANITIZE_NOTE=""

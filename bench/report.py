@@ -1,8 +1,8 @@
 """Writing results: results.csv (every row), results.md (tables), env.json (machine, versions, clocks,
 ceilings) and plots.png (one figure, one panel per case variant; needs matplotlib).
 
-Everything is written into one folder. Four files at most, so a results folder fits the device tool's
-eight returned files together with the logs of `make gpu-check`.
+Everything is written into one folder. Four files at most, so a results folder stays within 8 files
+together with the logs of `make gpu-check`.
 """
 from __future__ import annotations
 

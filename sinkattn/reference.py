@@ -159,7 +159,7 @@ def _pv(p, vt, i0, i1, t0, t1, off, m: Mask, needs_mask: bool, g: int) -> torch.
     A masked key has p = 0, but 0 * inf = NaN inside a matmul, so a non-finite V row would leak into rows
     that may not see it. Only tiles with masked pairs can have that problem, and only when V holds a
     non-finite value (checked once per such tile): then the non-finite entries are added for the visible
-    pairs alone, so they still propagate to exactly the rows that see them (README, "Non-finite values").
+    pairs alone, so they still propagate to exactly the rows that see them (docs/semantics.md, "Non-finite values").
     """
     pv = torch.bmm(p, vt.transpose(0, 1))
     if not needs_mask or bool(torch.isfinite(vt).all()):

@@ -32,7 +32,8 @@ def _inv_freq():
 @pytest.mark.parametrize("version,ok", [("5.23.0", False), ("5.13.0", False), ("5.0.0", False), ("4.57.6", False),
                                         ("5.24.0", True), ("5.24.0.dev0", True), ("5.25.1", True), ("6.0.0rc1", True)])
 def test_sink_cache_refuses_releases_before_5_24(monkeypatch, version, ok):
-    monkeypatch.setattr(transformers, "__version__", version)
+    # the module object the gate reads (another test file may have re-imported transformers since collection)
+    monkeypatch.setattr(ts.transformers, "__version__", version)
     if ok:
         sat.SinkCache(8, 2, num_layers=1, inv_freq=_inv_freq())
         return
