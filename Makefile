@@ -29,9 +29,10 @@ help: ## this list (the default target: installs and builds nothing)
 	  $(firstword $(MAKEFILE_LIST)) | \
 	  while IFS='|' read -r t d; do printf "  %-22s %s\n" "$$t" "$$d"; done
 
-deps-build: ## install what a build needs and is missing: torch $(TORCH_VERSION), ninja
+deps-build: ## install what a build needs and is missing: torch $(TORCH_VERSION) (and numpy, which it warns without), ninja
 	@mkdir -p build/logs
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PROGRESS) --name "installing torch $(TORCH_VERSION)" --log build/logs/torch.log -- $(PYTHON) -m pip install torch==$(TORCH_VERSION)
+	@$(PYTHON) -c "import numpy" 2>/dev/null || $(PYTHON) -m pip install -q numpy
 	@command -v ninja >/dev/null || $(PYTHON) -m pip install ninja
 
 # transformers: SinkCache needs 5.24 or later (on older releases cache= is ignored; sinkattn/integrations/
