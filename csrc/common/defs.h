@@ -1,4 +1,5 @@
-// defs.h: qualifiers for code that compiles for the GPU and, unchanged, as host C++ (tests, emulation).
+// defs.h: qualifiers for code that compiles for the GPU and, unchanged, as host C++ (tests, emulation), and the
+// integer helpers every tile computation shares.
 #pragma once
 
 #if defined(__CUDACC__)
@@ -16,3 +17,13 @@
 #else
 #define SA_UNROLL
 #endif
+
+namespace sinkattn {
+
+// Integer helpers for block counts and bounds (host and device). Named min_i / max_i, not min / max: kernel code
+// has `using namespace cute`, whose min / max (and std's) would be ambiguous with an unqualified call.
+SA_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
+SA_HOST_DEVICE int max_i(int a, int b) { return a > b ? a : b; }
+SA_HOST_DEVICE int min_i(int a, int b) { return a < b ? a : b; }
+
+}  // namespace sinkattn

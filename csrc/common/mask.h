@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include "common/defs.h"
+#include "common/seq_extent.h"
 
 namespace sinkattn {
 
@@ -28,6 +29,13 @@ struct MaskPolicy {
   }
 };
 
+// The one builder of a sequence's MaskPolicy: its extent's lengths (varlen, KV cache) and the call's window and
+// sink tokens. Every kernel and the host entries build theirs here.
+template <class Params>
+SA_HOST_DEVICE MaskPolicy mask_policy(Params const& p, SeqExtent const& e) {
+  return MaskPolicy{e.seqlen_q, e.seqlen_k, p.window_left, p.window_right, p.sink_tokens};
+}
+
 // The key blocks one M tile visits: the window blocks [win_begin, win_end) and, below them, the blocks
 // holding sink tokens [0, sink_end) with sink_end <= win_begin. The union of visible keys over the rows of
 // a tile is contiguous apart from the sink tokens, so every block in these ranges holds a visible pair.
@@ -41,11 +49,12 @@ struct BlockRange {
     int nwin = win_end - win_begin;
     return t < nwin ? win_end - 1 - t : sink_end - 1 - (t - nwin);
   }
+  // The rank of visited block n among the visited blocks in increasing order (sink blocks, then window blocks):
+  // the deterministic backward's dQ turn. The key blocks whose backward adds dQ into M tile m are exactly the
+  // blocks of range(m) (docs/DESIGN.md section 4), and they add in increasing order, so block n waits until
+  // rank(n) blocks have added. n must be a visited block.
+  SA_HOST_DEVICE int rank(int n) const { return n < sink_end ? n : sink_end + (n - win_begin); }
 };
-
-SA_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
-SA_HOST_DEVICE int max_i(int a, int b) { return a > b ? a : b; }
-SA_HOST_DEVICE int min_i(int a, int b) { return a < b ? a : b; }
 
 // Block sizes are runtime values so host tests can sweep them; in a kernel they are compile-time
 // constants at the call site and fold away. `group` > 1 is a GQA-packed tile: row r holds query r / group.
@@ -170,8 +179,19 @@ struct TileMask {
   }
 
   // True when some pair of the block (valid rows x block columns) is not visible, so the kernel must apply
-  // the element mask. Exact: a block reported false has every pair visible. (One question; a kernel that asks
-  // it for every key block of one M tile takes mask_test below.)
+  // the element mask. Exact: a block reported false has every pair visible.
+  //
+  // The rule has two forms, which the host entry mask_tile_blocks checks agree on every block of every tile the
+  // tests sweep (they are kept apart, not one built on the other, for what each costs in the kernel that asks):
+  // - needs_mask(m, n): one question, no state. It works out the tile's first and last query and the window's
+  //   edges there on every call: ~40 instructions per key block in the sm80 forward's loop, nothing held across
+  //   blocks. Right for a kernel that asks once per (M tile, key block) pair with the M tile changing (the
+  //   backwards: an N tile walks M tiles). The sm90 forward asks it per key block of one M tile; whether
+  //   mask_test pays there (three more live ints in its consumers) is csrc/sm90/fwd_kernel.cuh's to measure.
+  // - mask_test(m).needs(n): the tile's part worked out once (64-bit, clamped), then three ints held across
+  //   the key-block loop and two or three compares per block. Right for the sm80 forward, which asks every key
+  //   block of one M tile in an issue-bound loop. Were needs_mask built on it, the backward's per-(m, n) question would
+  //   redo the 64-bit tile part for every M tile.
   SA_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {
     int m0, m_last;
     tile_queries(m_block, m0, m_last);

@@ -38,6 +38,12 @@ SA_HOST_DEVICE RowFinal finalize_row(float row_max, float row_sum, float sink) {
   return RowFinal{expf(row_max - m) / sum, m + logf(sum)};
 }
 
+// The lse the backward recomputes P = exp(s - lse) with, for every backward (sm80, sm90, the emulation): the
+// forward's lse, except that a row that saw no key and has no sink (finalize_row gave it lse = -inf, out = 0)
+// takes +inf, so its P is exp(-inf) = 0 rather than exp(-inf - -inf) = NaN and the row adds nothing to dK, dV.
+// (Rows past the sequence, which have no lse, take +inf as well: they add nothing either.)
+SA_HOST_DEVICE float bwd_lse(float lse) { return lse == -INFINITY ? INFINITY : lse; }
+
 // Sum or max over the 4 lanes of a quad, which hold the columns of the same accumulator rows (the m16n8 and
 // wgmma C layouts: lane / 4 picks the row, lane % 4 the column pair).
 template <class Shfl>
