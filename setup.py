@@ -33,6 +33,15 @@ import generate_kernels as gen  # noqa: E402
 FETCH_HINT = "make cutlass   (or: python third_party/fetch_cutlass.py)"
 
 
+def package_version():
+    """sinkattn/_version.py's __version__, read as text (importing the package would import torch)."""
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sinkattn", "_version.py")).read()
+    found = re.search(r'^__version__ = "([^"]+)"$', text, re.M)
+    if not found:
+        fail("sinkattn/_version.py holds no line __version__ = \"x.y.z\"")
+    return found.group(1)
+
+
 def fail(msg):
     sys.stderr.write(f"\nsinkattn build error: {msg}\n\n")
     raise SystemExit(1)
@@ -238,7 +247,7 @@ ext_modules, cmdclass = cuda_extension()
 
 setup(
     name="sinkattn",
-    version="0.1.0",
+    version=package_version(),
     description="Fused attention with attention sinks (learnable sink logits and StreamingLLM sink tokens)",
     packages=find_packages(include=["sinkattn", "sinkattn.*"]),
     python_requires=">=3.10",

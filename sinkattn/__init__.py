@@ -5,7 +5,7 @@ Import is cheap: torch is imported (the extension needs it), the compiled extens
 """
 import torch  # noqa: F401  (loads libc10/libtorch, which sinkattn._C links against)
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 from .errors import SinkattnError, SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError  # noqa: E402
 from . import _device, _ext  # noqa: E402

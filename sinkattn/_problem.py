@@ -1,14 +1,18 @@
 """The normalized description of one attention call, shared by dispatch and the kernel backends.
 
-Dispatch builds one Problem from validated arguments; each backend answers whether it can serve it
-(`why_not`) with a reason a user can act on. Keeping it a plain frozen dataclass keeps backend choice
-cheap and lets torch.compile treat it as a constant.
+Dispatch builds one Problem per call (`Problem.of_call`, from the validated tensors and the call's Mask); the
+report, the vLLM integration, bench/ and tests build representative ones with the constructor, naming only what
+differs from the defaults. Each backend answers whether it can serve a Problem (`dispatch.why_not`) with a reason a
+user can act on, and `dispatch.plan` picks the backend. A plain frozen dataclass keeps backend choice cheap and lets
+torch.compile treat it as a constant.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .mask import Mask
 
 
 @dataclass(frozen=True)
@@ -17,16 +21,46 @@ class Problem:
     device_type: str          # "cuda" or "cpu"
     dtype: torch.dtype        # dtype of q/k/v
     headdim: int
-    headdim_v: int
-    nheads: int
-    nheads_k: int
-    window_left: int          # -1 = unbounded
-    window_right: int         # -1 = unbounded; causal is window_right == 0
-    sink_tokens: int
-    softcap: float
-    has_sinks: bool
-    varlen: bool
+    nheads: int = 1
+    nheads_k: int = 1
+    mask: Mask = field(default_factory=Mask)  # scale, window, sink tokens, softcap
+    has_sinks: bool = False
+    varlen: bool = False
     paged: bool = False
     deterministic: bool = False
     device_index: int | None = None
-    positive_scale: bool = True  # softmax_scale > 0 (the kernels' running max is over the raw scores)
+    headdim_v: int | None = None  # None: the same as headdim
+
+    def __post_init__(self):
+        if self.headdim_v is None:
+            object.__setattr__(self, "headdim_v", self.headdim)
+
+    @classmethod
+    def of_call(cls, kind: str, q, k, sinks, mask: Mask, *, varlen: bool = False, paged: bool = False,
+                deterministic: bool = False) -> "Problem":
+        """The problem of one call on q (..., nheads, headdim) and k (..., nheads_k, headdim)."""
+        return cls(kind=kind, device_type=q.device.type, dtype=q.dtype, headdim=q.shape[-1], nheads=q.shape[-2],
+                   nheads_k=k.shape[-2], mask=mask, has_sinks=sinks is not None, varlen=varlen, paged=paged,
+                   deterministic=deterministic, device_index=q.device.index)
+
+    # Read-only views of the mask, for the feature tests (registry.needed_features, dispatch).
+    @property
+    def window_left(self) -> int:
+        return self.mask.window_left
+
+    @property
+    def window_right(self) -> int:
+        return self.mask.window_right
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.mask.sink_tokens
+
+    @property
+    def softcap(self) -> float:
+        return self.mask.softcap
+
+    @property
+    def positive_scale(self) -> bool:
+        """softmax_scale > 0 (the kernels' running max is over the raw scores)."""
+        return self.mask.scale > 0

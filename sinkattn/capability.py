@@ -2,7 +2,7 @@
 
 Everything about the build is read from the binary itself (its kernel registry and the versions the
 compiler baked in), never from environment variables or files that can drift. Which backend serves a
-feature on a device is answered by dispatch itself (`preferred_backends`, `why_not`). Works with no GPU and with no
+feature on a device is answered by dispatch itself (`dispatch.plan`, as a call would be). Works with no GPU and with no
 compiled extension.
 """
 from __future__ import annotations
@@ -13,19 +13,21 @@ import torch
 
 from . import _device, _ext, dispatch, registry
 from ._problem import Problem
+from ._version import __version__
+from .mask import Mask
 
 # One representative problem per feature the report answers for (gpt-oss-like shapes).
 FEATURES = {
-    "learnable_sinks": dict(kind="fwd", has_sinks=True, window_left=127, window_right=0, sink_tokens=0),
-    "sink_tokens": dict(kind="fwd", has_sinks=False, window_left=1023, window_right=0, sink_tokens=4),
-    "backward": dict(kind="bwd", has_sinks=True, window_left=-1, window_right=0, sink_tokens=0),
-    "decode": dict(kind="kvcache", has_sinks=True, window_left=127, window_right=0, sink_tokens=0),
+    "learnable_sinks": dict(kind="fwd", has_sinks=True, mask=Mask(0.125, 127, 0)),
+    "sink_tokens": dict(kind="fwd", mask=Mask(0.125, 1023, 0, 4)),
+    "backward": dict(kind="bwd", has_sinks=True, mask=Mask(0.125, -1, 0)),
+    "decode": dict(kind="kvcache", has_sinks=True, mask=Mask(0.125, 127, 0)),
 }
 
 
 def _problem(feature: str, index: int, dtype=torch.bfloat16, headdim: int = 64) -> Problem:
-    return Problem(device_type="cuda", dtype=dtype, headdim=headdim, headdim_v=headdim, nheads=64, nheads_k=8,
-                   softcap=0.0, varlen=False, device_index=index, **FEATURES[feature])
+    return Problem(device_type="cuda", dtype=dtype, headdim=headdim, nheads=64, nheads_k=8, device_index=index,
+                   **FEATURES[feature])
 
 
 def _fmt_version(v: int) -> str | None:
@@ -54,22 +56,7 @@ def serving_paths(device: _device.DeviceInfo) -> dict:
     paths = {}
     for feature in FEATURES:
         problem = _problem(feature, device.index)
-        declined = {}
-        chosen = "reference"
-        ranked_lower = dispatch.preference_note(device.capability, problem)
-        for backend in dispatch.preferred_backends(device.capability, problem):
-            reason = dispatch.why_not(backend, problem, capability=device.capability)
-            if reason is None:
-                chosen = backend
-                break
-            declined[backend] = reason
-        for backend, why in ranked_lower.items():  # ranked below the one chosen: say why it is not used
-            if chosen != backend and backend not in declined:
-                declined = {backend: dispatch.why_not(backend, problem, capability=device.capability) or why,
-                            **declined}
-        if not dispatch.preferred_backends(device.capability):
-            declined["kernels"] = (f"sinkattn kernels need cc >= 8.0 (this GPU is cc "
-                                   f"{device.capability[0]}.{device.capability[1]})")
+        chosen, declined = dispatch.plan(problem, device.capability)
         served = _served_by(chosen, problem, device.capability) if chosen != "reference" else \
             "PyTorch reference backend"
         paths[feature] = {"backend": chosen, "kernel": served, "declined": declined}
@@ -147,8 +134,6 @@ def _mismatches(build: dict | None, runtime: dict, devices: list[dict]) -> list[
 
 def capabilities(devices: list[_device.DeviceInfo] | None = None) -> dict:
     """The whole report as a dict (the --json output). `devices` overrides detection (tests)."""
-    from . import __version__
-
     if devices is None:
         devices = list(_device.nvml_devices())
         if not devices and torch.cuda.is_available():

@@ -29,6 +29,7 @@ import torch
 from . import _checks, _device, _ext, kernels, kvcache, reference, registry
 from ._problem import Problem
 from .errors import SinkattnValueError
+from .mask import Mask
 from .layout import KERNEL_HEADDIMS, acc_dtype, kernel_headdim, lse_shape
 
 _warned: set[str] = set()
@@ -54,16 +55,6 @@ _WHAT = {"fwd": "forward", "bwd": "backward", "kvcache": "decode (KV-cache)"}
 
 class ReferenceFallbackWarning(UserWarning):
     """A call on CUDA tensors ran on the (slow) PyTorch reference backend; the message says why."""
-
-
-def make_problem(kind: str, q, k, sinks, *, window_left: int, window_right: int, sink_tokens: int,
-                 softcap: float, varlen: bool = False, paged: bool = False,
-                 deterministic: bool = False, softmax_scale: float = 1.0) -> Problem:
-    return Problem(kind=kind, device_type=q.device.type, dtype=q.dtype, headdim=q.shape[-1],
-                   headdim_v=q.shape[-1], nheads=q.shape[-2], nheads_k=k.shape[-2],
-                   window_left=window_left, window_right=window_right, sink_tokens=sink_tokens,
-                   softcap=softcap, has_sinks=sinks is not None, varlen=varlen, paged=paged,
-                   deterministic=deterministic, device_index=q.device.index, positive_scale=softmax_scale > 0)
 
 
 def _capability(device_index) -> tuple[int, int]:
@@ -164,7 +155,7 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
                 f"including {dtype}")
     # The process's cap on the sm80 kernels' limit (_device.sm80_smem_limit, SINKATTN_SM80_MAX_SMEM): where it is
     # below the device's limit it decides, as a device with that limit would; under host emulation it is the limit.
-    cap = _device._sm80_cap if backend != "sm90" else None
+    cap = _device.sm80_smem_cap() if backend != "sm90" else None
     if capability is None:
         if cap is not None and registry.smem_bytes(kernel) > cap.nbytes:
             return _smem_gap(backend, op, hd, kernel, cap, None, None)
@@ -235,8 +226,39 @@ def _warn_once(reason: str) -> None:
                   ReferenceFallbackWarning, stacklevel=2)
 
 
+def plan(problem: Problem, capability: tuple[int, int] | None = None) -> tuple[str, dict[str, str]]:
+    """What "auto" runs `problem` on, and why each better kernel backend does not serve it: (backend, {backend:
+    reason}). The one owner of the choice: the call path (`choose`), the capability report's serving paths and the
+    vLLM backend's kernel check all read it. `capability`: the GPU to plan for (default: the problem's device).
+
+    CPU tensors: the reference, nothing declined. A CUDA device: the first of `preferred_backends` that serves;
+    declined holds the ones tried before it, and (first) the ones "auto" ranks below the usual order that were not
+    chosen (`preference_note`), so a reader sees why a faster-looking kernel is not used; on a device no kernel runs
+    on, {"kernels": why}."""
+    if problem.device_type != "cuda":
+        return "reference", {}
+    if capability is None:
+        capability = _capability(problem.device_index)
+    candidates = preferred_backends(capability, problem)
+    if not candidates:
+        return "reference", {"kernels": f"sinkattn kernels need cc >= 8.0 (this GPU is cc {capability[0]}."
+                                        f"{capability[1]})"}
+    declined, chosen = {}, "reference"
+    for backend in candidates:
+        reason = why_not(backend, problem, capability=capability)
+        if reason is None:
+            chosen = backend
+            break
+        declined[backend] = reason
+    lower = {backend: why_not(backend, problem, capability=capability) or note
+             for backend, note in preference_note(capability, problem).items()
+             if backend != chosen and backend not in declined}
+    return chosen, {**lower, **declined}
+
+
 def choose(problem: Problem, requested: str) -> str:
-    """The backend that runs `problem` given backend=`requested`."""
+    """The backend that runs `problem` given backend=`requested`; "auto" falling back to the reference on CUDA
+    tensors warns once per distinct reason."""
     if requested == "reference":
         return "reference"
     if requested != "auto":
@@ -247,18 +269,15 @@ def choose(problem: Problem, requested: str) -> str:
         if reason is not None:
             raise _checks.forced_backend_error(requested, reason, _what_would_serve(problem, requested))
         return requested
-    if problem.device_type != "cuda":
-        return "reference"
-    cap = _capability(problem.device_index)
-    candidates = preferred_backends(cap, problem)
-    reasons = [] if candidates else [f"no sinkattn kernel runs on compute capability {cap[0]}.{cap[1]} (needs >= 8.0)"]
-    for backend in candidates:
-        reason = why_not(backend, problem)
-        if reason is None:
-            return backend
-        reasons.append(f"{backend}: {reason}")
-    _warn_once("; ".join(reasons))
-    return "reference"
+    chosen, declined = plan(problem)
+    if chosen == "reference" and problem.device_type == "cuda":
+        _warn_once(declined_text(declined))
+    return chosen
+
+
+def declined_text(declined: dict[str, str]) -> str:
+    """plan's declined reasons as one line: "sm90: why; sm80: why" (a device no kernel runs on: just why)."""
+    return "; ".join(why if backend == "kernels" else f"{backend}: {why}" for backend, why in declined.items())
 
 
 def choose_backward(problem: Problem, requested: str) -> str:
@@ -281,23 +300,20 @@ def _reference_anyway(q, backend: str) -> bool:
 
 
 def run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            window_left, window_right, sink_tokens, softcap, deterministic, backend):
-    """Body of the sinkattn::fwd op (plain and varlen) -> (out, lse)."""
+            window_left, window_right, sink_tokens, softcap, deterministic, backend, need_lse=True):
+    """Body of the sinkattn::fwd op (plain and varlen) -> (out, lse); need_lse=False (ops.call_fwd's direct path,
+    when the caller drops lse) lets the reference return lse None."""
     varlen = cu_seqlens_q is not None
+    mask = Mask(softmax_scale, window_left, window_right, sink_tokens, softcap)
     if _reference_anyway(q, backend):
         chosen = "reference"
     else:
-        problem = make_problem("fwd", q, k, sinks, window_left=window_left, window_right=window_right,
-                               sink_tokens=sink_tokens, softcap=softcap, varlen=varlen,
-                               deterministic=deterministic, softmax_scale=softmax_scale)
-        chosen = choose(problem, backend)
+        chosen = choose(Problem.of_call("fwd", q, k, sinks, mask, varlen=varlen, deterministic=deterministic), backend)
     if varlen and _checks.value_checks_on(cu_seqlens_q):
         _checks.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                         max_seqlen_k)
     if chosen == "reference":
-        return reference.attention_fwd(q, k, v, sinks,
-                                       reference.Mask(softmax_scale, window_left, window_right, sink_tokens, softcap),
-                                       cu_seqlens_q, cu_seqlens_k)
+        return reference.attention_fwd(q, k, v, sinks, mask, cu_seqlens_q, cu_seqlens_k, need_lse)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     kernels.launch_fwd(chosen, q, k, v, sinks, out, lse, softmax_scale=softmax_scale, window_left=window_left,
@@ -327,18 +343,16 @@ def _clear_tail_rows(out, lse, cu_seqlens_q) -> None:
 def run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, window_left, window_right, sink_tokens, softcap, deterministic, backend):
     """Body of the sinkattn::bwd op -> (dq, dk, dv, dsinks); dsinks is zeros without sinks."""
+    mask = Mask(softmax_scale, window_left, window_right, sink_tokens, softcap)
     if _reference_anyway(q, backend):
         chosen = "reference"
     else:
-        problem = make_problem("bwd", q, k, sinks, window_left=window_left, window_right=window_right,
-                               sink_tokens=sink_tokens, softcap=softcap, varlen=cu_seqlens_q is not None,
-                               deterministic=deterministic, softmax_scale=softmax_scale)
-        chosen = choose_backward(problem, backend)
+        chosen = choose_backward(Problem.of_call("bwd", q, k, sinks, mask, varlen=cu_seqlens_q is not None,
+                                                 deterministic=deterministic), backend)
     sink_dtype = sinks.dtype if sinks is not None else acc_dtype(q.dtype)
     if chosen == "reference":
-        dq, dk, dv, dsinks = reference.attention_bwd(
-            dout, dlse, q, k, v, sinks, out, lse,
-            reference.Mask(softmax_scale, window_left, window_right, sink_tokens, softcap), cu_seqlens_q, cu_seqlens_k)
+        dq, dk, dv, dsinks = reference.attention_bwd(dout, dlse, q, k, v, sinks, out, lse, mask, cu_seqlens_q,
+                                                     cu_seqlens_k)
         return dq, dk, dv, dsinks.to(sink_dtype)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dsinks = torch.empty((q.shape[-2],), dtype=torch.float32, device=q.device) if sinks is not None else None
@@ -358,19 +372,15 @@ def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, ro
                 backend):
     """Body of the sinkattn::kvcache_fwd op -> (out, lse): rotary and the append (kvcache.prepare), then
     attention over the cache on the chosen backend."""
+    mask = Mask(softmax_scale, window_left, window_right, sink_tokens, softcap)
     if _reference_anyway(q, backend):
         chosen = "reference"
     else:
-        problem = make_problem("kvcache", q, k_cache, sinks, window_left=window_left, window_right=window_right,
-                               sink_tokens=sink_tokens, softcap=softcap, paged=block_table is not None,
-                               softmax_scale=softmax_scale)
-        chosen = choose(problem, backend)
+        chosen = choose(Problem.of_call("kvcache", q, k_cache, sinks, mask, paged=block_table is not None), backend)
     q, seqlens_k = kvcache.prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                                    rotary_interleaved)
     if chosen == "reference":
-        return reference.attention_kvcache(
-            q, k_cache, v_cache, sinks, seqlens_k, block_table,
-            reference.Mask(softmax_scale, window_left, window_right, sink_tokens, softcap))
+        return reference.attention_kvcache(q, k_cache, v_cache, sinks, seqlens_k, block_table, mask)
     if isinstance(seqlens_k, list):  # CPU tensors (sm80-emulated): prepare read the lengths on the host
         seqlens_k = torch.tensor(seqlens_k, dtype=torch.int32, device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

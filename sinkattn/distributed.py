@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from .errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
 from .interface import flash_attn_with_sinks
 from .layout import acc_dtype
+from .mask import visible_rectangle
 
 _INF = float("inf")
 
@@ -49,31 +50,6 @@ def _merge(a, b, sinks=None):
         b = (torch.zeros_like(a[0]), torch.full_like(a[1], -_INF))
     lse_dtype = acc_dtype(a[0].dtype)
     return torch.ops.sinkattn.merge_attn_states(a[0], a[1].to(lse_dtype), b[0], b[1].to(lse_dtype), sinks)
-
-
-def visible_rectangle(sq: int, sk: int, d: int, left: int, right: int):
-    """Rows [r0, r1) and columns [c0, c1) of a chunk pair that can see anything, and the window
-    (left', right') that expresses its mask bottom-right aligned, or None if nothing is visible.
-
-    Global visibility of key j (column) to query i (row) in this pair: with d = i_start - j_start,
-    j - i <= d + right (if right >= 0) and j - i >= d - left (if left >= 0)."""
-    hi = d + right if right >= 0 else _INF   # j - i <= hi
-    lo = d - left if left >= 0 else -_INF    # j - i >= lo
-    r0 = 0 if hi == _INF else max(0, -hi)
-    r1 = sq if lo == -_INF else min(sq, sk - lo)
-    if r0 >= r1:
-        return None
-    c0 = 0 if lo == -_INF else max(0, r0 + lo)
-    c1 = sk if hi == _INF else min(sk, r1 + hi)
-    if c0 >= c1:
-        return None
-    off = (c1 - c0) - (r1 - r0)
-    new_right = -1 if hi == _INF else int(hi - c0 + r0 - off)
-    new_left = -1 if lo == -_INF else int(off - (lo - c0 + r0))
-    if (hi != _INF and new_right < 0) or (lo != -_INF and new_left < 0):  # cannot happen (see tests)
-        raise SinkattnRuntimeError(f"sinkattn.distributed: internal error cutting the chunk pair "
-                                   f"(sq={sq}, sk={sk}, d={d}, window=({left}, {right}))")
-    return int(r0), int(r1), int(c0), int(c1), new_left, new_right
 
 
 def _pair(q, k, v, q_start, k_start, opts):

@@ -12,6 +12,8 @@ import torch
 
 import sinkattn
 from sinkattn import _ext, dispatch, registry
+from sinkattn._problem import Problem
+from sinkattn.mask import Mask
 from oracle import attention_oracle, tolerance_check
 
 EMU = any(k["family"] == "sm80-emulated" and k["headdim"] == 64 and k["dtype"] == "bf16" for k in _ext.registry())
@@ -86,8 +88,7 @@ def test_threads_catch_a_difference():
 
 def test_capabilities_and_dispatch_from_threads():
     want_caps = sinkattn.capabilities()
-    problem = dispatch.make_problem("fwd", torch.empty(1, 1, 4, 64), torch.empty(1, 1, 2, 64), None, window_left=-1,
-                                    window_right=0, sink_tokens=0, softcap=0.0)
+    problem = Problem.of_call("fwd", torch.empty(1, 1, 4, 64), torch.empty(1, 1, 2, 64), None, Mask(0.125, -1, 0))
     want = {b: dispatch.why_not(b, problem) for b in ("reference", *registry.KERNEL_BACKENDS)}
     barrier = threading.Barrier(8)
 

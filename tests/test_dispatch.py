@@ -10,12 +10,12 @@ import torch
 import sinkattn
 from sinkattn import _device, _ext, dispatch, kernels
 from sinkattn._problem import Problem
+from sinkattn.mask import Mask
 from sinkattn.errors import SinkattnRuntimeError
 from oracle import single_thread  # noqa: F401  (autouse: one torch thread per test)
 
-CUDA_PROBLEM = Problem(kind="fwd", device_type="cuda", dtype=torch.bfloat16, headdim=128, headdim_v=128, nheads=8,
-                       nheads_k=8, window_left=-1, window_right=0, sink_tokens=0, softcap=0.0, has_sinks=True,
-                       varlen=False, device_index=0)
+CUDA_PROBLEM = Problem(kind="fwd", device_type="cuda", dtype=torch.bfloat16, headdim=128, nheads=8, nheads_k=8,
+                       mask=Mask(0.125, -1, 0), has_sinks=True, device_index=0)
 # The families' registry features as the binary lists them (csrc: SINKATTN_FWD_FEATURES and friends).
 FEATURES = {("sm80", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv",
             ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen",
@@ -163,7 +163,7 @@ def test_kernel_launch_points_are_called(gpu, monkeypatch):
 
 
 # ---- why_not reads the registry: features, shared memory ----------------------------------------------------
-KVCACHE_PROBLEM = dataclasses.replace(CUDA_PROBLEM, kind="kvcache", nheads_k=2, window_left=127)
+KVCACHE_PROBLEM = dataclasses.replace(CUDA_PROBLEM, kind="kvcache", nheads_k=2, mask=Mask(0.125, 127, 0))
 BWD_256 = dataclasses.replace(CUDA_PROBLEM, kind="bwd", headdim=256, headdim_v=256)
 
 
@@ -209,12 +209,12 @@ def test_paged_cache_needs_the_paged_feature(gpu, fake_registry):
 def test_every_needed_feature_is_checked(gpu, fake_registry):
     gpu["cap"] = (8, 0)
     fake_registry((entry("sm80", "fwd", features="kvcache"),))
-    problem = dataclasses.replace(CUDA_PROBLEM, sink_tokens=4, window_left=7, softcap=30.0, nheads_k=2, varlen=True)
+    problem = dataclasses.replace(CUDA_PROBLEM, mask=Mask(0.125, 7, 0, 4, 30.0), nheads_k=2, varlen=True)
     reason = dispatch.why_not("sm80", problem)
     for words in ("learnable sinks", "sink tokens", "causal masks", "sliding windows", "softcap", "GQA/MQA",
                   "varlen"):
         assert words in reason, (words, reason)
-    plain = dataclasses.replace(CUDA_PROBLEM, has_sinks=False, window_right=-1)
+    plain = dataclasses.replace(CUDA_PROBLEM, has_sinks=False, mask=Mask(0.125))
     assert dispatch.why_not("sm80", plain) is None
 
 
@@ -363,7 +363,7 @@ def test_device_smem_table_and_own_property(monkeypatch):
 @pytest.mark.needs_ext
 def test_kernels_decline_a_nonpositive_scale():
     for backend in ("sm80", "sm90", "sm80-emulated"):
-        reason = dispatch.why_not(backend, dataclasses.replace(CUDA_PROBLEM, positive_scale=False,
+        reason = dispatch.why_not(backend, dataclasses.replace(CUDA_PROBLEM, mask=Mask(-0.125, -1, 0),
                                                                device_type="cpu" if "emulated" in backend else "cuda"),
                                   capability=None if "emulated" in backend else (9, 0))
         assert reason is not None and "softmax_scale > 0" in reason, (backend, reason)

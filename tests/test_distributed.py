@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sinkattn import SinkattnRuntimeError
-from sinkattn.distributed import attend_chunks, ring_attention, visible_rectangle
+from sinkattn.distributed import attend_chunks, ring_attention
+from sinkattn.mask import visible_rectangle
 from tests.oracle import attention_oracle, visible
 
 CASES = {

@@ -11,6 +11,8 @@ import torch
 
 from bwd_cases import BwdCase, bwd_cases, run_bwd_case
 from sinkattn import _ext, kernels
+from sinkattn._problem import Problem
+from sinkattn.mask import Mask
 
 EMU = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry()
               if k["family"] == "sm80-emulated" and k["op"] == "bwd"})
@@ -62,5 +64,5 @@ def test_emulated_backward_why_not_serves_bwd():
     from sinkattn import dispatch
     hd, dt = EMU[0]
     q = torch.zeros(1, 4, 2, hd, dtype=DTYPES[dt])
-    problem = dispatch.make_problem("bwd", q, q, None, window_left=-1, window_right=-1, sink_tokens=0, softcap=0.0)
+    problem = Problem.of_call("bwd", q, q, None, Mask(0.125))
     assert dispatch.why_not("sm80-emulated", problem) is None

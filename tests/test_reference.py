@@ -11,6 +11,7 @@ import torch
 
 import sinkattn
 from sinkattn import reference
+from sinkattn.mask import Mask, key_ranges
 from oracle import attention_oracle, tolerance_check, visible
 from oracle import single_thread  # noqa: F401  (autouse: one torch thread per test)
 
@@ -194,12 +195,12 @@ def test_key_ranges_cover_the_mask_tightly(trial, rng_seed):
     sq, sk = pick(1, 200), pick(0, 200)
     left, right = pick(-1, 40), pick(-1, 40)
     n = pick(0, 8)
-    m = reference.Mask(1.0, left, right, n, 0.0)
+    m = Mask(1.0, left, right, n, 0.0)
     vis = visible(sq, sk, left, right, n)
     rows = pick(1, 50)
     for i0 in range(0, sq, rows):
         i1 = min(sq, i0 + rows)
-        ranges = reference.key_ranges(i0, i1, sk, sk - sq, m)
+        ranges = key_ranges(i0, i1, sk, sk - sq, m)
         covered = torch.zeros(sk, dtype=torch.bool)
         for j0, j1 in ranges:
             assert 0 <= j0 < j1 <= sk
@@ -211,8 +212,8 @@ def test_key_ranges_cover_the_mask_tightly(trial, rng_seed):
 
 def test_narrow_window_skips_blocks():
     """With window (127, 0) on 32k keys a chunk visits ~rows+128 keys, not the prefix."""
-    m = reference.Mask(1.0, 127, 0, 4, 0.0)
-    ranges = reference.key_ranges(30000, 30256, 32768, 0, m)
+    m = Mask(1.0, 127, 0, 4, 0.0)
+    ranges = key_ranges(30000, 30256, 32768, 0, m)
     assert ranges == [(0, 4), (30000 - 127, 30256)]
-    m_causal = reference.Mask(1.0, -1, 0, 0, 0.0)
-    assert reference.key_ranges(100, 200, 32768, 32768 - 1000, m_causal) == [(0, 32768 - 1000 + 200)]
+    m_causal = Mask(1.0, -1, 0, 0, 0.0)
+    assert key_ranges(100, 200, 32768, 32768 - 1000, m_causal) == [(0, 32768 - 1000 + 200)]

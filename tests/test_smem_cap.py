@@ -19,6 +19,8 @@ import torch
 import sinkattn
 from oracle import attention_oracle, single_thread, tolerance_check  # noqa: F401  (single_thread: autouse)
 from sinkattn import _device, _ext, capability, dispatch, kernels, report
+from sinkattn._problem import Problem
+from sinkattn.mask import Mask
 from sinkattn.errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
 
 KB = 1024
@@ -235,9 +237,8 @@ def test_capped_backward_gets_the_cap(monkeypatch, rng_seed):
 def test_capped_hd256_backward_is_declined_naming_the_cap(monkeypatch):
     """The hd256 backward's only tile needs 144 KB: under a 99 KB cap dispatch declines it, as on an A10/L4/4090."""
     monkeypatch.setattr(dispatch, "_warned", set())
-    problem = dispatch.make_problem("bwd", torch.empty(1, 8, 2, 256, dtype=torch.bfloat16),
-                                    torch.empty(1, 8, 2, 256, dtype=torch.bfloat16), torch.zeros(2), window_left=-1,
-                                    window_right=0, sink_tokens=0, softcap=0.0)
+    problem = Problem.of_call("bwd", torch.empty(1, 8, 2, 256, dtype=torch.bfloat16),
+                              torch.empty(1, 8, 2, 256, dtype=torch.bfloat16), torch.zeros(2), Mask(0.125, -1, 0))
     assert dispatch.why_not("sm80-emulated", problem) is None
     with sinkattn.sm80_smem_limit("99K"):
         reason = dispatch.why_not("sm80-emulated", problem)
@@ -272,7 +273,7 @@ def test_report_names_the_cap():
 def test_bench_comparator_is_listed_and_na_on_cpu():
     sys.path.insert(0, str(ROOT))
     from bench import __main__ as bench_main
-    from bench import comparators as C, grids
+    from bench.harness import comparators as C, grids
 
     assert "sinkattn-sm80-99k" in C.COMPARATORS and "sinkattn-sm80-99k" in C.__doc__
     assert bench_main.parse_args(["--comparators", "sinkattn,sinkattn-sm80,sinkattn-sm80-99k"]).comparators
@@ -290,7 +291,7 @@ def test_bench_comparator_off_cc90_is_na(monkeypatch):
     """On a GPU other than cc 9.0 the column says why it does not run (the 'sinkattn' column already is the
     99 KB table on cc 8.6/8.9); prepared without touching CUDA."""
     sys.path.insert(0, str(ROOT))
-    from bench import comparators as C, grids
+    from bench.harness import comparators as C, grids
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
     case = grids.get("smoke")[0]

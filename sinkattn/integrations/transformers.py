@@ -47,7 +47,7 @@ except ImportError as _e:  # pragma: no cover - exercised only without transform
                       "pip install 'transformers>=5.24,<6'") from _e
 
 from .. import reference
-from ..distributed import visible_rectangle
+from ..mask import Mask, visible_rectangle
 from ..errors import SinkattnValueError
 from ..interface import flash_attn_varlen_with_sinks, flash_attn_with_sinks
 from ..layout import acc_dtype
@@ -153,7 +153,7 @@ def _plan(mask, batch, sq, sk, left, right, nheads):
 
 def _run_ranges(q, k, v, sinks, ranges, left, right, kw):
     """Each row b attends over its keys ranges[b] with the band kept at its original positions: the
-    rows and keys of each row that can see anything are cut out (distributed.visible_rectangle) and run as
+    rows and keys of each row that can see anything are cut out (mask.visible_rectangle) and run as
     one varlen call per distinct window."""
     b, sq, h, d = q.shape
     sk = k.shape[1]
@@ -254,7 +254,7 @@ def _attend(q, k, v, s_aux, kw):
     if q.device.type == "cpu" and q.shape[1] <= reference.DIRECT_MAX_ROWS and not torch.is_grad_enabled() \
             and not torch.compiler.is_compiling():
         left, right = kw["window_size"]
-        mask = reference.Mask(kw["softmax_scale"], left, right, kw.get("sink_tokens", 0), kw["softcap"])
+        mask = Mask(kw["softmax_scale"], left, right, kw.get("sink_tokens", 0), kw["softcap"])
         return reference.attention_fwd(q, k, v, s_aux, mask)[0]
     return flash_attn_with_sinks(q, k, v, s_aux, **kw)
 
@@ -289,7 +289,7 @@ def sinkattn_attention_forward(module, query, key, value, attention_mask, dropou
     if attention_mask is None and query.device.type == "cpu" and not torch.is_grad_enabled() \
             and not torch.compiler.is_compiling():
         # CPU inference of decode size, straight on transformers' layout (see reference.decode_bhsd)
-        out = reference.decode_bhsd(query, key, value, s_aux, reference.Mask(scale, s_left, right, n_sink, cap))
+        out = reference.decode_bhsd(query, key, value, s_aux, Mask(scale, s_left, right, n_sink, cap))
         if out is not None:
             return out, None
     kw = dict(softmax_scale=scale, window_size=(s_left, right), softcap=cap)

@@ -22,6 +22,7 @@ import torch
 
 from .. import dispatch
 from .._problem import Problem
+from ..mask import Mask
 from ..interface import flash_attn_with_kvcache
 
 
@@ -62,16 +63,10 @@ def kernel_gap(head_size: int, dtype: torch.dtype, capability) -> str | None:
     reference: slow, and it reads sequence lengths on the host, which a CUDA graph cannot hold."""
     cap = (capability[0], capability[1]) if isinstance(capability, tuple) else (capability.major,
                                                                                 capability.minor)
-    problem = Problem(kind="kvcache", device_type="cuda", dtype=dtype, headdim=head_size, headdim_v=head_size,
-                      nheads=1, nheads_k=1, window_left=-1, window_right=0, sink_tokens=0, softcap=0.0,
-                      has_sinks=True, varlen=False, paged=True)
-    reasons = []
-    for backend in dispatch.preferred_backends(cap, problem) or ("sm80",):
-        reason = dispatch.why_not(backend, problem, capability=cap)
-        if reason is None:
-            return None
-        reasons.append(f"{backend}: {reason}")
-    return "; ".join(reasons)
+    problem = Problem(kind="kvcache", device_type="cuda", dtype=dtype, headdim=head_size, mask=Mask(1.0, -1, 0),
+                      has_sinks=True, paged=True)
+    chosen, declined = dispatch.plan(problem, cap)
+    return None if chosen != "reference" else dispatch.declined_text(declined)
 
 
 def write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
