@@ -170,9 +170,10 @@ def _batched(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
     d = q.shape[-1]
     window = _window(fn, window_size, causal, k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else None)
     qp, kp, vp = _pad8(fn, q, k, v)
-    out, lse = interface.flash_attn_with_sinks(
+    res = interface.flash_attn_with_sinks(
         qp, kp, vp, sinks, softmax_scale=_scale(softmax_scale, d), causal=causal, window_size=window,
-        sink_tokens=sink_tokens, softcap=softcap, return_lse=True, deterministic=deterministic, backend=backend)
+        sink_tokens=sink_tokens, softcap=softcap, return_lse=probs, deterministic=deterministic, backend=backend)
+    out, lse = res if probs else (res, None)  # (lse only when asked: the CPU fast path skips it otherwise)
     out = out[..., :v.shape[-1]] if out.shape[-1] != v.shape[-1] else out
     return (out, lse, _probs_placeholder(q)) if probs else out
 

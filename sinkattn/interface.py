@@ -38,11 +38,20 @@ from .errors import SinkattnValueError
 _CONVENTIONS = (__doc__ or "").partition("(appended at import, so help() shows them).\n")[2]
 
 
-def _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend, **flags):
-    sinks = _checks.resolve_sinks(sinks, s_aux)
-    _checks.check_backend(backend)
-    for name, value in flags.items():  # return_lse, deterministic: a truthy string is a mistake, not a yes
-        _checks.check_bool(name, value)
+def _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend, return_lse,
+              deterministic=False):
+    """The checks every public function starts with -> (sinks, (scale, left, right, sink_tokens, softcap)). (Each
+    test is the good case inline, the wording only on failure: at a tiny call these checks are a good part of the
+    time; bench/cpu_overhead.py.)"""
+    if s_aux is not None:
+        sinks = _checks.resolve_sinks(sinks, s_aux)
+    if backend not in _checks.BACKENDS:
+        _checks.check_backend(backend)
+    # return_lse, deterministic: a truthy string is a mistake, not a yes
+    if type(return_lse) is not bool:
+        _checks.check_bool("return_lse", return_lse)
+    if type(deterministic) is not bool:
+        _checks.check_bool("deterministic", deterministic)
     mask = _checks.normalize_mask(q.shape[-1], softmax_scale, causal, window_size, sink_tokens, softcap)
     return sinks, mask
 
@@ -63,7 +72,8 @@ def flash_attn_with_sinks(q, k, v, sinks=None, *, softmax_scale=None, causal=Fal
                                                     deterministic=deterministic)
     _checks.check_batched(q, k, v)
     _checks.check_sinks(sinks, q)
-    out, lse = ops.call_fwd(q, k, v, sinks, None, None, 0, 0, scale, left, right, n, cap, deterministic, backend)
+    out, lse = ops.call_fwd(q, k, v, sinks, None, None, 0, 0, scale, left, right, n, cap, deterministic, backend,
+                            need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -84,7 +94,7 @@ def flash_attn_varlen_with_sinks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _checks.check_sinks(sinks, q)
     out, lse = ops.call_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left,
-                            right, n, cap, deterministic, backend)
+                            right, n, cap, deterministic, backend, need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -118,11 +118,12 @@ def direct(*tensors) -> bool:
 
 
 def call_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-             window_right, sink_tokens, softcap, deterministic, backend):
-    """sinkattn::fwd, or its body where `direct` allows -> (out, lse)."""
+             window_right, sink_tokens, softcap, deterministic, backend, need_lse=True):
+    """sinkattn::fwd, or its body where `direct` allows -> (out, lse). need_lse=False: the caller drops lse, so the
+    body may skip it (lse None); the op itself always returns it (autograd and the schema need it)."""
     if direct(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k):
         return dispatch.run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                window_left, window_right, sink_tokens, softcap, deterministic, backend)
+                                window_left, window_right, sink_tokens, softcap, deterministic, backend, need_lse)
     return torch.ops.sinkattn.fwd.default(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           softmax_scale, window_left, window_right, sink_tokens, softcap,
                                           deterministic, backend)

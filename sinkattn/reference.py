@@ -19,11 +19,13 @@ Layer: dispatch calls `attention_fwd`, `attention_bwd` and `attention_kvcache` (
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from .layout import acc_dtype
+from .mask import Mask, key_ranges
+from .mask import fully_visible as _fully_visible
+from .mask import visible as _visible
 
 # Tile sizes, read at call time (tests shrink them to exercise tiling on short sequences).
 KEY_TILE = 512
@@ -31,56 +33,6 @@ ROW_CHUNK = 256
 # Upper bound on elements of one score tile (heads x rows x keys): 2^22 fp32 = 16 MiB, so many heads
 # shrink the row chunk instead of the memory bound.
 SCORE_BUDGET = 1 << 22
-
-
-@dataclass(frozen=True)
-class Mask:
-    """Scale, softcap and visibility of one call; `off` is set per sequence (bottom-right alignment)."""
-    scale: float
-    window_left: int
-    window_right: int
-    sink_tokens: int
-    softcap: float
-
-
-def key_ranges(i0: int, i1: int, seqlen_k: int, off: int, m: Mask) -> list[tuple[int, int]]:
-    """Half-open key ranges holding every key visible to some query row in [i0, i1).
-
-    At most two ranges: the sink tokens [0, n) and the window, merged when they touch. Each range
-    starts and ends on a key that some row of the chunk sees, so nothing wholly masked is visited.
-    """
-    wl, wr, n = m.window_left, m.window_right, m.sink_tokens
-    hi = seqlen_k if wr < 0 else min(seqlen_k, i1 - 1 + off + wr + 1)
-    if hi <= 0 or i1 <= i0:
-        return []
-    if wl < 0:
-        return [(0, hi)]
-    lo = max(0, i0 + off - wl)
-    ns = min(n, hi)  # sink tokens never reach past the right edge
-    if ns >= lo:
-        return [(0, hi)]
-    ranges = [(0, ns)] if ns > 0 else []
-    if lo < hi:
-        ranges.append((lo, hi))
-    return ranges
-
-
-def _fully_visible(i0: int, i1: int, t0: int, t1: int, off: int, m: Mask) -> bool:
-    right_ok = m.window_right < 0 or t1 - 1 <= i0 + off + m.window_right
-    left_ok = m.window_left < 0 or t0 >= i1 - 1 + off - m.window_left or t1 <= m.sink_tokens
-    return right_ok and left_ok
-
-
-def _visible(i0: int, i1: int, t0: int, t1: int, off: int, m: Mask, device, keys=None) -> torch.Tensor:
-    """(rows, keys) visibility of rows [i0, i1) and keys [t0, t1) (or the key positions `keys`)."""
-    i = torch.arange(i0, i1, device=device)[:, None]
-    j = (torch.arange(t0, t1, device=device) if keys is None else keys)[None, :]
-    ok = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool, device=device)
-    if m.window_right >= 0:
-        ok &= j <= i + off + m.window_right
-    if m.window_left >= 0:
-        ok &= (j >= i + off - m.window_left) | (j < m.sink_tokens)
-    return ok
 
 
 def _tiles(i0: int, i1: int, seqlen_k: int, off: int, m: Mask):
@@ -286,16 +238,18 @@ def _seq_bounds(cu_seqlens_q, cu_seqlens_k):
 DIRECT_MAX_ROWS = 16
 
 
-def _forward_direct(q, k, v, sink, m: Mask):
+def _forward_direct(q, k, v, sink, m: Mask, need_lse: bool = True):
     """The whole batch in one pass: q (b, sq, h, d), k/v (b, sk, hk, d), sink (h,) or None -> (out, lse). The
     same math as _forward_seq with one key tile, in fewer ops: lse = logaddexp(logsumexp(scores), sink)
     (stable for any sink, -inf and +inf included), p = exp(s - lse), out = p @ v. None when a masked key holds
-    a non-finite V (the caller takes the tiled path, which is exact there)."""
+    a non-finite V (the caller takes the tiled path, which is exact there). need_lse=False lets the fused path return
+lse None (the caller drops it)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
     if _fused_applies(q, m):
-        fused = _fused_forward(q, lambda ranges: (_take(k, ranges, 1), _take(v, ranges, 1)), sk, hk, sink, m)
+        fused = _fused_forward(q, lambda ranges: (_take(k, ranges, 1), _take(v, ranges, 1)), sk, hk, sink, m,
+                               need_lse)
         if fused is not None:
             return fused
     if sk > KEY_TILE * 16 or b * h * sq * sk > SCORE_BUDGET:
@@ -320,8 +274,9 @@ def _forward_direct(q, k, v, sink, m: Mask):
     return out.contiguous(), lse.view(b, h, sq)
 
 
-# The overload itself, not the packet: the packet's overload lookup costs a few microseconds per call.
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+# The aten kernel SDPA runs on CPU tensors, through its C binding: torch.ops' overload object costs about 3 us more
+# a call (measured at the tiny forward, where the kernel itself takes about 13 us; bench/cpu_overhead.py).
+_FLASH_CPU = torch._scaled_dot_product_flash_attention_for_cpu
 
 
 def _fused_applies(q, m: Mask) -> bool:
@@ -371,13 +326,14 @@ def _take(x, ranges, dim: int):
     return torch.cat([x.narrow(dim, t0, t1 - t0) for t0, t1 in ranges], dim)
 
 
-def _fused_forward(q, fetch, sk: int, hk: int, sink, m: Mask):
+def _fused_forward(q, fetch, sk: int, hk: int, sink, m: Mask, need_lse: bool = True):
     """q (b, sq, h, d) over sk keys (hk heads) that fetch(ranges) -> (k, v) (b, keys, hk, d) gathers, on the
     fused CPU kernel (see _fused_plan) -> (out (b, sq, h, d), lse (b, h, sq)), contiguous like the op's fake
     outputs, or None where it does not apply (the caller takes another path). A mask hides keys by adding -inf
     to their scores: a masked non-finite K makes that score NaN (inf - inf), and the kernel's p @ v turns 0 * inf
     into NaN for a masked non-finite V; with a mask and a non-finite K or V, None too (the tiled path keeps such
-    keys out exactly, see _pv). Without a mask the keys no row sees are not even gathered."""
+    keys out exactly, see _pv). Without a mask the keys no row sees are not even gathered. need_lse=False: lse may
+come back None."""
     b, sq, h, d = q.shape
     g = h // hk
     plan = _fused_plan(sq, sk, g, m)
@@ -396,7 +352,7 @@ def _fused_forward(q, fetch, sk: int, hk: int, sink, m: Mask):
     # Plain causal attention (sq == sk, one query head per KV head: top-left and bottom-right alignment agree)
     # needs no mask tensor: the kernel's own causal mode, cheaper than an additive mask at small sizes.
     causal = mask is not None and g == 1 and sq == sk and len(ranges) == 1 and _plain_causal(m)
-    out, lse = _flash_cpu_heads(qs, k.transpose(1, 2), v.transpose(1, 2), sink, m.scale, sq,
+    out, lse = _flash_cpu_heads(qs, k.transpose(1, 2), v.transpose(1, 2), sink, m.scale, sq, need_lse=need_lse,
                                 mask=None if causal else mask, is_causal=causal)
     # A masked non-finite K or V can only show as NaN in out (a NaN score, or 0 * inf in p @ v, spreads over its
     # row), never as a wrong finite value; so one reduction of out after the call replaces isfinite(k), isfinite(v)
@@ -405,11 +361,13 @@ def _fused_forward(q, fetch, sk: int, hk: int, sink, m: Mask):
     if mask is not None and not math.isfinite(float(out.sum())):
         return None
     # (the kernel writes out and lse in (b, rows, hk) memory order, transposed: lse needs a copy to be contiguous)
+    if lse is not None and sq > 1:
+        lse = lse.contiguous()
     if sq == 1:
         return out.view(b, 1, h, d), lse
     if g == 1:
-        return out.transpose(1, 2).contiguous(), lse.contiguous()
-    return out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous(), lse.contiguous()
+        return out.transpose(1, 2).contiguous(), lse
+    return out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous(), lse
 
 
 def _plain_causal(m: Mask) -> bool:
@@ -420,24 +378,30 @@ def _plain_causal(m: Mask) -> bool:
 def _flash_cpu_heads(qs, k, v, sink, scale, sq, need_lse=True, mask=None, is_causal=False):
     """qs (b, hk, g * sq, d): each KV head's query heads and rows as one block over its keys k, v (b, hk, sk, d),
     every query seeing every key (or those `mask`, additive (g * sq, sk), lets it see). PyTorch's fused CPU
-    attention (the kernel SDPA runs) gives out and lse (natural log); the sink joins afterwards:
-    lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'). -> (out like qs, lse (b, h, sq), or None when not
-    needed and there is no sink)."""
+    attention (the kernel SDPA runs) gives out and lse (natural log); the sink joins afterwards as the weight the
+    keys keep, w = e^lse / (e^lse + e^sink) = sigmoid(lse - sink): out' = out * w, lse' = lse - log w
+    (= logaddexp(lse, sink); logsigmoid is stable at every sink, -inf (w = 1) and +inf (w = 0, lse' = +inf)
+    included). -> (out like qs, lse (b, h, sq), or None when not needed)."""
     b, hk, rows, _ = qs.shape
     if mask is not None:
         out, lse = _FLASH_CPU(qs, k, v, attn_mask=mask, scale=scale)
     else:
         out, lse = _FLASH_CPU(qs, k, v, is_causal=is_causal, scale=scale)
-    if sink is None and not need_lse:
-        return out, None
-    h = hk * (rows // sq)
-    lse = lse.reshape(b, h, sq)
-    if sink is not None:
-        total = torch.logaddexp(lse, sink.view(1, h, 1))
-        # a +inf sink takes all the weight: exp(lse - inf) = 0
-        out = out * (lse - total).exp_().view(b, hk, rows, 1)
-        lse = total
-    return out, lse
+    if sink is None:
+        return out, lse.reshape(b, hk * (rows // sq), sq) if need_lse else None
+    # The sink step in lse's memory order, (b, rows, hk) with row gi * sq + i of KV head hk_i holding query head
+    # hk_i * g + gi: there every op runs over contiguous memory (across layouts each op cost 2-3x: measured).
+    g = rows // sq
+    lt = lse.transpose(1, 2).view(b, g, sq, hk)
+    x = lt - sink.view(hk, g).t().reshape(1, g, 1, hk)
+    if need_lse:
+        log_w = torch.nn.functional.logsigmoid(x)
+        w, lse = log_w.exp(), (lt - log_w).permute(0, 3, 1, 2).reshape(b, hk * g, sq)
+    else:
+        w, lse = x.sigmoid_(), None  # (one op fewer than the log form)
+    if out.transpose(1, 2).is_contiguous():  # q came as (b, rows, hk, d) memory (g == 1): out is in lse's order too
+        return (out.transpose(1, 2) * w.view(b, rows, hk, 1)).transpose(1, 2), lse
+    return out * w.view(b, rows, hk).transpose(1, 2).unsqueeze(-1), lse
 
 
 def decode_bhsd(q, k, v, sinks, mask: Mask):
@@ -458,11 +422,13 @@ def decode_bhsd(q, k, v, sinks, mask: Mask):
     return out.view(b, hk, h // hk, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d)
 
 
-def attention_fwd(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None):
-    """Batched (q (b, sq, h, d)) or varlen (q (total_q, h, d) + cu_seqlens) forward -> (out, lse)."""
+def attention_fwd(q, k, v, sinks, mask: Mask, cu_seqlens_q=None, cu_seqlens_k=None, need_lse: bool = True):
+    """Batched (q (b, sq, h, d)) or varlen (q (total_q, h, d) + cu_seqlens) forward -> (out, lse); with
+    need_lse=False lse may be None (the fused CPU path then skips the work it takes)."""
     acc_t = acc_dtype(q.dtype)
     if cu_seqlens_q is None and 0 < q.shape[1] <= DIRECT_MAX_ROWS and k.shape[1] > 0:
-        direct = _forward_direct(q, k, v, None if sinks is None else sinks.to(acc_t), mask)
+        direct = _forward_direct(q, k, v, sinks if sinks is None or sinks.dtype == acc_t else sinks.to(acc_t), mask,
+                                 need_lse)
         if direct is not None:
             return direct
     sink = _sink_vector(sinks, q.shape[-2], acc_t, q.device)
