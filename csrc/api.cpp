@@ -412,9 +412,20 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The host entries' tile mask of a padded problem, built as the kernels build theirs (seq_extent, mask_policy).
+static TileMask host_tile_mask(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n, int group = 1) {
+  AttnParams p;
+  p.seqlen_q = sq;
+  p.seqlen_k = sk;
+  p.window_left = wl;
+  p.window_right = wr;
+  p.sink_tokens = ns;
+  return TileMask{mask_policy(p, seq_extent(p, 0)), block_m, block_n, group};
+}
+
 // (n_block, m_block, needs_mask) for every M tile each key block visits in the backward (TileMask::m_range).
 static at::Tensor mask_col_blocks(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n) {
-  TileMask tm{MaskPolicy{sq, sk, wl, wr, ns}, block_m, block_n, 1};
+  TileMask const tm = host_tile_mask(sq, sk, wl, wr, ns, block_m, block_n);
   std::vector<int32_t> rows;
   int n_blocks = ceil_div(sk, block_n);
   for (int n = 0; n < n_blocks; ++n) {
@@ -428,13 +439,75 @@ static at::Tensor mask_col_blocks(int sq, int sk, int wl, int wr, int ns, int bl
 // [lo, hi) of TileMask::key_rows for every key j < seqlen_k + 2 (row0 = 0): the query rows that see key j (the
 // sm90 backward masks its transposed score tiles with it).
 static at::Tensor mask_key_rows(int sq, int sk, int wl, int wr, int ns) {
-  TileMask tm{MaskPolicy{sq, sk, wl, wr, ns}, 1, 1, 1};
+  TileMask const tm = host_tile_mask(sq, sk, wl, wr, ns, 1, 1);
   std::vector<int32_t> rows;
   for (int j = -1; j < sk + 2; ++j) {
     TileMask::KeyRows const r = tm.key_rows(j, 0);
     rows.insert(rows.end(), {j, r.lo, r.hi});
   }
   return torch::from_blob(rows.data(), {int64_t(rows.size() / 3), 3}, at::kInt).clone();
+}
+
+// (m_block, n_block, turn) for every key block that visits each M tile in the backward: BlockRange::rank of the
+// tile's range, the deterministic backward's dQ turn (the kernels wait on it).
+static at::Tensor dq_turns(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n) {
+  TileMask const tm = host_tile_mask(sq, sk, wl, wr, ns, block_m, block_n);
+  std::vector<int32_t> rows;
+  for (int m = 0; m < ceil_div(sq, block_m); ++m) {
+    BlockRange const r = tm.range(m);
+    for (int t = 0; t < r.count(); ++t) rows.insert(rows.end(), {m, r.block(t), r.rank(r.block(t))});
+  }
+  return torch::from_blob(rows.data(), {int64_t(rows.size() / 3), 3}, at::kInt).clone();
+}
+
+// Sequence b's extent and mask as a kernel sees them (seq_extent, mask_policy), and row addresses through
+// SeqExtent::q_row / k_row for the strides given ((batch, row, head) of a q-like and a k-like tensor). cu_seqlens
+// and seqused_k are host int32 tensors or None; the params hold them as the kernels' would.
+static py::dict seq_extent_host(int b, int seqlen_q, int seqlen_k, std::optional<at::Tensor> cu_seqlens_q,
+                                std::optional<at::Tensor> cu_seqlens_k, std::optional<at::Tensor> seqused_k, int wl,
+                                int wr, int ns, std::vector<int64_t> q_strides, std::vector<int64_t> k_strides,
+                                int head, int64_t row) {
+  TORCH_CHECK(q_strides.size() == 3 && k_strides.size() == 3, "seq_extent: strides are (batch, row, head)");
+  TORCH_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(), "seq_extent: cu_seqlens_q and _k go together");
+  auto ints = [](std::optional<at::Tensor> const& t) -> at::Tensor {
+    if (!t) return {};
+    TORCH_CHECK(t->device().is_cpu(), "seq_extent: host tensors");
+    return t->to(at::kInt).contiguous();
+  };
+  at::Tensor const cq = ints(cu_seqlens_q), ck = ints(cu_seqlens_k), su = ints(seqused_k);
+  FwdParams p;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.window_left = wl;
+  p.window_right = wr;
+  p.sink_tokens = ns;
+  if (cq.defined()) {
+    p.cu_seqlens_q = cq.data_ptr<int>();
+    p.cu_seqlens_k = ck.data_ptr<int>();
+  }
+  if (su.defined()) p.seqused_k = su.data_ptr<int>();
+  SeqExtent const e = seq_extent(p, b);
+  MaskPolicy const m = mask_policy(p, e);
+  py::dict d;
+  d["varlen"] = e.varlen;
+  d["q_start"] = e.q_start;
+  d["k_start"] = e.k_start;
+  d["seqlen_q"] = e.seqlen_q;
+  d["seqlen_k"] = e.seqlen_k;
+  d["mask"] = std::vector<int>{m.seqlen_q, m.seqlen_k, m.window_left, m.window_right, m.sink_tokens};
+  d["q_row"] = e.q_row(b, q_strides[0], q_strides[1], q_strides[2], head, row);
+  d["k_row"] = e.k_row(b, k_strides[0], k_strides[1], k_strides[2], head, row);
+  d["q_rows_before"] = e.q_rows_before(b, seqlen_q);
+  d["k_rows_before"] = e.k_rows_before(b, seqlen_k);
+  return d;
+}
+
+// bwd_lse of every element: the lse each backward recomputes P with (a -inf lse becomes +inf).
+static at::Tensor bwd_lse_host(at::Tensor lse) {
+  auto out = lse.to(at::kFloat).contiguous().clone();
+  float* x = out.data_ptr<float>();
+  for (int64_t i = 0; i < out.numel(); ++i) x[i] = bwd_lse(x[i]);
+  return out;
 }
 
 // Decode / chunked prefill over a KV cache that already holds the new keys: q (batch, seqlen_q, nheads, d);
@@ -514,7 +587,7 @@ static int64_t num_splits_heuristic(int64_t ctas, int64_t num_sms, int64_t n_blo
 // (m_block, n_block, needs_mask) for every block each M tile visits, in visiting order. Also checks that
 // TileMask::mask_test (the forward's per-tile form) agrees with needs_mask on every block of every tile.
 static at::Tensor mask_tile_blocks(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n, int group) {
-  TileMask tm{MaskPolicy{sq, sk, wl, wr, ns}, block_m, block_n, group};
+  TileMask const tm = host_tile_mask(sq, sk, wl, wr, ns, block_m, block_n, group);
   std::vector<int32_t> rows;
   int m_blocks = ceil_div(sq * group, block_m);
   for (int m = 0; m < m_blocks; ++m) {
@@ -537,7 +610,7 @@ static at::Tensor mask_tile_blocks(int sq, int sk, int wl, int wr, int ns, int b
 // TileMask::row_keys (the backward's form of the same bounds) agrees.
 static at::Tensor mask_apply(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n, int group, int m_block,
                              int n_block) {
-  TileMask tm{MaskPolicy{sq, sk, wl, wr, ns}, block_m, block_n, group};
+  TileMask const tm = host_tile_mask(sq, sk, wl, wr, ns, block_m, block_n, group);
   auto out = at::zeros({block_m, block_n}, at::kBool);
   auto a = out.accessor<bool, 2>();
   for (int r = 0; r < block_m; ++r) {
@@ -600,7 +673,7 @@ static py::dict bwd_tile(int headdim, int max_smem) {
 }
 
 static at::Tensor mask_visible(int sq, int sk, int wl, int wr, int ns) {
-  MaskPolicy p{sq, sk, wl, wr, ns};
+  MaskPolicy const p = host_tile_mask(sq, sk, wl, wr, ns, 1, 1).p;
   auto out = at::zeros({sq, sk}, at::kBool);
   auto a = out.accessor<bool, 2>();
   for (int i = 0; i < sq; ++i)
@@ -654,6 +727,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mask_key_rows", &mask_key_rows, "host entry: the query rows [lo, hi) that see each key (TileMask::key_rows)",
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("window_left"), py::arg("window_right"), py::arg("sink_tokens"));
   m.def("mask_visible", &mask_visible, "host entry: the element visibility of the mask policy");
+  m.def("dq_turns", &dq_turns, "host entry: (m_block, n_block, turn) of the deterministic backward's dQ order",
+        py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"));
+  m.def("seq_extent", &seq_extent_host, "host entry: sequence b's extent, mask policy and row addresses",
+        py::arg("b"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
+        py::arg("seqused_k"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("q_strides"), py::arg("k_strides"),
+        py::arg("head"), py::arg("row"));
+  m.def("bwd_lse", &bwd_lse_host, "host entry: the lse the backward recomputes P with (bwd_lse)");
   m.def("mask_apply", &mask_apply, "host entry: the element mask TileMask::apply gives one tile (true = hidden)",
         py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"),
         py::arg("group"), py::arg("m_block"), py::arg("n_block"));

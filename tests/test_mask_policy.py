@@ -350,3 +350,15 @@ def test_merge_weights_scalar_sink_broadcasts():
     assert abs(lse[0].item() - math.log(4.0)) < 1e-6
     assert abs(wa[1].item() - math.e / (math.e + 2)) < 1e-6 and wb[1].item() == 0.0
     assert wa[2].item() == 0.0 and wb[2].item() == 0.0 and abs(lse[2].item() - math.log(2.0)) < 1e-6
+
+
+@pytest.mark.skipif(C is None or not hasattr(C, "bwd_lse"), reason="no compiled extension with bwd_lse")
+def test_bwd_lse_turns_an_empty_rows_lse_into_plus_inf():
+    """The lse every backward recomputes P = exp(s - lse) with: the forward's, except the -inf of a row that saw no
+    key and has no sink (finalize_rows gives it), which becomes +inf so P = 0 there and not NaN."""
+    lse = torch.tensor([-math.inf, math.inf, 0.0, -30.5, 88.0, -1e30, 1e-30])
+    got = C.bwd_lse(lse)
+    assert got.tolist() == [math.inf, math.inf, 0.0, -30.5, 88.0, -1e30, 1e-30]
+    _, empty = C.finalize_rows(torch.tensor([-math.inf]), torch.tensor([0.0]), torch.tensor([-math.inf]))
+    p = torch.exp(torch.tensor([-math.inf, 3.0]) - C.bwd_lse(empty))
+    assert p.tolist() == [0.0, 0.0], "an empty row's P is 0 for masked and unmasked scores alike"

@@ -114,3 +114,32 @@ def test_key_rows_edge_and_random(rng_seed):
     rnd = random.Random(rng_seed)
     for (sq, sk, wl, wr, ns) in _random_problems(rnd, 150):
         check_key_rows(sq, sk, wl, wr, ns, where=f"seed {rng_seed}: ")
+
+
+# ---- the deterministic backward's dQ turn (BlockRange::rank) -----------------------------------------------
+def check_dq_turns(sq, sk, wl, wr, ns, bm, bn, where=""):
+    """Per M tile, the key blocks that add into it (mask_col_blocks' visitors of that tile) take turns 0, 1, ...
+    in increasing key-block order: the turn each waits for is its rank among them, so none waits forever."""
+    tag = f"{where}dq_turns{(sq, sk, wl, wr, ns, bm, bn)}"
+    visitors = {}
+    for n, m, _ in C.mask_col_blocks(sq, sk, wl, wr, ns, bm, bn).tolist():
+        visitors.setdefault(m, []).append(n)
+    turns = {}
+    for m, n, turn in C.dq_turns(sq, sk, wl, wr, ns, bm, bn).tolist():
+        assert (m, n) not in turns, f"{tag}: M tile {m}, key block {n} twice"
+        turns[(m, n)] = turn
+    assert set(turns) == {(m, n) for m, ns_ in visitors.items() for n in ns_}, f"{tag}: visitors differ from m_range"
+    for m, blocks in visitors.items():
+        got = [turns[(m, n)] for n in sorted(blocks)]
+        assert got == list(range(len(blocks))), f"{tag}: M tile {m}, key blocks {sorted(blocks)} take turns {got}"
+
+
+@pytest.mark.skipif(C is None or not hasattr(C, "dq_turns"), reason="no compiled extension with dq_turns")
+def test_dq_turns_are_ranks(rng_seed):
+    check_dq_turns(64, 64, 3, 0, 20, 16, 16)  # sink blocks and window blocks with a gap between them
+    for bm, bn in BLOCKS:
+        for (sq, sk, wl, wr, ns) in _edge_problems():
+            check_dq_turns(sq, sk, wl, wr, ns, bm, bn)
+    rnd = random.Random(rng_seed)
+    for (sq, sk, wl, wr, ns) in _random_problems(rnd, 60):
+        check_dq_turns(sq, sk, wl, wr, ns, *rnd.choice(BLOCKS), where=f"seed {rng_seed}: ")

@@ -141,3 +141,32 @@ def test_registry_records_each_kernels_smallest_tile():
             assert 100 * KB < k["smem_bytes"] <= 227 * KB and "kvcache" not in k["features"], k
     bwd256 = [k for k in reg if k["op"] == "bwd" and k["headdim"] == 256]
     assert all(k["smem_bytes"] == 144 * KB for k in bwd256), "the hd256 backward needs 144 KB"
+
+
+# ---- the sequence extent, its mask policy and row addresses ------------------------------------------------
+@pytest.mark.skipif(C is None or not hasattr(C, "seq_extent"), reason="no compiled extension with seq_extent")
+def test_seq_extent_mask_policy_and_row_addresses():
+    """seq_extent + mask_policy (the one builder every kernel uses) and SeqExtent::q_row / k_row, against the
+    layouts written out: padded rows b * batch_stride + row * row_stride + head * head_stride, packed (varlen) rows
+    (cu_seqlens[b] + row) * row_stride + head * head_stride; a KV cache's seqused_k overrides seqlen_k."""
+    qs, ks = [7000, 96, 8], [5000, 40, 8]  # (batch, row, head) strides of a q-like and a k-like tensor
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+    # padded
+    e = C.seq_extent(2, 30, 50, None, None, None, 7, 0, 4, qs, ks, 3, 11)
+    assert (e["varlen"], e["q_start"], e["k_start"], e["seqlen_q"], e["seqlen_k"]) == (False, 0, 0, 30, 50)
+    assert e["mask"] == [30, 50, 7, 0, 4]
+    assert e["q_row"] == 2 * 7000 + 11 * 96 + 3 * 8 and e["k_row"] == 2 * 5000 + 11 * 40 + 3 * 8
+    assert (e["q_rows_before"], e["k_rows_before"]) == (60, 100)
+    # the sequence's base: row 0, head 0
+    assert C.seq_extent(1, 30, 50, None, None, None, -1, -1, 0, qs, ks, 0, 0)["q_row"] == 7000
+    # varlen: sequence 1 holds packed q rows [5, 12) and k rows [9, 30)
+    cq, ck = i32([0, 5, 12]), i32([0, 9, 30])
+    e = C.seq_extent(1, 64, 64, cq, ck, None, -1, 0, 0, qs, ks, 2, 4)
+    assert (e["varlen"], e["q_start"], e["k_start"], e["seqlen_q"], e["seqlen_k"]) == (True, 5, 9, 7, 21)
+    assert e["mask"] == [7, 21, -1, 0, 0], "the mask is the sequence's, not the batch maximum"
+    assert e["q_row"] == (5 + 4) * 96 + 2 * 8 and e["k_row"] == (9 + 4) * 40 + 2 * 8, "varlen ignores batch strides"
+    assert (e["q_rows_before"], e["k_rows_before"]) == (5, 9)
+    # a KV cache: sequence 1 holds 17 keys of a 64-key cache
+    e = C.seq_extent(1, 3, 64, None, None, i32([40, 17]), 100, 0, 2, qs, ks, 1, 0)
+    assert (e["seqlen_q"], e["seqlen_k"]) == (3, 17) and e["mask"] == [3, 17, 100, 0, 2]
+    assert e["k_row"] == 5000 + 8
