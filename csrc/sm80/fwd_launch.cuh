@@ -1,23 +1,63 @@
-// fwd_launch.cuh: the launcher of the sm80 forward (nvcc only, no torch): picks the tile configuration
-// (fwd_config.h) and launches it, then the split-KV combine.
+// fwd_launch.cuh: the sm80 forward on the GPU (nvcc only, no torch): the __global__ wrapper of the kernel body
+// (fwd_kernel.h), the launch of one tile configuration, the launcher that picks the configuration
+// (fwd_config.h), and the split-KV combine after it.
 //
-// The tiles are compiled in two translation units per head dim and dtype (generate_kernels.py), so neither
-// holds every configuration: the one named fwd_sm80_hdim*_* holds run_fwd_sm80 and the row tiles, the one
-// named *_keys the key-group (decode) tiles, reached through launch_fwd_part. The unit that does not compile a
-// part sees launch_fwd_part for it as an explicit instantiation declaration (extern template, written by the
-// generator), so its kernels are not instantiated twice. Measured on the 2-core dev machine: one unit of all
-// the tiles took 83-87 s at hd64/hd128 (sm_80 + sm_90 SASS), which the split halves and runs in parallel.
+// The tiles are compiled in three translation units per head dim and dtype (generate_kernels.py), one per
+// FwdUnit (fwd_config.h), so none holds every configuration: the one named fwd_sm80_hdim*_* holds run_fwd_sm80
+// and the row tiles, the one named *_keys the key-group (decode) tiles, the one named *_softcap the prefill
+// tiles that serve softcap; the launcher reaches the others through launch_fwd_part. A unit that does not
+// compile a part sees launch_fwd_part for it as an explicit instantiation declaration (extern template, written
+// by the generator), so its kernels are not instantiated twice. Measured on the 2-core dev machine: one unit of
+// all the tiles took 83-87 s at hd64/hd128 (sm_80 + sm_90 SASS), which the split divides and runs in parallel.
 #pragma once
 #include <cuda_runtime.h>
 
 #include "build_info.h"
+#include "common/combine.h"
 #include "params.h"
 #include "sm80/fwd_config.h"
-#include "sm80/fwd_tile.cuh"
+#include "sm80/fwd_kernel.h"
+#include "sm80/launch_tile.cuh"
+#include "sm80/prims_gpu.cuh"
 
 namespace sinkattn {
 
 namespace sm80 {
+
+// Key-group (decode) tiles declare at least one CTA per SM: without it ptxas held their 128 threads to 168
+// registers and spilled 16-40 bytes; their shared memory, not registers, bounds how many CTAs share an SM.
+template <class Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kSplitKeys ? 1 : 0) fwd_kernel(__grid_constant__ const FwdParams p, FwdTileOrder const grid) {
+  extern __shared__ __align__(128) char smem[];
+  int m_block, split, head, batch;
+  grid.decode(blockIdx.x, m_block, split, head, batch);
+  fwd_block<Kt>(p, smem, threadIdx.x, m_block, batch, head, split);
+}
+
+// One warp per output row (batch, head, query).
+template <class Element>
+__global__ void combine_kernel(__grid_constant__ const FwdParams p) {
+  int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
+  int64_t const warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
+    int const i = int(r % p.seqlen_q), h = int((r / p.seqlen_q) % p.nheads), b = int(r / (int64_t(p.seqlen_q) * p.nheads));
+    combine_row<Element>(p, b, h, i, threadIdx.x % 32, 32);
+  }
+}
+
+// One tile configuration's launch.
+template <class Kt>
+void launch_fwd_tile(FwdParams const& p, cudaStream_t stream) {
+  FwdTileOrder const grid = fwd_tile_order<Kt::kBlockM>(p);
+  launch_tile_kernel("fwd", fwd_kernel<Kt>, grid.count(), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
+}
+
+template <class Element>
+void launch_fwd_combine(FwdParams const& p, cudaStream_t stream) {
+  int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
+  int const blocks = int(rows / 4 + 1 < (1 << 20) ? rows / 4 + 1 : (1 << 20));
+  combine_kernel<Element><<<blocks, 128, 0, stream>>>(p);
+}
 
 // The tiles of `kUnit` for this problem (never called with a problem whose tile another unit compiles).
 template <int kHeadDim, class Element, FwdUnit kUnit>
