@@ -67,6 +67,7 @@ static py::dict build_info() {
   d["requested_archs"] = SINKATTN_REQUESTED_ARCHS;
   d["native_gpus"] = SINKATTN_NATIVE_GPUS;  // SINKATTN_CUDA_ARCHS=native: the GPUs the archs came from
   d["requested_headdims"] = SINKATTN_REQUESTED_HEADDIMS;
+  d["kernel_headdims"] = kernel_headdims();  // build_info.h kKernelHeadDims (sinkattn/layout.py reads it)
   d["requested_dtypes"] = SINKATTN_REQUESTED_DTYPES;
   d["emulation"] = bool(SINKATTN_EMULATION_BUILT);
   d["cutlass_version_header"] = SINKATTN_CUTLASS_VERSION;

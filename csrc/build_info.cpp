@@ -1,5 +1,7 @@
 #include "build_info.h"
 
+#include <iterator>
+
 namespace sinkattn {
 
 static std::vector<KernelInfo>& registry_storage() {
@@ -13,6 +15,8 @@ int register_kernel(KernelInfo const& info) {
 }
 
 std::vector<KernelInfo> const& kernel_registry() { return registry_storage(); }
+
+std::vector<int> kernel_headdims() { return {std::begin(kKernelHeadDims), std::end(kKernelHeadDims)}; }
 
 KernelInfo const* find_kernel(std::string const& family, std::string const& op, int headdim, std::string const& dtype) {
   for (auto const& k : registry_storage()) {

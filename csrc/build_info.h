@@ -21,6 +21,13 @@ struct KernelInfo {
   void* fn;              // the launcher; its signature is fixed per (family, op)
 };
 
+// The head dims the kernels are instantiated for, the one list of them: SINKATTN_HEADDIMS picks among these, and a
+// call runs on the smallest one that holds its head dim (the kernels pad the rest). csrc/generate_kernels.py parses
+// this declaration (keep it one line, of this form) and build_info()["kernel_headdims"] exports it, which
+// sinkattn/layout.py reads.
+inline constexpr int kKernelHeadDims[] = {64, 128, 256};
+std::vector<int> kernel_headdims();  // kKernelHeadDims, for the extension's build_info
+
 int register_kernel(KernelInfo const& info);
 std::vector<KernelInfo> const& kernel_registry();
 KernelInfo const* find_kernel(std::string const& family, std::string const& op, int headdim, std::string const& dtype);

@@ -1,10 +1,11 @@
 """The one source of the instantiation grid.
 
-Every compiled kernel is listed here: its family (which decides the gencode flags it is built with),
-its op, head dim and dtype. `generate(out_dir, grid)` writes one translation unit per kernel into
-csrc/instantiations/ and returns the list of (source, family) pairs the build compiles. Each
-translation unit registers itself in the binary's kernel registry (csrc/build_info.h) with the archs
-it was really compiled for, so the capability report reads what the binary holds, not this file.
+Every compiled kernel kind is listed here (KINDS: its family, which decides the gencode flags it is built with,
+its op, launcher and registry entry); which head dims it has, and which of them compile in parts, come from the
+C++ tables themselves (read strictly below), and the tuning variants from sweep_grid.py. `generate(out_dir, grid)`
+writes one translation unit per kernel into csrc/instantiations/ and returns the list of (source, family) pairs
+the build compiles. Each translation unit registers itself in the binary's kernel registry (csrc/build_info.h)
+with the archs it was really compiled for, so the capability report reads what the binary holds, not this file.
 
 Environment knobs (read by setup.py and passed in as `Grid`):
     SINKATTN_CUDA_ARCHS  "80;90a" (default), or "native": the archs of the GPUs visible at build time
@@ -13,13 +14,13 @@ Environment knobs (read by setup.py and passed in as `Grid`):
                          100/120 build native SASS of the portable families for Blackwell. The sm80
                          family also embeds compute_80 PTX, which the driver JIT-compiles on any
                          newer GPU that has no SASS of its own in the build.
-    SINKATTN_HEADDIMS    "64,128,256" (default)
+    SINKATTN_HEADDIMS    "64,128,256" (default: build_info.h kKernelHeadDims, the one list of them)
     SINKATTN_DTYPES      "bf16,fp16" (default)
     SINKATTN_EMULATION   "0" (default): the host-emulated sm80 kernels are a test facility (the CPU tests run
                          the kernels' logic through them); `make test` builds them with "1". An emulation build
                          also holds SWEEP_EMU_SMOKE, the one emulated tuning variant the CPU tests run the sweep with.
     SINKATTN_SWEEP       "0" (default): no tuning variants. "1": the whole tuning grid of `make gpu-sweep`
-                         (SWEEP_SM90, SWEEP_SM80 below, at the grid's head dims and dtypes; with emulation on,
+                         (sweep_grid.py SWEEP_SM90, SWEEP_SM80, at the grid's head dims and dtypes; with emulation on,
                          the sm80 variants' emulated twins too); or comma-separated substrings: only the variants
                          whose name holds one of them (e.g. "sm90_hdim128"). Variants are registered by name
                          (family "<family>-sweep") and never picked by dispatch; bench/sweep.py runs them.
@@ -27,9 +28,16 @@ Environment knobs (read by setup.py and passed in as `Grid`):
 from __future__ import annotations
 
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 
-ALL_HEADDIMS = (64, 128, 256)
+CSRC = os.path.dirname(os.path.abspath(__file__))
+if CSRC not in sys.path:  # the tuning grid beside this file (setup.py and the tests load this file by path)
+    sys.path.insert(0, CSRC)
+from sweep_grid import (SMOKE_KIND, SWEEP_EMU_SMOKE, SWEEP_SM80, SWEEP_SM90, VARIANTS,  # noqa: E402,F401
+                        Sm80Variant, Sm90Variant, variant_name)
+
 ALL_DTYPES = ("bf16", "fp16")
 KNOWN_ARCHS = ("80", "86", "89", "90a", "100", "120")
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
@@ -170,91 +178,207 @@ class Unit:
     registers: bool = True  # False: a part of a kernel whose launcher (and registry entry) is in another unit
 
 
-# The attention kernel units: (header, launcher, its params and launch argument, registry family, features
-# macro, build family). Each unit instantiates one (head dim, dtype) of a launcher and registers it.
-_KERNEL_UNITS = {
-    "fwd_sm80": ("sm80/fwd_launch.cuh", "run_fwd_sm80", "FwdParams", "cudaStream_t", "sm80",
-                 "SINKATTN_FWD_FEATURES", "sm80"),
-    "fwd_sm90": ("sm90/fwd_launch.cuh", "run_fwd_sm90", "FwdParams", "cudaStream_t", "sm90",
-                 "SINKATTN_FWD_SM90_FEATURES", "sm90"),
-    "fwd_emu": ("emu/fwd_sm80_emu.h", "run_fwd_sm80_emulated", "FwdParams", "EmuLaunch const&", "sm80-emulated",
-                "SINKATTN_FWD_FEATURES", "emu"),
-    "bwd_sm80": ("sm80/bwd_launch.cuh", "run_bwd_sm80", "BwdParams", "cudaStream_t", "sm80",
-                 "SINKATTN_BWD_FEATURES", "sm80"),
-    "bwd_sm90": ("sm90/bwd_launch.cuh", "run_bwd_sm90", "BwdParams", "cudaStream_t", "sm90",
-                 "SINKATTN_BWD_SM90_FEATURES", "sm90"),
-    "bwd_emu": ("emu/bwd_sm80_emu.h", "run_bwd_sm80_emulated", "BwdParams", "EmuLaunch const&", "sm80-emulated",
-                "SINKATTN_BWD_FEATURES", "emu"),
-}
-
-# The registry's smem_bytes of each kind: the smallest tile of the head dim's table (sm80/fwd_tiles.h,
-# sm80/bwd_tiles.h, sm90/fwd_tiles.h), read from the table itself so that dispatch never repeats it.
-_SMEM_BYTES = {
-    "fwd_sm80": "sm80::fwd_min_smem<{hdim}>()",
-    "fwd_emu": "sm80::fwd_min_smem<{hdim}>()",
-    "bwd_sm80": "sm80::bwd_min_smem<{hdim}>()",
-    "bwd_emu": "sm80::bwd_min_smem<{hdim}>()",
-    "fwd_sm90": "sm90::fwd_min_smem<{hdim}>()",
-    "bwd_sm90": "sm90::bwd_min_smem<{hdim}>()",
-}
-
-# Head dims a kind has no tile for (the others' kernels serve them; the capability report says which): the sm90
-# backward's dK and dV alone would take 256 registers per thread at head dim 256 (sm90/bwd_tiles.h).
-_NO_TILE = {"bwd_sm90": (256,)}
+# ---- the facts the C++ tables own, read from them -------------------------------------------------------------
+# Strict readers of clearly marked declarations: anything that is not exactly of the declared form stops the build
+# with the file and what was expected, so a table and the units cannot drift apart silently.
+def _table_error(where: str, msg: str) -> SystemExit:
+    return SystemExit(f"sinkattn build: csrc/{where}: {msg} (csrc/generate_kernels.py reads it; docs/DESIGN.md "
+                      "section 3)")
 
 
-# The sm80 kernels' tile configurations are compiled in parts (FwdUnit / BwdUnit in sm80/fwd_config.h and
-# bwd_config.h; fwd_launch.cuh says how): the first part rides with the launcher's unit, each other part gets a
-# unit of its own, named with its suffix, which the build compiles in parallel. Per kind: the launcher's part
-# template, the enum, and per head dim the parts beyond the first as (enumerator, unit name suffix).
-_PARTS = {
-    "fwd_sm80": ("sm80::launch_fwd_part", "sm80::FwdUnit", "FwdParams",
-                 {h: (("kKeyGroups", "_keys"), ("kSoftcap", "_softcap")) for h in ALL_HEADDIMS}),
-    "bwd_sm80": ("sm80::launch_bwd_part", "sm80::BwdUnit", "BwdParams",
-                 {h: ((("kSmallSmem", "_small"),) if h == 128 else ()) + (("kSoftcap", "_softcap"),)
-                  for h in ALL_HEADDIMS}),
-    "fwd_emu": ("sm80::launch_fwd_part_emulated", "sm80::FwdUnit", "FwdParams",
-                {h: (("kKeyGroups", "_keys"), ("kSoftcap", "_softcap")) for h in ALL_HEADDIMS}),
-}
+def _read(rel: str) -> str:
+    with open(os.path.join(CSRC, rel)) as f:
+        return f.read()
 
 
-def _part_fn(kind: str, hdim: int, dtype: str, part: str) -> str:
-    fn, enum, params, _ = _PARTS[kind]
-    return f"{fn}<{hdim}, {CPP_DTYPE[dtype]}, {enum}::{part}>({params} const&, {_KERNEL_UNITS[kind][3]})"
+def parse_headdims(text: str, where: str = "build_info.h") -> tuple[int, ...]:
+    """kKernelHeadDims: `inline constexpr int kKernelHeadDims[] = {64, 128, 256};` on one line, ascending."""
+    lines = [ln for ln in text.splitlines() if "constexpr" in ln and "kKernelHeadDims" in ln]
+    m = re.fullmatch(r"inline constexpr int kKernelHeadDims\[\] = \{((?:\s*\d+\s*,)*\s*\d+\s*)\};(\s*//.*)?",
+                     lines[0].strip()) if len(lines) == 1 else None
+    if m is None:
+        raise _table_error(where, f"expected one line `inline constexpr int kKernelHeadDims[] = {{64, 128, 256}};`, "
+                                  f"found {len(lines)} declaration line(s): {lines!r}")
+    hds = tuple(int(x) for x in m.group(1).split(","))
+    if list(hds) != sorted(set(hds)):
+        raise _table_error(where, f"kKernelHeadDims must be ascending without repeats (got {hds})")
+    return hds
 
 
-def _parts(kind: str, hdim: int) -> tuple:
-    return _PARTS[kind][3].get(hdim, ()) if kind in _PARTS else ()
+def parse_tile_headdims(text: str, table: str, where: str, known: tuple[int, ...]) -> tuple[int, ...]:
+    """The head dims a tile table has: its specializations, each `template <> struct <table><N> {` at a line's
+    start. Any other `<table><digit` in the file (a specialization written another way) stops the build."""
+    strict = [int(h) for h in re.findall(rf"^template <> struct {table}<(\d+)> \{{", text, re.M)]
+    mentions = len(re.findall(rf"\b{table}<\s*\d", text))
+    if not strict or mentions != len(strict):
+        raise _table_error(where, f"expected each specialization of {table} as `template <> struct {table}<N> {{` at "
+                                  f"a line's start; {len(strict)} of {mentions} read")
+    bad = [h for h in strict if h not in known] + [h for h in set(strict) if strict.count(h) > 1]
+    if bad:
+        raise _table_error(where, f"{table}<{bad[0]}>: not once, or not in build_info.h kKernelHeadDims {known}")
+    return tuple(sorted(strict))
 
 
-def _part_unit(kind: str, hdim: int, dtype: str, part: str, suffix: str) -> Unit:
-    header = _KERNEL_UNITS[kind][0]
-    name = f"{kind}_hdim{hdim}_{dtype}"
+def parse_parts(text: str, enum: str, array: str, where: str, known: tuple[int, ...]) -> dict[int, tuple[str, ...]]:
+    """A parts declaration: `enum class <enum> { kFirst, kPart, ... };` (kFirst: the launcher's own part) and
+    `inline constexpr <T> <array>[] = { {N, <enum>::kPart}, ... };`. Per head dim, its other parts in order."""
+    enums = re.findall(rf"^enum class {enum} \{{([^{{}}]*)\}};", text, re.M)
+    names = [x.strip() for x in enums[0].split(",")] if len(enums) == 1 else []
+    if not names or not all(re.fullmatch(r"k\w+", x) for x in names):
+        raise _table_error(where, f"expected one line `enum class {enum} {{ kFirst, kOther, ... }};`")
+    decls = re.findall(rf"^inline constexpr \w+ {array}\[\] = \{{\n(.*?)\n\}};$", text, re.M | re.S)
+    if len(decls) != 1:
+        raise _table_error(where, f"expected one `inline constexpr ... {array}[] = {{` ... `}};` (the closing line "
+                                  "alone), found " + str(len(decls)))
+    entry = rf"\{{(\d+), {enum}::(k\w+)\}},"
+    body = decls[0]
+    rest = re.sub(entry, "", body)
+    if rest.strip():
+        raise _table_error(where, f"{array}: cannot read {rest.strip()[:60]!r}; each entry is `{{N, {enum}::kPart}},`")
+    out: dict[int, tuple[str, ...]] = {}
+    for h, part in re.findall(entry, body):
+        h = int(h)
+        if h not in known:
+            raise _table_error(where, f"{array}: head dim {h} is not in build_info.h kKernelHeadDims {known}")
+        if part not in names[1:]:
+            raise _table_error(where, f"{array}: {part} is not a part of enum {enum} other than the launcher's "
+                                      f"{names[0]} (parts: {', '.join(names[1:])})")
+        if part in out.get(h, ()):
+            raise _table_error(where, f"{array}: {{{h}, {enum}::{part}}} is listed twice")
+        out[h] = out.get(h, ()) + (part,)
+    return out
+
+
+ALL_HEADDIMS = parse_headdims(_read("build_info.h"))  # the head dims SINKATTN_HEADDIMS picks among
+
+
+# ---- the kernel kinds: the one table ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Parts:
+    """A kind whose tile configurations are compiled in parts (FwdUnit / BwdUnit in sm80/fwd_config.h and
+    bwd_config.h; fwd_launch.cuh says how): the launcher's part rides with its unit, each other part the C++
+    declaration lists for the head dim gets a unit of its own, named with its suffix, built in parallel."""
+    template: str   # the part launcher template <head dim, element, part>
+    enum: str       # the part enum (in the kind's namespace)
+    declared: str   # the header declaring, next to the enum, which head dims have which parts
+    array: str      # that declaration's name
+
+
+# The unit name suffix of each part.
+PART_SUFFIX = {"kKeyGroups": "_keys", "kSoftcap": "_softcap", "kSmallSmem": "_small"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One attention kernel kind. Each unit instantiates one (head dim, dtype) of its launcher and registers it; a
+    head dim without a tile in the kind's table gets no unit (the other kinds serve it; the report says which)."""
+    name: str               # "<op>_<backend>", the units' name prefix; op "fwd" or "bwd" (FwdParams / BwdParams)
+    family: str             # build family: "sm80", "sm90" (nvcc, with its gencode flags) or "emu" (host C++)
+    ns: str                 # namespace of its tile table and <op>_min_smem (the registry's smem_bytes)
+    header: str             # what its units include
+    launcher: str           # the registered launcher template <head dim, element>
+    launch_arg: str         # the launcher's second parameter
+    registry_family: str    # the registry's family (a tuning variant's: this + "-sweep")
+    features: str           # the macro of what it serves (the registry records it, dispatch reads it)
+    tiles: str              # the tile table's header, whose specializations of `table` name its head dims
+    table: str
+    parts: Parts | None = None
+    variant_launcher: str | None = None  # the launcher template a tuning variant's tile instantiates (sweep_grid.py)
+
+    @property
+    def op(self) -> str:
+        return self.name.split("_")[0]
+
+    @property
+    def params(self) -> str:
+        return f"{self.op.capitalize()}Params"
+
+    def smem_bytes(self, hdim: int) -> str:
+        """The registry's smem_bytes: the smallest tile of the head dim's table, read from the table itself."""
+        return f"{self.ns}::{self.op}_min_smem<{hdim}>()"
+
+
+_FWD_PARTS = dict(enum="FwdUnit", declared="sm80/fwd_config.h", array="kFwdParts")
+KINDS = (
+    Kind("fwd_sm80", "sm80", "sm80", "sm80/fwd_launch.cuh", "run_fwd_sm80", "cudaStream_t", "sm80",
+         "SINKATTN_FWD_FEATURES", "sm80/fwd_tiles.h", "FwdTilesOf", Parts("sm80::launch_fwd_part", **_FWD_PARTS),
+         "sm80::launch_fwd_variant"),
+    Kind("bwd_sm80", "sm80", "sm80", "sm80/bwd_launch.cuh", "run_bwd_sm80", "cudaStream_t", "sm80",
+         "SINKATTN_BWD_FEATURES", "sm80/bwd_tiles.h", "BwdTilesOf",
+         Parts("sm80::launch_bwd_part", "BwdUnit", "sm80/bwd_config.h", "kBwdParts")),
+    Kind("fwd_sm90", "sm90", "sm90", "sm90/fwd_launch.cuh", "run_fwd_sm90", "cudaStream_t", "sm90",
+         "SINKATTN_FWD_SM90_FEATURES", "sm90/fwd_tiles.h", "FwdTileOf", variant_launcher="sm90::launch_fwd"),
+    Kind("bwd_sm90", "sm90", "sm90", "sm90/bwd_launch.cuh", "run_bwd_sm90", "cudaStream_t", "sm90",
+         "SINKATTN_BWD_SM90_FEATURES", "sm90/bwd_tiles.h", "BwdTileOf"),
+    Kind("fwd_emu", "emu", "sm80", "emu/fwd_sm80_emu.h", "run_fwd_sm80_emulated", "EmuLaunch const&", "sm80-emulated",
+         "SINKATTN_FWD_FEATURES", "sm80/fwd_tiles.h", "FwdTilesOf",
+         Parts("sm80::launch_fwd_part_emulated", **_FWD_PARTS), "sm80::launch_fwd_variant_emulated"),
+    # The emulated backward is one unit per (head dim, dtype): its host compile is short.
+    Kind("bwd_emu", "emu", "sm80", "emu/bwd_sm80_emu.h", "run_bwd_sm80_emulated", "EmuLaunch const&", "sm80-emulated",
+         "SINKATTN_BWD_FEATURES", "sm80/bwd_tiles.h", "BwdTilesOf"),
+)
+KIND = {k.name: k for k in KINDS}
+
+
+def _read_tables() -> tuple[dict, dict]:
+    headdims, parts = {}, {}
+    for k in KINDS:
+        headdims[k.name] = parse_tile_headdims(_read(k.tiles), k.table, k.tiles, ALL_HEADDIMS)
+        if k.parts:
+            declared = parse_parts(_read(k.parts.declared), k.parts.enum, k.parts.array, k.parts.declared,
+                                   ALL_HEADDIMS)
+            for part in {p for ps in declared.values() for p in ps} - set(PART_SUFFIX):
+                raise _table_error(k.parts.declared, f"{part} has no unit name suffix: add it to PART_SUFFIX in "
+                                                     "csrc/generate_kernels.py")
+            parts[k.name] = declared
+    return headdims, parts
+
+
+# Per kind: the head dims its table has a tile for, and per head dim its parts beyond the launcher's.
+TILE_HEADDIMS, PARTS = _read_tables()
+
+
+def _enabled(family: str, grid: Grid) -> bool:
+    if family == "emu":
+        return grid.emulation
+    return family in grid.families and bool(family_targets(family, grid.archs))
+
+
+def _part_fn(kind: Kind, hdim: int, dtype: str, part: str) -> str:
+    return (f"{kind.parts.template}<{hdim}, {CPP_DTYPE[dtype]}, {kind.ns}::{kind.parts.enum}::{part}>"
+            f"({kind.params} const&, {kind.launch_arg})")
+
+
+def _parts(kind: Kind, hdim: int) -> tuple:
+    return tuple((part, PART_SUFFIX[part]) for part in PARTS.get(kind.name, {}).get(hdim, ()))
+
+
+def _part_unit(kind: Kind, hdim: int, dtype: str, part: str, suffix: str) -> Unit:
+    name = f"{kind.name}_hdim{hdim}_{dtype}"
     text = f"""// Generated by csrc/generate_kernels.py: do not edit.
 // {name}{suffix}: the {part} tiles of {name}, which launches them.
-#include "{header}"
+#include "{kind.header}"
 namespace sinkattn {{
 template void {_part_fn(kind, hdim, dtype, part)};
 }}  // namespace sinkattn
 """
-    return Unit(name + suffix, _KERNEL_UNITS[kind][6], text, registers=False)
+    return Unit(name + suffix, kind.family, text, registers=False)
 
 
-def _kernel_unit(kind: str, hdim: int, dtype: str) -> Unit:
-    header, launcher, params, launch_arg, registry_family, features, family = _KERNEL_UNITS[kind]
-    name = f"{kind}_hdim{hdim}_{dtype}"
-    fn = f"{launcher}<{hdim}, {CPP_DTYPE[dtype]}>"
+def _kernel_unit(kind: Kind, hdim: int, dtype: str) -> Unit:
+    name = f"{kind.name}_hdim{hdim}_{dtype}"
+    fn = f"{kind.launcher}<{hdim}, {CPP_DTYPE[dtype]}>"
     elsewhere = "".join(f"extern template void {_part_fn(kind, hdim, dtype, part)};  // in {name}{suffix}\n"
                         for part, suffix in _parts(kind, hdim))
     text = f"""// Generated by csrc/generate_kernels.py: do not edit.
-#include "{header}"
+#include "{kind.header}"
 namespace sinkattn {{
-{elsewhere}template void {fn}({params} const&, {launch_arg});
-SINKATTN_REGISTER_KERNEL({name}, "{registry_family}", "{kind[:3]}", {hdim}, "{dtype}", {features},
-                         {_SMEM_BYTES[kind].format(hdim=hdim)}, ({fn}))
+{elsewhere}template void {fn}({kind.params} const&, {kind.launch_arg});
+SINKATTN_REGISTER_KERNEL({name}, "{kind.registry_family}", "{kind.op}", {hdim}, "{dtype}", {kind.features},
+                         {kind.smem_bytes(hdim)}, ({fn}))
 }}  // namespace sinkattn
 """
-    return Unit(name, family, text)
+    return Unit(name, kind.family, text)
 
 
 def _merge_unit(dtype: str) -> Unit:
@@ -268,153 +392,23 @@ SINKATTN_REGISTER_KERNEL(merge_{dtype}, "common", "merge", 0, "{dtype}", "sinks"
     return Unit(f"merge_{dtype}", "common", text)
 
 
-# ---- the tuning grid of `make gpu-sweep` (issue 17 item 4, docs/DESIGN.md section 8) --------------------------------
-# Kernel variants beside the default tables, each its own unit (they build in parallel), registered by name and
-# run by bench/sweep.py, which checks every one against the oracle and times them all on the target shapes. Off
-# by default: every unit costs every build. A round's winners move into the tables (sm90/fwd_tiles.h,
-# sm80/fwd_tiles.h); the grid stays for the next round. Each entry states why it is here.
-@dataclass(frozen=True)
-class Sm90Variant:
-    """An sm90 forward tile (sm90/fwd_tiles.h FwdTile): the defaults are the table's."""
-    head_dim: int
-    block_n: int
-    stages: int
-    block_m: int = 128
-    producer_regs: int = 40
-    consumer_regs: int = 232
-    pingpong: bool = True
-    q_buffers: int = 1
-    dynamic_tiles: bool = False
-
-    def tag(self) -> str:
-        t = f"m{self.block_m}n{self.block_n}s{self.stages}"
-        if (self.producer_regs, self.consumer_regs) != (40, 232):
-            t += f"r{self.producer_regs}x{self.consumer_regs}"
-        return (t + ("" if self.pingpong else "_nopp") + ("_q2" if self.q_buffers == 2 else "")
-                + ("_dyn" if self.dynamic_tiles else ""))
-
-    def features(self) -> str:  # what its registry entry says it serves (and needs: a tile counter)
-        return "SINKATTN_FWD_SM90_FEATURES" + (' ",tile_counter"' if self.dynamic_tiles else "")
-
-    def smem_bytes(self) -> int:  # FwdTile::smem_bytes, for the static checks in tests
-        return (self.q_buffers * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 1024
-
-    def cpp(self) -> str:
-        return (f"sm90::FwdTile{{.head_dim = {self.head_dim}, .block_n = {self.block_n}, .stages = {self.stages}, "
-                f".producer_regs = {self.producer_regs}, .consumer_regs = {self.consumer_regs}, "
-                f".block_m = {self.block_m}, .pingpong = {str(self.pingpong).lower()}, .q_buffers = {self.q_buffers}, "
-                f".dynamic_tiles = {str(self.dynamic_tiles).lower()}}}")
-
-
-@dataclass(frozen=True)
-class Sm80Variant:
-    """An sm80 forward tile (sm80/fwd_tiles.h FwdTile), softcap compiled out."""
-    head_dim: int
-    block_m: int
-    block_n: int
-    warps: int
-    stages: int = 2
-
-    def tag(self) -> str:
-        return f"m{self.block_m}n{self.block_n}w{self.warps}" + (f"s{self.stages}" if self.stages != 2 else "")
-
-    def smem_bytes(self) -> int:
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
-
-    def features(self) -> str:
-        return "SINKATTN_FWD_VARIANT_FEATURES"
-
-    def cpp(self) -> str:
-        return (f"sm80::FwdTile{{.head_dim = {self.head_dim}, .block_m = {self.block_m}, .block_n = {self.block_n}, "
-                f".warps = {self.warps}, .stages = {self.stages}}}")
-
-
-_R3 = dict(block_m=192, producer_regs=24, consumer_regs=160)  # three consumer warpgroups: 128 * (24 + 3 * 160) = 64512
-SWEEP_SM90 = [
-    # hd64 (table: m128 n128 s3; 446 / 381 TFLOP/s non-causal / causal on the H200, FA3 on an H100 497 / 473).
-    Sm90Variant(64, 128, 3, q_buffers=2),         # the next tile's Q loads during this tile's main loop
-    Sm90Variant(64, 128, 4),                      # deeper K/V pipeline
-    Sm90Variant(64, 176, 2), Sm90Variant(64, 192, 2), Sm90Variant(64, 192, 3),  # longer key blocks: fewer softmax rounds
-    Sm90Variant(64, 128, 3, pingpong=False),      # is the turn-taking worth its barriers at hd64?
-    Sm90Variant(64, 128, 3, **_R3, pingpong=False),  # FA4's sm90 hd64 M tile (192 rows)
-    Sm90Variant(64, 128, 3, **_R3),               # ... with a three-way ping-pong
-    Sm90Variant(64, 128, 2, **_R3, q_buffers=2, pingpong=False),
-    Sm90Variant(64, 128, 3, dynamic_tiles=True),  # tiles drawn from a global counter: the causal tail balanced
-    # hd128 (table: m128 n128 s2; 618 / 545, FA3 648 / 616).
-    Sm90Variant(128, 128, 2, q_buffers=2),        # 193 KB
-    Sm90Variant(128, 176, 2, producer_regs=24, consumer_regs=240),  # FA3's hd128 tile (213 KB; ptxas: 20 B spill)
-    Sm90Variant(128, 144, 2, q_buffers=2, producer_regs=24, consumer_regs=240),  # 212 KB
-    Sm90Variant(128, 128, 3),                     # 225 KB
-    Sm90Variant(128, 96, 4),                      # 225 KB: shorter blocks, deeper pipeline (windows, causal edges)
-    Sm90Variant(128, 128, 2, pingpong=False),
-    Sm90Variant(128, 128, 2, dynamic_tiles=True),
-    Sm90Variant(128, 128, 2, q_buffers=2, dynamic_tiles=True),
-    # (192 rows at hd128 were dropped: O 64 + S 48 + P 24 registers spill 56/72 B at 160 per thread, n96 s2.)
-    # hd256 (table: m128 n48 s2 r24x240; 470 / 307, FA3 756 / 642).
-    Sm90Variant(256, 64, 2, producer_regs=24, consumer_regs=240),   # 193 KB; O 128 + S 32 + P 16 registers
-    Sm90Variant(256, 80, 2, producer_regs=24, consumer_regs=240),   # 225 KB (ptxas: 12 B spill)
-    Sm90Variant(256, 48, 2, producer_regs=24, consumer_regs=240, q_buffers=2),  # 225 KB
-    Sm90Variant(256, 32, 4, producer_regs=24, consumer_regs=240),   # 193 KB: short blocks, 4 in flight
-    Sm90Variant(256, 64, 2, producer_regs=24, consumer_regs=240, pingpong=False),
-    # hd256 has the fewest tiles per CTA (nheads 8: 7.75 per SM at 16k), so the causal tail weighs most there.
-    # The drawing producer spills ~100 B at 24 registers, so these keep 40 / 232 (no spill), beside their control:
-    Sm90Variant(256, 48, 2),
-    Sm90Variant(256, 48, 2, dynamic_tiles=True),
-    Sm90Variant(256, 64, 2, dynamic_tiles=True),
-]
-
-SWEEP_SM80 = [
-    # hd64 (table: Hd64Rows m128 n64 w4).
-    Sm80Variant(64, 128, 128, 4),   # FlashAttention-2's hd64 tile (S 128 registers per thread; ptxas: 164 B spill)
-    Sm80Variant(64, 128, 64, 8),    # 8 warps x 16 rows
-    Sm80Variant(64, 128, 64, 4, 3),  # a third K/V stage
-    # hd128 (table: Hd128Rows m128 n64 w8; static: 0.56 LDSM per HMMA against FA2's 0.31, peer_sass).
-    Sm80Variant(128, 128, 64, 4),   # FlashAttention-2's tile on sm80/sm90: 0.31 LDSM/HMMA (ptxas: 48 B spill on sm_90)
-    Sm80Variant(128, 128, 32, 4),   # 4 x 32 rows with half the S registers (255 registers, no spill on sm_90)
-    Sm80Variant(128, 128, 128, 8),  # 160 KB: longer key blocks, fewer rescale rounds
-    Sm80Variant(128, 64, 64, 4),    # 64 rows: twice the CTAs
-    Sm80Variant(128, 128, 64, 8, 3),  # a third stage (128 KB)
-    # hd256 (table: Hd256Rows m64 n64 w4).
-    Sm80Variant(256, 128, 32, 8),   # 128 rows with 32-key blocks (128 KB)
-    Sm80Variant(256, 64, 32, 4, 3),  # 32-key blocks, 3 stages (128 KB)
-]
-
-# The emulated variant every emulation build holds (the CPU tests run the sweep's variant path through it):
-# FlashAttention-2's hd128 tile, issue 15's open question, so its correctness is checked on the CPU too.
-SWEEP_EMU_SMOKE = Sm80Variant(128, 128, 64, 4)
-
-
-def variant_name(family: str, v, dtype: str) -> str:
-    return f"sweep_fwd_{family}_hdim{v.head_dim}_{dtype}_{v.tag()}"
-
-
-# Per build family of a variant: the namespace of its FwdTile, the header and launcher template it instantiates,
-# the launcher's second argument, and its registry family.
-_VARIANT_KINDS = {
-    "sm90": ("sm90", "sm90/fwd_launch.cuh", "sm90::launch_fwd", "cudaStream_t", "sm90-sweep"),
-    "sm80": ("sm80", "sm80/fwd_launch.cuh", "sm80::launch_fwd_variant", "cudaStream_t", "sm80-sweep"),
-    "emu": ("sm80", "emu/fwd_sm80_emu.h", "sm80::launch_fwd_variant_emulated", "EmuLaunch const&",
-            "sm80-emulated-sweep"),
-}
-
-
-def _variant_unit(family: str, v, dtype: str) -> Unit:
-    name = variant_name(family, v, dtype)
-    arch, header, fn_template, launch_arg, registry_family = _VARIANT_KINDS[family]
+# ---- the tuning grid's units (the grid itself: sweep_grid.py) ----------------------------------------------------
+def _variant_unit(kind: Kind, v, dtype: str) -> Unit:
+    name = variant_name(kind.family, v, dtype)
     features = v.features()
     tile = f"SweepTile_{name}"
-    fn = f"{fn_template}<{tile}, {CPP_DTYPE[dtype]}>"
+    fn = f"{kind.variant_launcher}<{tile}, {CPP_DTYPE[dtype]}>"
     text = f"""// Generated by csrc/generate_kernels.py: do not edit.
 // A tuning-grid variant (SINKATTN_SWEEP): registered by name, run by bench/sweep.py, never picked by dispatch.
-#include "{header}"
+#include "{kind.header}"
 namespace sinkattn {{
-struct {tile} {{ static constexpr {arch}::FwdTile tile = {v.cpp()}; }};
-template void {fn}(FwdParams const&, {launch_arg});
-SINKATTN_REGISTER_KERNEL({name}, "{registry_family}", "fwd", {v.head_dim}, "{dtype}", {features},
+struct {tile} {{ static constexpr {kind.ns}::FwdTile tile = {v.cpp()}; }};
+template void {fn}(FwdParams const&, {kind.launch_arg});
+SINKATTN_REGISTER_KERNEL({name}, "{kind.registry_family}-sweep", "fwd", {v.head_dim}, "{dtype}", {features},
                          {tile}::tile.smem_bytes(), ({fn}))
 }}  // namespace sinkattn
 """
-    return Unit(name, family, text)
+    return Unit(name, kind.family, text)
 
 
 def sweep_units(grid: Grid) -> list[Unit]:
@@ -422,17 +416,15 @@ def sweep_units(grid: Grid) -> list[Unit]:
     build's smoke variant."""
     want = lambda name: any(pat in name for pat in grid.sweep)  # noqa: E731
     out = []
-    for family, table, on in (("sm90", SWEEP_SM90, "sm90" in grid.families and family_targets("sm90", grid.archs)),
-                              ("sm80", SWEEP_SM80, "sm80" in grid.families and family_targets("sm80", grid.archs)),
-                              ("emu", SWEEP_SM80, grid.emulation)):
-        if not on:
+    for kind, table in ((KIND[k], t) for k, t in VARIANTS):
+        if not _enabled(kind.family, grid):
             continue
         for v in table:
             for d in grid.dtypes:
-                if v.head_dim in grid.headdims and want(variant_name(family, v, d)):
-                    out.append(_variant_unit(family, v, d))
+                if v.head_dim in grid.headdims and want(variant_name(kind.family, v, d)):
+                    out.append(_variant_unit(kind, v, d))
     if grid.emulation and SWEEP_EMU_SMOKE.head_dim in grid.headdims:
-        smoke = _variant_unit("emu", SWEEP_EMU_SMOKE, grid.dtypes[0])
+        smoke = _variant_unit(KIND[SMOKE_KIND], SWEEP_EMU_SMOKE, grid.dtypes[0])
         if smoke.name not in {u.name for u in out}:
             out.append(smoke)
     return out
@@ -440,15 +432,9 @@ def sweep_units(grid: Grid) -> list[Unit]:
 
 def units(grid: Grid) -> list[Unit]:
     out = [_merge_unit(d) for d in (*grid.dtypes, "fp32")]
-    kinds = []
-    if "sm80" in grid.families and family_targets("sm80", grid.archs):
-        kinds += ["fwd_sm80", "bwd_sm80"]
-    if "sm90" in grid.families and family_targets("sm90", grid.archs):
-        kinds += ["fwd_sm90", "bwd_sm90"]
-    if grid.emulation:
-        kinds += ["fwd_emu", "bwd_emu"]
+    kinds = [k for k in KINDS if _enabled(k.family, grid)]
     out += [_kernel_unit(kind, h, d) for kind in kinds for h in grid.headdims for d in grid.dtypes
-            if h not in _NO_TILE.get(kind, ())]
+            if h in TILE_HEADDIMS[kind.name]]
     out += [_part_unit(kind, h, d, part, suffix) for kind in kinds for h in grid.headdims for d in grid.dtypes
             for part, suffix in _parts(kind, h)]
     return out + sweep_units(grid)

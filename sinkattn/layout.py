@@ -7,13 +7,29 @@ from __future__ import annotations
 
 import torch
 
+from . import _ext
+
 # The contract's head dims, the same on every backend so that code that runs on the CPU also runs on a GPU:
 # the kernels load rows of 16 bytes (8 half elements) and instantiate head dims up to 256.
 HEADDIM_MULTIPLE = 8
 HEADDIM_MAX = 256
-# The head dims the kernels are instantiated for (csrc/generate_kernels.py); a call runs on the smallest one
-# that holds its head dim (the kernels pad the rest).
-KERNEL_HEADDIMS = (64, 128, 256)
+
+
+def kernel_headdims_of(info: dict | None) -> tuple[int, ...]:
+    """The head dims the kernels are instantiated for, from the binary's build_info: its "kernel_headdims", the
+    C++ list (csrc/build_info.h kKernelHeadDims, which the generator reads too). Without an extension (a
+    pure-Python build) there are no kernels: (), and no head dim is served by one (dispatch declines before it
+    asks). A binary built before build_info carried the list: the head dims it was built for."""
+    if info is None:
+        return ()
+    listed = info.get("kernel_headdims")
+    if listed is None:
+        listed = [h for h in str(info.get("requested_headdims", "")).split(",") if h.strip()]
+    return tuple(sorted(int(h) for h in listed))
+
+
+# A call runs on the smallest of these that holds its head dim (the kernels pad the rest).
+KERNEL_HEADDIMS = kernel_headdims_of(_ext.build_info())
 
 
 def headdim_supported(d: int) -> bool:

@@ -16,10 +16,18 @@
 
 namespace sinkattn::sm80 {
 
-// Which translation unit compiles a tile configuration (bwd_launch.cuh, generate_kernels.py _PARTS):
+// Which translation unit compiles a tile configuration (bwd_launch.cuh, kBwdParts below):
 // the hd128 backward's two tiles took 126-129 s in one unit on the 2-core dev machine under load.
 // The kernels that serve softcap (Softcap::kRunTime; the others have it compiled out) are a part of their own.
 enum class BwdUnit { kMain, kSmallSmem, kSoftcap };
+// The parts each head dim's tiles fill beyond the launcher's own (kMain), one translation unit each, read by the
+// generator as fwd_config.h's kFwdParts is: kSmallSmem only where a head dim has a Small tile (Hd128Small).
+struct BwdPart { int head_dim; BwdUnit unit; };
+inline constexpr BwdPart kBwdParts[] = {
+    {64, BwdUnit::kSoftcap},
+    {128, BwdUnit::kSmallSmem}, {128, BwdUnit::kSoftcap},
+    {256, BwdUnit::kSoftcap},
+};
 template <class Kt>
 inline constexpr BwdUnit bwd_unit_of = Kt::kCap == Softcap::kRunTime ? BwdUnit::kSoftcap
                                        : std::is_same_v<typename Kt::TileTag, bwd_tiles::Hd128Small> ? BwdUnit::kSmallSmem

@@ -28,6 +28,8 @@ SINKATTN_BWD_TILE(Hd256, 256, 64, 64, 2, 4, 1);      // 144 KB: sm80, sm90 only 
 #undef SINKATTN_BWD_TILE
 }  // namespace bwd_tiles
 
+// The head dims specialized here are those the sm80 backward is compiled for (generate_kernels.py reads them as
+// it reads fwd_tiles.h's FwdTilesOf).
 template <int kHeadDim> struct BwdTilesOf;
 template <> struct BwdTilesOf<64> { using type = TileList<bwd_tiles::Hd64>; };
 template <> struct BwdTilesOf<128> { using type = TileList<bwd_tiles::Hd128, bwd_tiles::Hd128Small>; };

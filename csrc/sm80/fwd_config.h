@@ -16,10 +16,20 @@
 
 namespace sinkattn::sm80 {
 
-// Which translation unit compiles a tile configuration (fwd_launch.cuh, generate_kernels.py _PARTS): the row
+// Which translation unit compiles a tile configuration (fwd_launch.cuh, kFwdParts below): the row
 // tiles (prefill with softcap compiled out, few-row decode tiles), the key-group tiles, and the prefill tiles
 // that serve softcap; each a part of the compile time that builds in parallel with the others.
 enum class FwdUnit { kRows, kKeyGroups, kSoftcap };
+// The parts each head dim's tiles fill beyond the launcher's own (kRows), one translation unit each: the generator
+// reads this list (a strict parser: one {head dim, FwdUnit::kPart} per entry, parts in unit order) to write the
+// part units and the launcher unit's extern declarations. A part left out here is compiled in the launcher's
+// unit (it links, but the split is lost); a part listed with no tile in it compiles to an empty unit.
+struct FwdPart { int head_dim; FwdUnit unit; };
+inline constexpr FwdPart kFwdParts[] = {
+    {64, FwdUnit::kKeyGroups},  {64, FwdUnit::kSoftcap},
+    {128, FwdUnit::kKeyGroups}, {128, FwdUnit::kSoftcap},
+    {256, FwdUnit::kKeyGroups}, {256, FwdUnit::kSoftcap},
+};
 template <class Kt>
 inline constexpr FwdUnit fwd_unit_of =
     Kt::kSplitKeys ? FwdUnit::kKeyGroups

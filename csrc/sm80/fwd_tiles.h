@@ -62,7 +62,9 @@ template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256RowsSmall> = tru
 template <class... Tiles>
 struct TileList {};
 
-// Every tile of a head dim, in no particular order (with_fwd_tile below instantiates each).
+// Every tile of a head dim, in no particular order (with_fwd_tile below instantiates each). The head dims
+// specialized here are those the sm80 forward is compiled for: csrc/generate_kernels.py reads them, strictly
+// (each `template <> struct FwdTilesOf<N> {` at a line's start), and writes no unit for any other.
 template <int kHeadDim> struct FwdTilesOf;
 template <> struct FwdTilesOf<64> {
   using type = TileList<fwd_tiles::Hd64Keys4, fwd_tiles::Hd64Keys2, fwd_tiles::Hd64Keys2Small, fwd_tiles::Hd64Few,

@@ -24,6 +24,8 @@ struct BwdTile {
 // (block_m / 2 each), dQ's share (32). Head dim 64 takes 128-query steps (the dQ product splits its M between
 // the warpgroups); head dim 128 takes 64 (dQ splits its N). Head dim 256 has no tile: dK and dV alone would take
 // 256 registers per thread; the sm80 backward serves it (the capability report says so).
+// The head dims specialized here are those the sm90 backward is compiled for (generate_kernels.py reads them as
+// it reads fwd_tiles.h's FwdTileOf): no hd256 unit is written.
 template <int kHeadDim> struct BwdTileOf;
 template <> struct BwdTileOf<64> { static constexpr BwdTile tile{64, 128, 128, 2, 24, 240}; };
 template <> struct BwdTileOf<128> { static constexpr BwdTile tile{128, 64}; };

@@ -1,5 +1,5 @@
 // fwd_tiles.h: the tile table of the sm90 forward (no CuTe, no CUDA: the kernel's traits, the launcher and the
-// registry read it). One tile per head dim; the tuning grid of `make gpu-sweep` (generate_kernels.py SWEEP_SM90)
+// registry read it). One tile per head dim; the tuning grid of `make gpu-sweep` (sweep_grid.py SWEEP_SM90)
 // compiles other FwdTile values beside them, which dispatch never picks.
 #pragma once
 
@@ -29,6 +29,8 @@ struct FwdTile {
 
 // Shared memory 113 / 161 / 193 KB for head dim 64 / 128 / 256; a block of 48 keys at head dim 256 keeps O
 // (128 fp32 registers per thread) and S within the consumers' 240 registers.
+// The head dims specialized here are those the sm90 forward is compiled for: csrc/generate_kernels.py reads
+// them, strictly (each `template <> struct FwdTileOf<N> {` at a line's start), and writes no unit for any other.
 template <int kHeadDim> struct FwdTileOf;
 template <> struct FwdTileOf<64> { static constexpr FwdTile tile{64, 128, 3}; };
 template <> struct FwdTileOf<128> { static constexpr FwdTile tile{128, 128, 2}; };
