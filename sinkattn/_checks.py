@@ -105,6 +105,21 @@ def check_qkv_common(q, k, v, k_name="k", v_name="v") -> None:
 
 
 def check_batched(q, k, v) -> None:
+    """q (b, sq, h, d), k and v (b, sk, hk, d). The good case is one pass over the facts (at a tiny call the checks
+    are a good part of the time: each attribute read once); anything else goes to the checks below, which say what
+    is wrong."""
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        qs, ks, dtype = q.shape, k.shape, q.dtype
+        if (len(qs) == 4 and len(ks) == 4 and v.shape == ks and ks[0] == qs[0] and ks[3] == qs[3]
+                and 0 < ks[2] and qs[2] % ks[2] == 0 and 0 < qs[3] <= HEADDIM_MAX and qs[3] % HEADDIM_MULTIPLE == 0
+                and dtype in DTYPES and k.dtype == dtype and v.dtype == dtype
+                and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+                and k.device == q.device and v.device == q.device):
+            return
+    _check_batched_words(q, k, v)
+
+
+def _check_batched_words(q, k, v) -> None:
     check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
     check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")

@@ -341,33 +341,49 @@ come back None."""
         return None
     ranges, mask = plan
     k, v = fetch(ranges)
-    # (b, sq, h, d) <-> (b, hk, g * sq, d) in as few ops as the case allows (at decode size each op is a good part
-    # of the call): a view at one query row, a transpose without GQA.
-    if sq == 1:
-        qs = q.view(b, hk, g, d)
-    elif g == 1:
-        qs = q.transpose(1, 2)
-    else:
-        qs = q.view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * sq, d)
     # Plain causal attention (sq == sk, one query head per KV head: top-left and bottom-right alignment agree)
     # needs no mask tensor: the kernel's own causal mode, cheaper than an additive mask at small sizes.
     causal = mask is not None and g == 1 and sq == sk and len(ranges) == 1 and _plain_causal(m)
-    out, lse = _flash_cpu_heads(qs, k.transpose(1, 2), v.transpose(1, 2), sink, m.scale, sq, need_lse=need_lse,
-                                mask=None if causal else mask, is_causal=causal)
+    if g == 1 and sq > 1:
+        out, lse = _fused_rows(q, k, v, sink, m.scale, need_lse, None if causal else mask, causal)
+    else:
+        # (b, sq, h, d) -> (b, hk, g * sq, d): a view at one query row, else a copy
+        qs = q.view(b, hk, g, d) if sq == 1 else q.view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * sq, d)
+        out, lse = _flash_cpu_heads(qs, k.transpose(1, 2), v.transpose(1, 2), sink, m.scale, sq, need_lse=need_lse,
+                                    mask=mask)
     # A masked non-finite K or V can only show as NaN in out (a NaN score, or 0 * inf in p @ v, spreads over its
     # row), never as a wrong finite value; so one reduction of out after the call replaces isfinite(k), isfinite(v)
     # before it (two full passes and four ops). A non-finite sum (that, a huge legitimate out, or a visible NaN)
     # sends the call to the exact tiled path, which keeps masked keys out (_pv) and gives the same answer otherwise.
     if mask is not None and not math.isfinite(float(out.sum())):
         return None
+    if g == 1 and sq > 1:
+        return out, lse
     # (the kernel writes out and lse in (b, rows, hk) memory order, transposed: lse needs a copy to be contiguous)
     if lse is not None and sq > 1:
         lse = lse.contiguous()
     if sq == 1:
         return out.view(b, 1, h, d), lse
-    if g == 1:
-        return out.transpose(1, 2).contiguous(), lse
     return out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous(), lse
+
+
+def _fused_rows(q, k, v, sink, scale, need_lse, mask, is_causal):
+    """_fused_forward without GQA (one query head per KV head), in the fewest ops: the call's (b, s, h, d) tensors
+    go to the kernel as (b, h, s, d) views, and the kernel writes out and lse in q's memory order, so out comes back
+    as (b, sq, h, d) and lse as (b, sq, h), both contiguous: the sink step runs there with no copy. -> (out,
+    lse (b, h, sq) contiguous, or None when not needed). (At a tiny call each op is about a microsecond, a good
+    part of the time; bench/studies/cpu_overhead.py.)"""
+    out, lse = _FLASH_CPU(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                          is_causal=is_causal, scale=scale)
+    out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    if sink is not None:
+        x = lse - sink  # (b, sq, h) - (h,)
+        if need_lse:  # see _flash_cpu_heads for the weight
+            log_w = torch.nn.functional.logsigmoid(x)
+            out, lse = out * log_w.exp().unsqueeze(-1), lse - log_w
+        else:
+            out = out * x.sigmoid_().unsqueeze(-1)
+    return out.contiguous(), (lse.transpose(1, 2).contiguous() if need_lse else None)
 
 
 def _plain_causal(m: Mask) -> bool:
