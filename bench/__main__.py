@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from . import ceilings as _ceilings
-from . import comparators as C
-from . import env as _env
-from . import grids, report, run, timing
+from .harness import ceilings as _ceilings
+from .harness import comparators as C
+from .harness import env as _env
+from .harness import grids, report, run, timing
 
 GRID_CHOICES = ["auto", "smoke", "check", "replication", "gptoss", "streaming", "decode", "all"]
 

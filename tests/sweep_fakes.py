@@ -1,11 +1,11 @@
 """Test-only fake variants for the sweep runner (tests/test_sweep.py).
 
-`BENCH_SWEEP_TEST_VARIANTS=sweep_fakes:<function>` makes `python -m bench.sweep` (and so bench/gpu_sweep.sh) run
+`BENCH_SWEEP_TEST_VARIANTS=sweep_fakes:<function>` makes `python -m bench.sweep` (and so bench/sweep/gpu_sweep.sh) run
 the Variants <function> returns instead of the extension's (tests/ is on the sweep's sys.path). They are pure
 Python, the float32 oracle rounded to bf16 (exactly the check's fp32 baseline, so they PASS), and need no kernel:
 the hang and crash tests run on any build. Each call appends "<variant> <phase>" to $SWEEP_FAKE_CALLS when set,
 so a test counts what a resumed run reran. The phase is told apart by the shape: every phase-1 case has
-seqlen_q != 128, every CPU target shape (bench.sweep.tiny) has 128.
+seqlen_q != 128, every CPU target shape (bench.sweep.runner.tiny) has 128.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from bench.sweep import Variant
+from bench.sweep.runner import Variant
 from oracle import attention_oracle
 
 ALL = frozenset({"sinks", "sink_tokens", "causal", "window", "softcap", "gqa"})

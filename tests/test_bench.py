@@ -20,12 +20,12 @@ from oracle import attention_oracle, visible
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench import comparators as C  # noqa: E402
-from bench import flops as F  # noqa: E402
-from bench import grids, report, run, timing  # noqa: E402
+from bench.harness import comparators as C  # noqa: E402
+from bench.harness import flops as F  # noqa: E402
+from bench.harness import grids, report, run, timing  # noqa: E402
 from bench.__main__ import main as bench_main  # noqa: E402
 from bench.__main__ import select  # noqa: E402
-from bench.grids import Case  # noqa: E402
+from bench.harness.grids import Case  # noqa: E402
 
 # (seqlen_q, seqlen_k) including seqlen_q > seqlen_k (negative offset), 0 and 1.
 SHAPES = [(1, 1), (1, 7), (7, 1), (5, 5), (9, 17), (17, 9), (16, 16), (0, 4), (4, 0), (1, 33), (33, 33)]
@@ -314,7 +314,7 @@ def test_unknown_comparator_and_empty_filter_are_errors(capsys):
 
 
 def test_gpu_check_script_parses():
-    r = subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "gpu_check.sh")], capture_output=True, text=True)
+    r = subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "gpu", "check.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_32k_causal_within_4gib(request):
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("slow (minutes of CPU): run with -m slow")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "memory_32k.py"), "--threads", "1"],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "studies", "memory_32k.py"), "--threads", "1"],
                        capture_output=True, text=True, timeout=3600)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr

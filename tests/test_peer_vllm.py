@@ -1,4 +1,4 @@
-"""bench/peer_vllm.py on the CPU: vLLM 0.33's own Triton unified attention, run by Triton's interpreter from
+"""bench/harness/peer_vllm.py on the CPU: vLLM 0.33's own Triton unified attention, run by Triton's interpreter from
 the wheel's source under the bench's stand-ins, against sinkattn's vLLM backend forward on the same paged
 cache and metadata, and both against the float64 oracle.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import peer_vllm as P
+from bench.harness import peer_vllm as P
 from tests import vllm_stubs
 from tests.test_vllm_backend import vllm_src  # noqa: F401  (session fixture: the wheel, fetched once)
 

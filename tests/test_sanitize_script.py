@@ -1,4 +1,4 @@
-"""bench/sanitize.py on the CPU: its cases run (dry run) and its verdicts never call a sanitizer run that did not
+"""bench/gpu/sanitize.py on the CPU: its cases run (dry run) and its verdicts never call a sanitizer run that did not
 happen a pass. The sanitizer itself is replaced by small fake scripts that behave like the real one does when it
 passes, finds errors, is refused by the runtime (as on gVisor: "Device not supported") or runs out of time."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "bench", "sanitize.py")
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+SCRIPT = os.path.join(ROOT, "bench", "gpu", "sanitize.py")
+sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
 import sanitize  # noqa: E402
 
 HELP = "--tool --kernel-name --padding --leak-check --racecheck-report --print-limit"

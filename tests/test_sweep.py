@@ -1,4 +1,4 @@
-"""The tuning-sweep runner (bench/sweep.py, `make gpu-sweep`) on the CPU: its phase-1 check against planted bugs,
+"""The tuning-sweep runner (bench/sweep/runner.py, `make gpu-sweep`) on the CPU: its phase-1 check against planted bugs,
 the ranking, the deadline, features, and a whole `python -m bench.sweep --cpu` run over the emulated default kernel;
 then what a hung, crashing or faulting variant costs: the journal's resume, the watchdog ending a hung process,
 and gpu_sweep.sh's relaunch loop.
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import sweep_fakes  # noqa: E402
-from bench import sweep  # noqa: E402
+from bench.sweep import runner as sweep  # noqa: E402
 from sinkattn import _ext, kernels  # noqa: E402
 
 EMU64 = any(k["family"] == "sm80-emulated" and k["op"] == "fwd" and k["headdim"] == 64 and k["dtype"] == "bf16"
@@ -342,13 +342,13 @@ def test_a_hung_variant_ends_the_process_and_the_next_run_reports_it(tmp_path):
 
 
 def test_gpu_sweep_sh_relaunches_after_a_fault_and_a_hang_and_ends_with_the_tables(tmp_path):
-    """bench/gpu_sweep.sh on the CPU (GPU_SWEEP_SKIP_BUILD=1, the fakes by the test hook): run 1 exits 3 (a CUDA
+    """bench/sweep/gpu_sweep.sh on the CPU (GPU_SWEEP_SKIP_BUILD=1, the fakes by the test hook): run 1 exits 3 (a CUDA
     fault in phase 1), run 2 is ended by the watchdog (a hang while timing), run 3 finishes."""
     out = tmp_path / "out"
     env = _env(tmp_path, OUT=str(out), PYTHON=sys.executable, GPU_SWEEP_SKIP_BUILD="1", GPU_SWEEP_TOTAL="150",
                GPU_SWEEP_ARGS="--headdims 64 --watchdog-s 5 --max-reps 1 --budget-ms 1",
                BENCH_SWEEP_TEST_VARIANTS="sweep_fakes:fault_then_hang_in_time")
-    r = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_sweep.sh")], cwd=ROOT, env=env,
+    r = subprocess.run(["bash", os.path.join(ROOT, "bench", "sweep", "gpu_sweep.sh")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=180)
     run_txt = (out / "run.txt").read_text()
     assert r.returncode == 0, run_txt + r.stdout[-3000:] + r.stderr[-3000:]

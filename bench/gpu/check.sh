@@ -5,7 +5,7 @@
 #      capability: 90a on cc 9.0, which holds the sm90 kernels and the sm80 kernels as sm_90 SASS;
 #      no host-emulated kernels), in place: python setup.py build_ext --inplace
 #   2. the capability report, then pytest -m gpu (incl. the GPU fuzz mode: tests/test_fuzz.py, SINKATTN_FUZZ_SCALE),
-#      then compute-sanitizer's four tools over bench/sanitize.py's cases (GPU_CHECK_SANITIZE=0 skips; cap
+#      then compute-sanitizer's four tools over bench/gpu/sanitize.py's cases (GPU_CHECK_SANITIZE=0 skips; cap
 #      GPU_CHECK_SANITIZE_CAP, default 120 s; verdicts PASS / FAIL / NOT RUN in the summary)
 #   3. a short benchmark grid (python -m bench --grid check)
 #   and writes everything into one folder: $OUT when set, else bench/results/gpucheck-<timestamp>.
@@ -18,7 +18,7 @@
 # git-ignored: take it along), run `make gpu-check`. To spend the GPU's time on tests rather than compiles, run
 # `make gpu-prebuilt` here first, take only .prebuilt.tar.xz along (unpacked there into .prebuilt/; linking prebuilt
 # objects needs no CUTLASS header) and run there SINKATTN_PREBUILT_KERNELS=$PWD/.prebuilt SINKATTN_CUDA_ARCHS="80;90a"
-# SINKATTN_EMULATION=0 bash bench/gpu_check.sh.
+# SINKATTN_EMULATION=0 bash bench/gpu/check.sh.
 #
 # Knobs (environment): SINKATTN_CUDA_ARCHS / SINKATTN_HEADDIMS / SINKATTN_DTYPES / SINKATTN_EMULATION
 # (build grid; defaults: by GPU, all head dims, bf16+fp16, no emulation), GPU_CHECK_JOBS (default: nproc;
@@ -31,7 +31,7 @@
 # PYTHON (python3).
 set -u -o pipefail
 
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)  # bench/gpu/ -> the repository
 cd "$REPO"
 PY=${PYTHON:-python3}
 START=$(date +%s)
@@ -115,7 +115,7 @@ TEST_CAP=${GPU_CHECK_TEST_CAP:-200}  # ~300 GPU-marked tests (forward, decode in
 BENCH_CAP=${GPU_CHECK_BENCH_CAP:-150}
 TEST_MIN=60   # what the later steps keep for themselves when an earlier one runs long
 BENCH_MIN=90
-SAN_MIN=0     # what the tests leave for the sanitizers (bench/sanitize.py): 60 s unless GPU_CHECK_SANITIZE=0
+SAN_MIN=0     # what the tests leave for the sanitizers (bench/gpu/sanitize.py): 60 s unless GPU_CHECK_SANITIZE=0
 [ "${GPU_CHECK_SANITIZE:-1}" = "0" ] || SAN_MIN=60
 if [ -n "${SINKATTN_PREBUILT_KERNELS:-}" ] && [ -f .prebuilt.tar.xz ] && [ ! -f "$SINKATTN_PREBUILT_KERNELS/cutlass_version.txt" ]; then
   mkdir -p "$SINKATTN_PREBUILT_KERNELS" && tar -C "$SINKATTN_PREBUILT_KERNELS" -xJf .prebuilt.tar.xz && say "unpacked .prebuilt.tar.xz"
@@ -187,7 +187,7 @@ tail -15 "$OUT/tests.log" >>"$SUMMARY"
 
 # ---------------------------------------------------------------------------------------------- 2b. sanitizers
 # compute-sanitizer (memcheck with padding, racecheck, synccheck, initcheck) over a small case of every kernel
-# family (bench/sanitize.py), time-boxed. Its full output goes into tests.log (the folder is kept to 8 files);
+# family (bench/gpu/sanitize.py), time-boxed. Its full output goes into tests.log (the folder is kept to 8 files);
 # the verdicts into the summary. A tool that could not run (no sanitizer, runtime refused it, out of time) is
 # reported NOT RUN, never as passed.
 SANITIZE_NOTE=""
@@ -202,10 +202,10 @@ else
     STEPS+=("sanitize: NOT RUN (no time left)")
     SANITIZE_NOTE="sanitizers NOT RUN"
   else
-    say "sanitize: start (time box ${SAN_LIMIT}s): compute-sanitizer over bench/sanitize.py cases (output in tests.log)"
-    echo "== sanitize: bench/sanitize.py run --budget $SAN_LIMIT" >>"$OUT/tests.log"
+    say "sanitize: start (time box ${SAN_LIMIT}s): compute-sanitizer over bench/gpu/sanitize.py cases (output in tests.log)"
+    echo "== sanitize: bench/gpu/sanitize.py run --budget $SAN_LIMIT" >>"$OUT/tests.log"
     t0=$(now)
-    timeout -k 15 $((SAN_LIMIT + 30)) "$PY" bench/sanitize.py run --budget "$SAN_LIMIT" --log "$OUT/tests.log" \
+    timeout -k 15 $((SAN_LIMIT + 30)) "$PY" bench/gpu/sanitize.py run --budget "$SAN_LIMIT" --log "$OUT/tests.log" \
       2>&1 | tee -a "$SUMMARY"
     rc=${PIPESTATUS[0]}
     case "$rc" in
@@ -223,7 +223,7 @@ fi
 BENCH_LIMIT=$(min "$BENCH_CAP" "$(left)")
 # Without a passing sm90 backward (or on other GPUs, where the column says n/a anyway), no sinkattn-sm90 column.
 BENCH_COMPARATORS=""
-[ "$SM90_BWD_OK" = "1" ] || BENCH_COMPARATORS="--comparators $("$PY" -c "from bench import comparators as C; print(','.join(n for n in C.COMPARATORS if n != 'sinkattn-sm90'))" 2>/dev/null || echo sinkattn,sinkattn-sm80,sinkattn-sm80-99k,reference,sdpa-flash,flex,vllm-triton)"
+[ "$SM90_BWD_OK" = "1" ] || BENCH_COMPARATORS="--comparators $("$PY" -c "from bench.harness import comparators as C; print(','.join(n for n in C.COMPARATORS if n != 'sinkattn-sm90'))" 2>/dev/null || echo sinkattn,sinkattn-sm80,sinkattn-sm80-99k,reference,sdpa-flash,flex,vllm-triton)"
 # The harness stops starting cases 40 s before its time box ends, so it always writes its results.
 step bench "$OUT/bench.log" "$BENCH_LIMIT" \
   "$PY" -m bench --grid "$GRID" --out "$OUT" --no-progress --time-limit $((BENCH_LIMIT > 80 ? BENCH_LIMIT - 40 : BENCH_LIMIT / 2)) \

@@ -2,13 +2,13 @@
 
 Two commands:
 
-    python bench/sanitize.py cases [--cases a,b] [--dry-run]
+    python bench/gpu/sanitize.py cases [--cases a,b] [--dry-run]
         Runs the cases in this process, each checked against the reference backend, and prints one line per
         case and a last line "SANITIZE-CASES-DONE <passed>/<total>". This is what runs under the sanitizer.
         --dry-run runs them on the CPU (sm80 cases on the emulated kernels where the build has them, the others
         on the reference backend), to check the cases and this script without a GPU.
 
-    python bench/sanitize.py run [--tools memcheck,racecheck,synccheck,initcheck] [--budget 120] [--log FILE]
+    python bench/gpu/sanitize.py run [--tools memcheck,racecheck,synccheck,initcheck] [--budget 120] [--log FILE]
                                  [--sanitizer PATH] [--dry-run]
         Finds compute-sanitizer, checks that this machine's runtime lets it run (a one-allocation probe: some
         container runtimes refuse the device), then runs `cases` once under each tool, time-boxed. Each tool gets a
@@ -17,7 +17,7 @@ Two commands:
         Full output goes to --log (appended); the verdict lines go to stdout; the exit status is 1 when a tool
         FAILED, 3 when none failed but some did NOT RUN, 0 when all passed. --dry-run prints the commands only.
 
-bench/gpu_check.sh calls `run` after the GPU tests. The cases are tiny (a few CTAs): sanitizers slow kernels down
+check.sh (here) calls `run` after the GPU tests. The cases are tiny (a few CTAs): sanitizers slow kernels down
 10-1000x, racecheck most.
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # Share of the budget per tool (racecheck instruments every shared-memory access: it is the slow one).
 WEIGHTS = {"memcheck": 1.0, "racecheck": 2.0, "synccheck": 1.0, "initcheck": 1.0}
 DONE = "SANITIZE-CASES-DONE"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for `import sinkattn`
+# bench/gpu/ -> the repo, for `import sinkattn`
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # ---------------------------------------------------------------------------------------------- the cases

@@ -3,7 +3,7 @@
 - copy: a large device-to-device copy, counting bytes read plus bytes written, in GB/s (1e9 B/s);
 - matmul: a large bf16 matrix product (random data, never zeros) through torch.matmul, in TFLOP/s.
 
-Both use the same timing as the benchmarks (bench.timing). Sizes are chosen to be far above L2 and
+Both use the same timing as the benchmarks (timing.py). Sizes are chosen to be far above L2 and
 launch overhead on a GPU and small on the CPU, where the numbers only exercise the code.
 """
 from __future__ import annotations

@@ -24,10 +24,10 @@
                     as a user would cache it), learnable sinks by the same exact lse correction, which is
                     differentiable here. Paged decode: n/a.
     vllm-triton     vLLM 0.33's Triton unified attention (its TRITON_ATTN backend's kernel, what vLLM serves
-                    sinks with off Hopper), source from the vllm wheel at run time (bench/peer_vllm.py).
+                    sinks with off Hopper), source from the vllm wheel at run time (peer_vllm.py here).
                     Paged decode on a GPU only; n/a elsewhere and when the source was not extracted.
 
-Timed callables do nothing but the call (no per-call warning filters: bench.run silences the one-time
+Timed callables do nothing but the call (no per-call warning filters: run.py silences the one-time
 fallback and FlexAttention warnings around the whole grid). Every prepared comparator returns a callable
 that is timed, the sink handling ("exact (native)",
 "exact (lse correction)", "no sink", "none needed"), the backend that ran, and, for the error column,
@@ -37,45 +37,18 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 
 from . import flops as _flops
 from .grids import Case
+from .peer_vllm import prep_case as prep_vllm_triton
+from .prepared import Inputs, Prepared, Unsupported  # noqa: F401  (C.Unsupported etc. for run.py and the tests)
 
 REF_MAX_FLOPS = 5e11  # the reference backend on a GPU loops over tiles in Python; time it only below this
 
 
-class Unsupported(Exception):
-    """This comparator cannot do this case's math; the message says why (reported as status 'n/a')."""
-
-
-@dataclass
-class Prepared:
-    fn: object                    # the timed callable
-    sink_handling: str
-    backend: str
-    output: object = None         # callable -> tensor to compare with sinkattn's (fwd: out; bwd: dq)
-    graphable: bool = False       # whether fn may be captured in a CUDA graph
-    note: str = ""
-    keep: list = field(default_factory=list)  # tensors that must live as long as fn
-
-
 # ---------------------------------------------------------------------------------------------- inputs
-
-@dataclass
-class Inputs:
-    q: torch.Tensor                         # (b, sq, h, d)
-    k: torch.Tensor | None                  # (b, sk, hk, d) (attn; decode: the cache's first sk tokens)
-    v: torch.Tensor | None
-    sinks: torch.Tensor | None              # (h,) fp32
-    dout: torch.Tensor | None = None        # bwd
-    k_cache: torch.Tensor | None = None     # decode: contiguous (b, sk, hk, d) or paged (pages, ps, hk, d)
-    v_cache: torch.Tensor | None = None
-    block_table: torch.Tensor | None = None
-    cache_seqlens: torch.Tensor | None = None
-
 
 def make_inputs(case: Case, device: torch.device, generator: torch.Generator | None = None) -> Inputs:
     """Random inputs (never zeros: they hide unwritten outputs and run faster than real data)."""
@@ -142,15 +115,15 @@ def _resolve(case: Case, device: torch.device, requested: str) -> tuple[str, str
     try:
         from sinkattn import dispatch
         from sinkattn._problem import Problem
+        from sinkattn.mask import Mask
     except ImportError as e:
         return "unknown", f"sinkattn.dispatch not importable: {e}"
     kind = {"attn": case.mode, "decode": "kvcache"}[case.kind]
+    mask = Mask(scale=case.headdim ** -0.5, window_left=case.window_left, window_right=case.window_right,
+                sink_tokens=case.sink_tokens)
     problem = Problem(kind=kind, device_type=device.type, dtype=case.torch_dtype, headdim=case.headdim,
-                      headdim_v=case.headdim, nheads=case.nheads, nheads_k=case.nheads_k,
-                      window_left=case.window_left, window_right=case.window_right, sink_tokens=case.sink_tokens,
-                      softcap=0.0, has_sinks=case.sinks, varlen=False, paged=case.paged,
-                      deterministic=case.deterministic,
-                      device_index=device.index if device.type == "cuda" else None)
+                      nheads=case.nheads, nheads_k=case.nheads_k, mask=mask, has_sinks=case.sinks, paged=case.paged,
+                      deterministic=case.deterministic, device_index=device.index if device.type == "cuda" else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -159,9 +132,7 @@ def _resolve(case: Case, device: torch.device, requested: str) -> tuple[str, str
             raise Unsupported(str(e)) from None
     why = None
     if chosen == "reference" and requested == "auto" and device.type == "cuda":
-        reasons = [f"{b}: {dispatch.why_not(b, problem)}" for b in ("sm90", "sm80")
-                   if dispatch.why_not(b, problem) is not None]
-        why = "; ".join(reasons)
+        why = dispatch.declined_text(dispatch.plan(problem)[1])  # the reasons "auto" itself gives
     return chosen, why
 
 
@@ -440,11 +411,6 @@ def prep_flex(case: Case, x: Inputs, device: torch.device) -> Prepared:
     run = _bwd_callable(out, leaves, _bhsd(x.dout))
     return Prepared(run, handling, "compiled", output=lambda: run()[0].transpose(1, 2), note=note,
                     keep=[out, block_mask])
-
-
-def prep_vllm_triton(case: Case, x: Inputs, device: torch.device) -> Prepared:
-    from .peer_vllm import prep_case  # here: peer_vllm imports this module
-    return prep_case(case, x, device)
 
 
 COMPARATORS = {

@@ -45,17 +45,17 @@ def _rows(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, sin
 def _check_args(seqlen_q, seqlen_k, window_left, window_right, sink_tokens):
     for name, val in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("sink_tokens", sink_tokens)):
         if not isinstance(val, int) or val < 0:
-            raise ValueError(f"bench.flops: {name} must be an int >= 0; got {val!r}")
+            raise ValueError(f"bench.harness.flops: {name} must be an int >= 0; got {val!r}")
     for name, val in (("window_left", window_left), ("window_right", window_right)):
         if not isinstance(val, int) or val < -1:
-            raise ValueError(f"bench.flops: {name} must be an int >= -1 (-1 = unbounded); got {val!r}")
+            raise ValueError(f"bench.harness.flops: {name} must be an int >= -1 (-1 = unbounded); got {val!r}")
 
 
 def normalize_window(causal: bool, window_size=(-1, -1)) -> tuple[int, int]:
     left, right = int(window_size[0]), int(window_size[1])
     if causal:
         if right > 0:
-            raise ValueError(f"bench.flops: causal=True with window_size right={right} > 0 is contradictory")
+            raise ValueError(f"bench.harness.flops: causal=True with window_size right={right} > 0 is contradictory")
         right = 0
     return left, right
 
@@ -107,7 +107,7 @@ def attention_flops(batch: int, nheads: int, headdim: int, seqlen_q: int, seqlen
     fwd = 4 * batch * nheads * headdim * visible_pairs(seqlen_q, seqlen_k, left, right, sink_tokens)
     factor = {"fwd": 1.0, "bwd": BWD_FACTOR, "fwd_bwd": 1.0 + BWD_FACTOR}.get(mode)
     if factor is None:
-        raise ValueError(f"bench.flops: mode must be 'fwd', 'bwd' or 'fwd_bwd'; got {mode!r}")
+        raise ValueError(f"bench.harness.flops: mode must be 'fwd', 'bwd' or 'fwd_bwd'; got {mode!r}")
     return int(round(fwd * factor))
 
 
@@ -125,7 +125,7 @@ def attention_bytes(batch: int, nheads: int, nheads_k: int, headdim: int, seqlen
         return (2 * q_elems + 2 * kv_elems) * elem_bytes + lse
     if mode == "bwd":
         return (4 * q_elems + 4 * kv_elems) * elem_bytes + lse  # q,out,dout,dq + k,v,dk,dv
-    raise ValueError(f"bench.flops: mode must be 'fwd' or 'bwd'; got {mode!r}")
+    raise ValueError(f"bench.harness.flops: mode must be 'fwd' or 'bwd'; got {mode!r}")
 
 
 def decode_bytes(batch: int, nheads: int, nheads_k: int, headdim: int, seqlen_k: int, *, elem_bytes: int,

@@ -6,8 +6,8 @@ plus `triton_attention_helpers.py`). That is what a gpt-oss user runs today; sin
 
 The peer's source comes from the vllm 0.33 wheel at run time and is never committed:
 
-    python -m bench.peer_vllm extract      # here, with PyPI: the two files -> third_party/.cache/vllm-peer/
-    python -m bench.peer_vllm run          # on the GPU machine (no network), carrying that folder
+    python -m bench.harness.peer_vllm extract      # here, with PyPI: the two files -> third_party/.cache/vllm-peer/
+    python -m bench.harness.peer_vllm run          # on the GPU machine (no network), carrying that folder
 
 `load()` runs them unchanged under a few stand-in modules for their vLLM imports (logger, envs flag,
 platform's fp8 dtype and arch family, triton re-export, the KVQuantMode enum), each below with its reason.
@@ -37,9 +37,12 @@ from pathlib import Path
 
 import torch
 
+from . import timing
+from .prepared import Inputs, Prepared, Unsupported
+
 VLLM_VERSION = "0.33.0"
 FILES = ("vllm/v1/attention/ops/triton_attention_helpers.py", "vllm/v1/attention/ops/triton_unified_attention.py")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # bench/harness/ -> the repository
 PEER_DIR = ROOT / "third_party" / ".cache" / "vllm-peer" / f"vllm-{VLLM_VERSION}"  # git-ignored
 H, HK, D, PAGE = 64, 8, 64, 16
 MAX_MODEL_LEN = 131072  # gpt-oss; vLLM's block table has cdiv(max_model_len, block_size) columns per request
@@ -113,8 +116,8 @@ def load(src: Path = PEER_DIR):
     under those names while they load; every entry is then restored to what it was (an installed vllm,
     or nothing), and the returned function keeps its module alive through its globals."""
     if not (src / FILES[1]).exists():
-        raise FileNotFoundError(f"{src / FILES[1]} is missing: run `python -m bench.peer_vllm extract` where PyPI "
-                                f"is reachable and carry {PEER_DIR.relative_to(ROOT)} along")
+        raise FileNotFoundError(f"{src / FILES[1]} is missing: run `python -m bench.harness.peer_vllm extract` where "
+                                f"PyPI is reachable and carry {PEER_DIR.relative_to(ROOT)} along")
     import triton
     import triton.language as tl
     mods = {n: types.ModuleType(n) for n in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops")}
@@ -212,8 +215,10 @@ def prep_sinkattn(batch: Batch, x, backend="auto"):
     sinks = x["sinks"].to(x["query"].dtype)
     window = (batch.window, 0) if batch.window >= 0 else (-1, -1)
     from sinkattn import dispatch
-    problem = dispatch.make_problem("kvcache", x["query"][None, :1], k_cache, sinks, window_left=window[0],
-                                    window_right=0, sink_tokens=0, softcap=0.0, paged=True)
+    from sinkattn._problem import Problem
+    from sinkattn.mask import Mask
+    problem = Problem.of_call("kvcache", x["query"][None, :1], k_cache, sinks,
+                              Mask(scale=D ** -0.5, window_left=window[0], window_right=0), paged=True)
     served = dispatch.choose(problem, backend)
     if served == "reference" and x["query"].is_cuda:  # not worth a GPU lease's seconds
         raise RuntimeError("sinkattn would run its PyTorch reference here (is the extension built?)")
@@ -228,10 +233,9 @@ def prep_sinkattn(batch: Batch, x, backend="auto"):
 _PEER = {}
 
 
-def prep_case(case, x, device):
-    """bench.comparators entry "vllm-triton": the peer on the shared grids' paged decode cases (vLLM reads
+def prep_case(case, x: Inputs, device) -> Prepared:
+    """comparators.py's entry "vllm-triton": the peer on the shared grids' paged decode cases (vLLM reads
     only its paged layout), its K/V pages being the case's own (pages, page_size, nheads_k, headdim) caches."""
-    from .comparators import Prepared, Unsupported
     if case.kind != "decode" or not case.paged:
         raise Unsupported("vLLM's Triton unified attention reads vLLM's paged KV cache: paged decode only")
     if device.type != "cuda":
@@ -299,7 +303,6 @@ def kv_bytes(batch: Batch) -> int:
 
 
 def run(args) -> list[dict]:
-    from bench import timing
     device = torch.device("cuda")
     unified_attention = load(Path(args.src))
     cc = torch.cuda.get_device_capability()
@@ -349,7 +352,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.peer_vllm", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.harness.peer_vllm", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("extract", help="copy the peer's source out of the vllm wheel (needs PyPI once)")
     e.add_argument("--dest", default=str(PEER_DIR))
@@ -362,7 +365,7 @@ def main(argv=None):
         print(f"peer source: {extract(Path(args.dest))}")
         return
     if not torch.cuda.is_available():
-        sys.exit("bench.peer_vllm run: needs a CUDA GPU (tests/test_peer_vllm.py checks both sides on the CPU)")
+        sys.exit("bench.harness.peer_vllm run: needs a CUDA GPU (tests/test_peer_vllm.py checks both sides on the CPU)")
     rows = run(args)
     out = Path(os.environ.get("OUT", ROOT / "bench" / "results"))
     out.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,7 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def summarize(times_ms: list[float], warmup: int, method: str, l2_flush: bool) -> Timing:
     if not times_ms:
-        raise ValueError("bench.timing: no timed runs")
+        raise ValueError("bench.harness.timing: no timed runs")
     return Timing(median_ms=statistics.median(times_ms), p10_ms=_percentile(times_ms, 0.1),
                   p90_ms=_percentile(times_ms, 0.9), min_ms=min(times_ms), reps=len(times_ms), warmup=warmup,
                   method=method, l2_flush=l2_flush)

@@ -5,7 +5,7 @@ nothing is downloaded. After a prefill of --context tokens, times --steps single
 interleaved in rounds on the same machine in the same run (a busy machine slows all paths alike), and
 prints tokens/s (median over rounds, per wall second and per CPU second of this process):
 
-    python -m bench.cpu_decode [--context 512] [--steps 32] [--rounds 3] [--threads N]
+    python -m bench.studies.cpu_decode [--context 512] [--steps 32] [--rounds 3] [--threads N]
 
 Paths: sdpa + DynamicCache (transformers' own), sinkattn + DynamicCache, sinkattn + SinkCache(capacity).
 """

@@ -5,7 +5,7 @@ layer) is then most of it. Every case runs in this one process; rounds are inter
 every case once, --calls calls each), so a busy machine slows all cases alike; the table shows the median
 per-call time over rounds, in microseconds, and the ratio to the case's baseline:
 
-    python3 -m bench.cpu_overhead [--calls 300] [--rounds 7] [--threads 1] [--context 1024] [--only tiny]
+    python3 -m bench.studies.cpu_overhead [--calls 300] [--rounds 7] [--threads 1] [--context 1024] [--only tiny]
 
 Cases (fp32, CPU, inference: torch.no_grad):
   tiny forward     flash_attn_with_sinks on (1, 16, 4, 64) q/k/v   vs SDPA on the same tensors as (b, h, s, d) views

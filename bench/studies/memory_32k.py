@@ -4,8 +4,8 @@ on the CPU within 4 GiB of extra memory (a dense score matrix alone would be 8 *
 Run in a fresh process; extra memory = peak RSS (ru_maxrss) minus the RSS just before the call, after the
 inputs exist and after one tiny call has initialised the libraries. Exits 1 when over the limit.
 
-    python bench/memory_32k.py                 # bf16, prints time and memory, one JSON line last
-    python bench/memory_32k.py --seqlen 8192 --dtype float32
+    python bench/studies/memory_32k.py                 # bf16, prints time and memory, one JSON line last
+    python bench/studies/memory_32k.py --seqlen 8192 --dtype float32
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import resource
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
 
 import torch  # noqa: E402
 

@@ -14,8 +14,8 @@ On a shared machine pass --threads 1: with two OpenMP threads on two busy cores,
 wait for a descheduled thread, which punishes the many mid-sized ops of the tiled loop far more than
 eager's few huge ones.
 
-    python bench/reference_vs_eager.py                       # seqlen 2k, 4k, 8k, markdown to stdout
-    python bench/reference_vs_eager.py --seqlens 1024 --window 127
+    python bench/studies/reference_vs_eager.py                       # seqlen 2k, 4k, 8k, markdown to stdout
+    python bench/studies/reference_vs_eager.py --seqlens 1024 --window 127
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
 
 import torch  # noqa: E402
 

@@ -13,7 +13,7 @@
 #      exits 3 (a kernel fault lost the CUDA context): each run resumes from journal.jsonl after the unit that
 #      killed the last one, which is FAIL / NOT RUN "hung or crashed the process";
 # writing everything into $OUT (else bench/results/sweep-<timestamp>): run.txt, build.log, sweep.log (every run's
-# output) and what bench/sweep.py writes (results.csv, results.md, summary.txt, journal.jsonl), 7 files, 8 at most.
+# output) and what runner.py writes (results.csv, results.md, summary.txt, journal.jsonl), 7 files, 8 at most.
 #
 # Knobs: GPU_SWEEP_TOTAL (default 570 s: the deadline of the whole call), GPU_SWEEP_ARGS (extra bench.sweep
 # arguments, e.g. "--filter hdim128"), GPU_SWEEP_JOBS (compile jobs when there are no prebuilt objects: nproc),
@@ -22,7 +22,7 @@
 # Without .prebuilt/ it compiles the grid itself (SINKATTN_SWEEP, default 1) with every core: minutes of GPU time.
 set -u -o pipefail
 
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)  # bench/sweep/ -> the repository
 cd "$REPO"
 PY=${PYTHON:-python3}
 START=$(date +%s)

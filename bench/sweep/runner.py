@@ -26,7 +26,7 @@ interrupt. So every unit of work (a variant's checks; a (shape, variant) timing)
 (faulthandler's, --watchdog-s: 30 s a check, 60 s a timing on CUDA), which prints the tracebacks and ends the
 process, and goes into journal.jsonl as it ends (Journal). A run over the same --out resumes from it: what has a
 result is not rerun, and the unit a killed process was in is FAIL (phase 1) or NOT RUN (phase 2), "hung or
-crashed the process"; a variant that hung, crashed or faulted is not timed on later shapes. bench/gpu_sweep.sh
+crashed the process"; a variant that hung, crashed or faulted is not timed on later shapes. gpu_sweep.sh (here)
 relaunches until the run ends normally.
 
 Everything runs against one deadline (--deadline-s): what does not fit is NOT RUN with the reason. Exit status:
@@ -63,16 +63,16 @@ _STARTED = time.monotonic()  # before torch's import (seconds): the CLI's deadli
 
 import torch  # noqa: E402
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/sweep/ -> the repo
 sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "tests"))  # the oracle lives with the tests (it imports pytest)
 
 from oracle import attention_oracle, tolerance_check  # noqa: E402
 
-from bench import comparators, timing  # noqa: E402
-from bench import env as _env  # noqa: E402
-from bench.grids import Case  # noqa: E402
-from bench.run import _FATAL, _first_line  # noqa: E402
+from bench.harness import comparators, timing  # noqa: E402
+from bench.harness import env as _env  # noqa: E402
+from bench.harness.grids import Case  # noqa: E402
+from bench.harness.run import _FATAL, _first_line  # noqa: E402
 
 CPU_NOTE = ("CPU run: emulated kernels on tiny shapes timed with time.perf_counter (the wrap-around check is CUDA "
             "only); this exercises the harness and is not a performance claim.")
@@ -372,11 +372,12 @@ def discover(device_type: str, headdims: list[int], name_filter: str | None) -> 
 
 def _problem(device_type, dtype, headdim, nheads, nheads_k, left, right, sink_tokens, softcap, has_sinks):
     from sinkattn._problem import Problem
+    from sinkattn.mask import Mask
 
-    return Problem(kind="fwd", device_type=device_type, dtype=dtype, headdim=headdim, headdim_v=headdim,
-                   nheads=nheads, nheads_k=nheads_k, window_left=left, window_right=right,
-                   sink_tokens=sink_tokens, softcap=softcap, has_sinks=has_sinks, varlen=False,
-                   device_index=0 if device_type == "cuda" else None)
+    return Problem(kind="fwd", device_type=device_type, dtype=dtype, headdim=headdim, nheads=nheads, nheads_k=nheads_k,
+                   mask=Mask(scale=headdim ** -0.5, window_left=left, window_right=right, sink_tokens=sink_tokens,
+                             softcap=softcap),
+                   has_sinks=has_sinks, device_index=0 if device_type == "cuda" else None)
 
 
 def why_not(v: Variant, problem) -> str | None:
@@ -893,7 +894,7 @@ def main(argv=None, variants: list[Variant] | None = None, started: float | None
     return status
 
 
-if __name__ == "__main__":
-    sys.modules.setdefault("bench.sweep", sys.modules["__main__"])  # one module for the test hook's imports
+def cli() -> int:
+    """`python -m bench.sweep` (bench/sweep/__main__.py): the deadline counts from this module's import."""
     faulthandler.enable()  # a segfault prints the Python traceback too (the journal names the unit)
-    sys.exit(main(started=_STARTED))
+    return main(started=_STARTED)
