@@ -1,4 +1,10 @@
-"""Bad input raises a sinkattn error of the right kind whose message names the argument (issue 3, item 7)."""
+"""What the public functions refuse: every malformed argument raises a sinkattn error of the right kind (also the
+matching builtin) whose message names the argument (issue 3, item 7; the probed cases of issue 19, item 6: flags
+given as strings, int32 overflow, caches whose memory is shared, merge_attn_states), and the arguments at the edge
+of a check that are accepted (padding in block tables, interleaved K/V views, SINKATTN_VALUE_CHECKS=0).
+
+tests/test_input_edges.py holds the valid inputs at the edges (empty, degenerate, past int32) and the calls that
+write nothing but their outputs."""
 import pytest
 import torch
 
@@ -18,6 +24,10 @@ def qkv(dtype=torch.float32, **shapes):
 
 def attn(*args, **kw):
     return sinkattn.flash_attn_with_sinks(*args, **kw)
+
+
+A, VL, KV, M = (sinkattn.flash_attn_with_sinks, sinkattn.flash_attn_varlen_with_sinks, sinkattn.flash_attn_with_kvcache,
+                sinkattn.merge_attn_states)
 
 
 def transposed_last(x):
@@ -153,7 +163,57 @@ KVCACHE = [
 ]
 
 
-@pytest.mark.parametrize("call,exc,words", [pytest.param(*c[1:], id=c[0]) for c in BATCHED + VARLEN + KVCACHE])
+LSE = torch.zeros(B, H, S)
+
+# Found by probing every argument of every public function (issue 19, item 6).
+PROBED = [
+    ("return-lse-str", lambda: A(q0, k0, v0, return_lse="yes"), SinkattnTypeError, ["return_lse", "bool", "'yes'"]),
+    ("deterministic-str", lambda: A(q0, k0, v0, deterministic="no"), SinkattnTypeError, ["deterministic", "bool"]),
+    ("varlen-deterministic-int", lambda: VL(q0[0], k0[0], v0[0], i32(0, 8), i32(0, 8), 8, 8, deterministic=1),
+     SinkattnTypeError, ["deterministic"]),
+    ("kvcache-return-lse-none", lambda: KV(q0[:, :1], k0, v0, cache_seqlens=3, return_lse=None), SinkattnTypeError,
+     ["return_lse"]),
+    ("varlen-max-seqlen-past-int32", lambda: VL(q0[0], k0[0], v0[0], i32(0, 8), i32(0, 8), 2**40, 8),
+     SinkattnValueError, ["max_seqlen_q", "2147483647"]),
+    ("varlen-cu-negative", lambda: VL(q0[0], k0[0], v0[0], i32(0, -2), i32(0, 8), 8, 8), SinkattnValueError,
+     ["cu_seqlens_q", "non-decreasing"]),
+    ("kvcache-broadcast-cache-append", lambda: KV(q0[:, :1], k0[:1].expand(B, -1, -1, -1), v0, k=k0[:, :1],
+                                                 v=v0[:, :1], cache_seqlens=i32(1, 2)),
+     SinkattnValueError, ["k_cache", "sharing memory"]),
+    ("kvcache-same-cache-twice", lambda: KV(q0[:, :1], k0, k0, k=k0[:, :1], v=v0[:, :1], cache_seqlens=i32(1, 2)),
+     SinkattnValueError, ["k_cache", "v_cache", "same memory"]),
+    ("kvcache-cache-seqlens-list", lambda: KV(q0[:, :1], k0, v0, cache_seqlens=[1, 2]), SinkattnTypeError,
+     ["cache_seqlens"]),
+    ("kvcache-block-table-1d", lambda: KV(q0[:, :1], torch.randn(4, 4, HK, D), torch.randn(4, 4, HK, D),
+                                         cache_seqlens=i32(1, 1), block_table=i32(0, 1)),
+     SinkattnValueError, ["block_table", "2-D"]),
+    ("kvcache-pages-past-table", lambda: KV(q0[:, :1], torch.randn(4, 4, HK, D), torch.randn(4, 4, HK, D),
+                                           k=k0[:, :1], v=v0[:, :1], cache_seqlens=i32(4, 1),
+                                           block_table=i32(0, 1).view(2, 1)),
+     SinkattnValueError, ["cache_seqlens[0]", "capacity of 4"]),
+]
+
+MERGE = [
+    ("merge-lse-int", lambda: M(q0, LSE.int(), q0, LSE), SinkattnTypeError, ["lse_a", "int32"]),
+    ("merge-out-3d", lambda: M(q0[0], LSE[0], q0[0], LSE[0]), SinkattnValueError, ["out_a", "out_b"]),
+    ("merge-lse-shape", lambda: M(q0, LSE[:, :, :3], q0, LSE), SinkattnValueError, ["lse_a", "(2, 4, 8)"]),
+    ("merge-device", lambda: M(q0, LSE.to("meta"), q0, LSE), SinkattnValueError, ["one device", "meta"]),
+    ("merge-out-dtype", lambda: M(q0, LSE, q0.half(), LSE), SinkattnTypeError, ["out_a", "float16"]),
+    ("merge-sinks-shape", lambda: M(q0, LSE, q0, LSE, torch.zeros(3)), SinkattnValueError, ["sinks", "(4,)"]),
+    ("merge-sinks-int", lambda: M(q0, LSE, q0, LSE, torch.zeros(H, dtype=torch.int64)), SinkattnTypeError,
+     ["sinks", "int64"]),
+    ("merge-not-tensor", lambda: M(q0, None, q0, LSE), SinkattnTypeError, ["lse_a", "NoneType"]),
+]
+
+ALL = BATCHED + VARLEN + KVCACHE + PROBED + MERGE
+
+
+def test_case_ids_are_unique():
+    ids = [c[0] for c in ALL]
+    assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
+
+
+@pytest.mark.parametrize("call,exc,words", [pytest.param(*c[1:], id=c[0]) for c in ALL])
 def test_error(call, exc, words):
     with pytest.raises(exc) as info:
         call()
@@ -171,30 +231,12 @@ def test_unused_block_table_entries_may_be_padding():
     assert out.shape == (B, 1, H, D) and not out.isnan().any()
 
 
-def test_failed_append_writes_nothing():
-    kc, vc = torch.randn(B, 16, HK, D), torch.randn(B, 16, HK, D)
-    before = kc.clone(), vc.clone()
-    with pytest.raises(SinkattnValueError):
-        sinkattn.flash_attn_with_kvcache(torch.randn(B, 2, H, D), kc, vc, k=torch.randn(B, 2, HK, D),
-                                         v=torch.randn(B, 2, HK, D), cache_seqlens=i32(0, 15))
-    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
-
-
-def test_no_nan_for_degenerate_inputs():
-    """Nothing visible, sinks -inf or +inf, huge scores, empty sequences: outputs and gradients are never
-    NaN (lse may be +-inf)."""
-    q, k, v = qkv()
-    for sinks in (None, torch.full((H,), float("-inf")), torch.full((H,), float("inf")), torch.zeros(H),
-                  torch.tensor([float("-inf"), float("inf"), 0.0, 30.0])):
-        for kw in (dict(window_size=(0, 0), sink_tokens=0), dict(causal=True), dict(softmax_scale=100.0)):
-            out, lse = attn(q, k[:, :0], v[:, :0], sinks, return_lse=True, **kw)
-            assert not out.isnan().any() and not lse.isnan().any() and (out == 0).all()
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            s = None if sinks is None else sinks.clone().requires_grad_()
-            out, lse = attn(*leaves, s, return_lse=True, **kw)
-            assert not out.isnan().any() and not lse.isnan().any()
-            grads = torch.autograd.grad(out.sum(), leaves + ([s] if s is not None else []))
-            assert not any(g.isnan().any() for g in grads), (kw, sinks)
+def test_interleaved_kv_views_may_share_an_allocation():
+    """kv[:, :, 0] and kv[:, :, 1] (one allocation, disjoint elements) are separate caches: appending works."""
+    kv = torch.randn(B, S, 2, HK, D)
+    kn, vn = torch.randn(B, 1, HK, D), torch.randn(B, 1, HK, D)
+    out = KV(q0[:, :1], kv[:, :, 0], kv[:, :, 1], k=kn, v=vn, cache_seqlens=i32(2, 5))
+    assert torch.equal(kv[0, 2, 0], kn[0, 0]) and torch.equal(kv[1, 5, 1], vn[1, 0]) and out.isfinite().all()
 
 
 def test_value_checks_opt_out(monkeypatch):
