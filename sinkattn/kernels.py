@@ -3,17 +3,18 @@
 interface (validation) -> ops (custom ops, fake impls, autograd) -> dispatch (backend choice, outputs) ->
 kernels (here) | reference. Each launch_* takes a backend dispatch has chosen (dispatch.why_not said it
 serves the call) and outputs dispatch allocated, brings the tensors to the layout the kernels read (16-byte
-aligned rows, dense int32 index tensors), calls _C and writes the outputs in place.
+aligned rows, dense int32 index tensors, no zero (broadcast) strides for a kernel whose registry entry does not
+list "broadcast_strides"), calls _C and writes the outputs in place.
 
 Backends: "sm90", "sm80" (CUDA tensors) and "sm80-emulated" (the sm80 kernel body on the CPU under host
 emulation, for tests). launch_fwd also takes "variant:<registry name>": a tuning-grid variant (family
-"*-sweep", built with SINKATTN_SWEEP; bench/sweep.py runs them, dispatch never picks them).
+"*-sweep", built with SINKATTN_SWEEP; bench/sweep/runner.py runs them, dispatch never picks them).
 """
 from __future__ import annotations
 
 import torch
 
-from . import _ext
+from . import _ext, registry
 from .errors import SinkattnRuntimeError
 
 
@@ -27,9 +28,7 @@ def launch_fwd(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, 
     has validated shapes and checked `dispatch.why_not` first. `max_smem` overrides the shared-memory limit that
     picks the tile configuration (tests use it to run the sm86 configuration under emulation)."""
     C = _ext.require()
-    # The sm90 kernels read q/k/v through TMA descriptors, which take no zero (broadcast) strides.
-    tma = backend == "sm90" or backend.startswith("variant:sweep_fwd_sm90")
-    q, k, v = (t if _aligned(t) and not (tma and _broadcast(t)) else t.contiguous() for t in (q, k, v))
+    q, k, v = _readable(backend, "fwd", q, (q, k, v))
     target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     cu_seqlens_q, cu_seqlens_k = _dense_index(cu_seqlens_q), _dense_index(cu_seqlens_k)
     C.fwd(backend, q, k, v, sinks, target, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
@@ -49,9 +48,7 @@ def launch_bwd(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, d
     fixed order; dq tiles are added in increasing key-block order per M tile, ordered by a counter per M tile).
     `max_smem` overrides the shared-memory limit that picks the tile configuration (tests: the sm86 one)."""
     C = _ext.require()
-    tma = backend == "sm90"  # the sm90 backward reads q, k, v and dout through TMA: no zero (broadcast) strides
-    dout, q, k, v, out = (t if _aligned(t) and not (tma and _broadcast(t)) else t.contiguous()
-                          for t in (dout, q, k, v, out))
+    dout, q, k, v, out = _readable(backend, "bwd", q, (dout, q, k, v, out))
     if out.stride() != dout.stride():
         out, dout = out.contiguous(), dout.contiguous()
     targets = [t if _aligned(t) else torch.empty_like(t, memory_format=torch.contiguous_format) for t in (dq, dk, dv)]
@@ -91,6 +88,17 @@ def launch_kvcache(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_
                   int(window_left), int(window_right), int(sink_tokens), float(softcap), int(num_splits), int(max_smem))
     if target is not out:
         out.copy_(target)
+
+
+def _readable(backend: str, op: str, q, tensors: tuple) -> tuple:
+    """`tensors` as the kernel of `backend` can read them in place: 16-byte aligned rows, and no zero (broadcast)
+    stride unless its registry entry lists "broadcast_strides" (registry.reads_broadcast_strides; the registry is
+    asked only when an input is broadcast, so the usual call pays nothing for it)."""
+    broadcast = [0 in t.stride() and _broadcast(t) for t in tensors]
+    if any(broadcast) and not registry.reads_broadcast_strides(registry.launched_by(backend, op, q.shape[-1],
+                                                                                    q.dtype)):
+        return tuple(t.contiguous() if (b or not _aligned(t)) else t for t, b in zip(tensors, broadcast))
+    return tuple(t if _aligned(t) else t.contiguous() for t in tensors)
 
 
 def _dense_index(t):

@@ -6,8 +6,10 @@ tile configuration needs, and the archs it was compiled for. An entry is a dict:
 
     name, family ("sm80", "sm90", "sm80-emulated", "common"), op ("fwd", "bwd", "merge"), headdim (0: any),
     dtype ("bf16", "fp16", "fp32"), features (comma list: sinks, sink_tokens, causal, window, softcap, gqa,
-    varlen, kvcache, paged, split_kv, deterministic), archs (comma list of SASS sm_XY / PTX compute_XY),
-    smem_bytes (0: no dynamic shared memory; absent in builds that predate it, read as 0)
+    varlen, kvcache, paged, split_kv, deterministic; and what the bridge must know to launch it:
+    tile_counter (api.cpp hands it a zeroed tile counter), broadcast_strides (it reads inputs with zero
+    strides in place; without it the bridge makes them contiguous)), archs (comma list of SASS sm_XY / PTX
+    compute_XY), smem_bytes (0: no dynamic shared memory; absent in builds that predate it, read as 0)
 
 Device facts (a device's shared-memory limit, its capability) live in _device; the decision that combines
 the two is dispatch.why_not.
@@ -70,6 +72,27 @@ def kernels(family: str, op: str) -> list[dict]:
 
 def find(family: str, op: str, headdim: int, dtype: str | None) -> dict | None:
     return _index()[1].get((family, op, headdim, dtype))
+
+
+def named(name: str) -> dict | None:
+    """The entry registered as `name` (a tuning-grid variant's "variant:<name>"), or None."""
+    return next((k for k in _ext.registry() if k["name"] == name), None)
+
+
+def launched_by(backend: str, op: str, headdim: int, dtype) -> dict | None:
+    """The entry kernels.launch_* runs for `backend` ("variant:<name>" included) on inputs of this head dim and
+    torch dtype (None: not compiled)."""
+    if backend.startswith("variant:"):
+        return named(backend[len("variant:"):])
+    family = BACKEND_FAMILY.get(backend)
+    return None if family is None else find(family, op, kernel_headdim(headdim) or 0, dtype_name(dtype))
+
+
+def reads_broadcast_strides(kernel: dict | None) -> bool:
+    """Whether the kernel reads inputs with zero (broadcast) strides in place: the sm80 kernels' cp.async loads
+    follow any stride; the sm90 kernels read through TMA descriptors, which take none, so their registry entries
+    leave the feature out (an entry that does not say so gets contiguous inputs: a copy, never a refused launch)."""
+    return kernel is not None and "broadcast_strides" in features(kernel)
 
 
 def kernel_for(backend: str, problem: Problem) -> dict | None:
