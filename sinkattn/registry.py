@@ -4,7 +4,8 @@ Every "can this kernel serve this call" fact that belongs to a kernel is read he
 (family, op, head dim, dtype) exist, the features each serves, the shared memory per block its smallest
 tile configuration needs, and the archs it was compiled for. An entry is a dict:
 
-    name, family ("sm80", "sm90", "sm80-emulated", "common"), op ("fwd", "bwd", "merge"), headdim (0: any),
+    name, family ("sm80", "sm90", "sm80-emulated", "common"; a tuning-grid variant's "<family>-sweep", which
+    dispatch never reads), op ("fwd", "bwd", "merge"), headdim (0: any),
     dtype ("bf16", "fp16", "fp32"), features (comma list: sinks, sink_tokens, causal, window, softcap, gqa,
     varlen, kvcache, paged, split_kv, deterministic; and what the bridge must know to launch it:
     tile_counter (api.cpp hands it a zeroed tile counter), broadcast_strides (it reads inputs with zero

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # make gpu-sweep: one round of kernel tuning on a borrowed GPU (issue 17 item 4; docs/DESIGN.md section 8).
 #
-# Built here first: `make sweep-prebuilt` puts the default kernels and the tuning variants of
-# csrc/generate_kernels.py (SWEEP_SM90, SWEEP_SM80; bf16, 80;90a) into .prebuilt/, with the grid it was built for
+# Built here first: `make sweep-prebuilt` puts the default kernels and the tuning variants of csrc/sweep_grid.py
+# (SWEEP_SM90, SWEEP_SM80; bf16, 80;90a; the generator compiles them) into .prebuilt/, with the grid it was built for
 # (sweep.txt) and the CUTLASS version (cutlass_version.txt), packed into .prebuilt.tar.xz. Take that file to the GPU
 # machine with the checkout and run `make gpu-sweep` there (one command, about ten minutes), which
 #   1. unpacks .prebuilt.tar.xz into .prebuilt/ and links api.cpp against that machine's torch and the carried
