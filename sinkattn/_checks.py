@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from . import fp8
 from .errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
 from .layout import HEADDIM_MAX, HEADDIM_MULTIPLE, headdim_supported
 
@@ -77,14 +78,22 @@ def check_heads(nheads: int, nheads_k: int, k_name: str = "k") -> None:
             f"(GQA/MQA); accepted: nheads_k dividing nheads")
 
 
-def check_qkv_common(q, k, v, k_name="k", v_name="v") -> None:
+def check_qkv_common(q, k, v, k_name="k", v_name="v", kv_fp8: bool = False) -> None:
     """The checks shared by all layouts: dtypes, devices, strides, heads, head dims. (Each check tests the
     good case inline and calls the function that words the message only when it fails: this runs on every
-    call, and at decode size every microsecond of it shows; bench/cpu_overhead.py.)"""
+    call, and at decode size every microsecond of it shows; bench/studies/cpu_overhead.py.) kv_fp8: k and v are
+    an FP8 cache (sinkattn.fp8), of one FP8 dtype, with q in float16, bfloat16 or float32."""
     dtype, device = q.dtype, q.device
-    if dtype not in DTYPES:
+    if kv_fp8:
+        if dtype not in fp8.QUERY_DTYPES:
+            raise SinkattnTypeError(f"sinkattn: q has dtype {dtype} over an FP8 cache; accepted: float16, "
+                                    f"bfloat16, float32")
+        if v.dtype != k.dtype:
+            raise SinkattnTypeError(f"sinkattn: {v_name} has dtype {v.dtype} but {k_name} has {k.dtype}; they "
+                                    f"must match")
+    elif dtype not in DTYPES:
         check_dtype("q", q)
-    if k.dtype != dtype or v.dtype != dtype:
+    if not kv_fp8 and (k.dtype != dtype or v.dtype != dtype):
         check_same_dtype("q", q, {k_name: k, v_name: v})
     if k.device != device or v.device != device:
         check_same_device("q", q, {k_name: k, v_name: v})
@@ -278,7 +287,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_
     layout = "(num_pages, page_size, nheads_k, headdim)" if paged else "(batch, capacity, nheads_k, headdim)"
     check_tensor("k_cache", k_cache, 4, layout)
     check_tensor("v_cache", v_cache, 4, layout)
-    check_qkv_common(q, k_cache, v_cache, "k_cache", "v_cache")
+    check_qkv_common(q, k_cache, v_cache, "k_cache", "v_cache", kv_fp8=fp8.is_fp8(k_cache.dtype))
     if v_cache.shape[:2] != k_cache.shape[:2]:
         raise SinkattnValueError(
             f"sinkattn: v_cache has shape {_shape(v_cache)} but k_cache has {_shape(k_cache)}; they must match")

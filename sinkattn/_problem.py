@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import fp8
 from .mask import Mask
 
 
@@ -30,6 +31,7 @@ class Problem:
     deterministic: bool = False
     device_index: int | None = None
     headdim_v: int | None = None  # None: the same as headdim
+    kv_fp8: bool = False          # the keys and values are an FP8 cache (sinkattn.fp8)
 
     def __post_init__(self):
         if self.headdim_v is None:
@@ -41,7 +43,7 @@ class Problem:
         """The problem of one call on q (..., nheads, headdim) and k (..., nheads_k, headdim)."""
         return cls(kind=kind, device_type=q.device.type, dtype=q.dtype, headdim=q.shape[-1], nheads=q.shape[-2],
                    nheads_k=k.shape[-2], mask=mask, has_sinks=sinks is not None, varlen=varlen, paged=paged,
-                   deterministic=deterministic, device_index=q.device.index)
+                   deterministic=deterministic, device_index=q.device.index, kv_fp8=fp8.is_fp8(k.dtype))
 
     # Read-only views of the mask, for the feature tests (registry.needed_features, dispatch).
     @property

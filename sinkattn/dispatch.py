@@ -49,7 +49,8 @@ SM90_BWD_VALIDATED = False
 _FEATURE_WORDS = {"sinks": "learnable sinks", "sink_tokens": "sink tokens", "causal": "causal masks",
                   "window": "sliding windows", "softcap": "softcap", "gqa": "GQA/MQA (fewer KV heads than query heads)",
                   "varlen": "variable-length (varlen) batches", "kvcache": "decode over a KV cache",
-                  "paged": "a paged KV cache", "deterministic": "a deterministic backward"}
+                  "paged": "a paged KV cache", "deterministic": "a deterministic backward",
+                  "fp8_kv": "FP8 KV caches (float8_e4m3fn / float8_e5m2)"}
 _WHAT = {"fwd": "forward", "bwd": "backward", "kvcache": "decode (KV-cache)"}
 
 
@@ -369,7 +370,7 @@ def run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, ma
 
 def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                 rotary_interleaved, softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits,
-                backend):
+                backend, k_descale=None, v_descale=None):
     """Body of the sinkattn::kvcache_fwd op -> (out, lse): rotary and the append (kvcache.prepare), then
     attention over the cache on the chosen backend."""
     mask = Mask(softmax_scale, window_left, window_right, sink_tokens, softcap)
@@ -377,10 +378,11 @@ def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, ro
         chosen = "reference"
     else:
         chosen = choose(Problem.of_call("kvcache", q, k_cache, sinks, mask, paged=block_table is not None), backend)
+    descales = None if k_descale is None else (k_descale, v_descale)
     q, seqlens_k = kvcache.prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                                   rotary_interleaved)
+                                   rotary_interleaved, descales)
     if chosen == "reference":
-        return reference.attention_kvcache(q, k_cache, v_cache, sinks, seqlens_k, block_table, mask)
+        return reference.attention_kvcache(q, k_cache, v_cache, sinks, seqlens_k, block_table, mask, descales)
     if isinstance(seqlens_k, list):  # CPU tensors (sm80-emulated): prepare read the lengths on the host
         seqlens_k = torch.tensor(seqlens_k, dtype=torch.int32, device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

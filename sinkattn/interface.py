@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, ops  # noqa: F401  (ops registers torch.ops.sinkattn.*)
+from . import _checks, fp8, ops  # noqa: F401  (ops registers torch.ops.sinkattn.*)
 from .errors import SinkattnValueError
 
 _CONVENTIONS = (__doc__ or "").partition("(appended at import, so help() shows them).\n")[2]
@@ -101,7 +101,8 @@ def flash_attn_varlen_with_sinks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
 def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, cache_seqlens=None,
                             block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                             softmax_scale=None, causal=False, window_size=(-1, -1), sink_tokens=0, softcap=0.0,
-                            return_lse=False, num_splits=0, backend="auto", s_aux=None):
+                            return_lse=False, num_splits=0, backend="auto", s_aux=None, k_scale=None, v_scale=None,
+                            k_descale=None, v_descale=None):
     """Decode / chunked prefill over a KV cache, appending the new k/v in place. Inference only: it has no
     backward, and an input that requires grad while grad mode is on raises SinkattnRuntimeError (wrap the call in
     torch.no_grad() / torch.inference_mode(); to train, gather the keys and call flash_attn_with_sinks or
@@ -110,6 +111,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
     q: (batch, seqlen_q, nheads, headdim).
     k_cache, v_cache: contiguous (batch, capacity, nheads_k, headdim), or paged
         (num_pages, page_size, nheads_k, headdim) with block_table (batch, max_pages) int32 (any page size).
+        An FP8 cache (torch.float8_e4m3fn / float8_e5m2, q in float16/bfloat16/float32) holds x / scale: pass
+        per-tensor k_scale, v_scale (floats or 1-element tensors, as vLLM's layer._k_scale) or per-(batch, KV head)
+        k_descale, v_descale ((batch, nheads_k), as FlashAttention-3 takes them); none means scale 1. New k/v are
+        quantized with the same scales, saturating (sinkattn.fp8 says what happens to values beyond the range).
     k, v: optional new tokens (batch, seqlen_new, nheads_k, headdim), written after cache_seqlens.
     cache_seqlens: int32 (batch,) or an int: tokens already in the cache (not updated here; the caller
         advances it). None means the cache is full (then k/v cannot be appended).
@@ -128,13 +133,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
         _checks.check_tensor("block_table", block_table, 2, "(batch, max_pages) int32")
     cache_seqlens = _cache_seqlens(q, k_cache, k, cache_seqlens, block_table)
     _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, num_splits)
+    k_descale, v_descale = fp8.descales(k_cache.dtype, q.shape[0], k_cache.shape[2], k_cache.device, k_scale, v_scale,
+                                        k_descale, v_descale)
     _checks.check_sinks(sinks, q)
     _checks.check_bool("rotary_interleaved", rotary_interleaved)
     _checks.check_no_grad_needed("flash_attn_with_kvcache", {"q": q, "k_cache": k_cache, "v_cache": v_cache,
                                                              "sinks": sinks, "k": k, "v": v, "rotary_cos": rotary_cos,
                                                              "rotary_sin": rotary_sin})
     out, lse = ops.call_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                                rotary_interleaved, scale, left, right, n, cap, num_splits, backend)
+                                rotary_interleaved, scale, left, right, n, cap, num_splits, backend, k_descale,
+                                v_descale)
     return (out, lse) if return_lse else out
 
 

@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, fp8
 from .rotary import apply_rotary
+
+
+def _quantized(k_cache, v_cache, k, v, descales):
+    """The new k/v as the cache stores them: FP8 caches (descales (k, v), each (b, hk)) take x / scale, saturating
+    (sinkattn.fp8.quantize); other caches take k/v as they are."""
+    if descales is None:
+        return k, v
+    return fp8.quantize(k, descales[0], k_cache.dtype), fp8.quantize(v, descales[1], v_cache.dtype)
 
 
 def append(k_cache, v_cache, k, v, start, block_table) -> None:
@@ -44,8 +52,10 @@ def append_host(k_cache, v_cache, k, v, lens) -> None:
         v_cache[b, n:n + s] = v[b]
 
 
-def prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved):
-    """Validate the index values, rotate q and the new k, append k/v -> (q rotated, keys per sequence).
+def prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
+            descales=None):
+    """Validate the index values, rotate q and the new k, append k/v (quantized for an FP8 cache: `descales`, the
+    (k, v) descales of sinkattn.fp8) -> (q rotated, keys per sequence).
 
     The keys per sequence are an int32 tensor, or for CPU tensors a list of ints: reading cache_seqlens costs no
     device synchronisation there, so it is read once and the lengths serve the value checks, the append and the
@@ -68,6 +78,7 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, r
             k = apply_rotary(k, rotary_cos, rotary_sin, start[:, None] + torch.arange(seqlen_new, device=k.device),
                              rotary_interleaved)
     if k is not None:
+        k, v = _quantized(k_cache, v_cache, k, v, descales)
         if host and block_table is None:
             append_host(k_cache, v_cache, k, v, lens)
         else:

@@ -87,15 +87,17 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, sinks: Optional[Ten
                 v: Optional[Tensor], cache_seqlens: Tensor, block_table: Optional[Tensor],
                 rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], rotary_interleaved: bool,
                 softmax_scale: float, window_left: int, window_right: int, sink_tokens: int, softcap: float,
-                num_splits: int, backend: str) -> tuple[Tensor, Tensor]:
+                num_splits: int, backend: str, k_descale: Optional[Tensor] = None,
+                v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return dispatch.run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos,
                                 rotary_sin, rotary_interleaved, softmax_scale, window_left, window_right,
-                                sink_tokens, softcap, num_splits, backend)
+                                sink_tokens, softcap, num_splits, backend, k_descale, v_descale)
 
 
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
-      softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits, backend):
+      softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits, backend, k_descale=None,
+      v_descale=None):
     return q.new_empty(q.shape), q.new_empty(lse_shape(q, False), dtype=acc_dtype(q.dtype))
 
 
@@ -131,11 +133,13 @@ def call_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def call_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                  rotary_interleaved, softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits,
-                 backend):
+                 backend, k_descale=None, v_descale=None):
     """sinkattn::kvcache_fwd, or its body where `direct` allows -> (out, lse). (The op has no autograd: the
-    interface refuses inputs that need it before calling.)"""
+    interface refuses inputs that need it before calling.) k_descale/v_descale: an FP8 cache's (batch, nheads_k)
+    float32 descales (sinkattn.fp8), else None."""
     args = (q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
-            softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits, backend)
-    if direct(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin):
+            softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits, backend, k_descale, v_descale)
+    if direct(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, k_descale,
+              v_descale):
         return dispatch.run_kvcache(*args)
     return torch.ops.sinkattn.kvcache_fwd.default(*args)

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from . import fp8
 from .layout import acc_dtype
 from .mask import Mask, key_ranges
 from .mask import fully_visible as _fully_visible
@@ -513,19 +514,39 @@ def _paged_take(cache, pages, page_size: int, ranges):
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).unsqueeze(0)
 
 
-def attention_kvcache(q, k_cache, v_cache, sinks, seqlens_k, block_table, mask: Mask):
+def _dequantizing(fetch, descales, dtype):
+    """A fetch over an FP8 cache that returns its tiles dequantized to `dtype` (descales: this fetch's (k, v)
+    descales, shaped as fp8.dequantize takes them); the fetch itself without descales."""
+    if descales is None:
+        return fetch
+    kd, vd = descales
+
+    def fetch_dq(*where):
+        kt, vt = fetch(*where)
+        return fp8.dequantize(kt, kd, dtype), fp8.dequantize(vt, vd, dtype)
+    return fetch_dq
+
+
+def attention_kvcache(q, k_cache, v_cache, sinks, seqlens_k, block_table, mask: Mask, descales=None):
     """q (b, sq, h, d) over a contiguous (b, capacity, hk, d) or paged (pages, page_size, hk, d) cache holding
     seqlens_k[b] keys per sequence (int32 (b,) read on the host, or those lengths as a list) -> (out, lse (b, h,
     sq)). Decode-sized fp32 calls on the CPU run the fused CPU kernel over the keys each sequence sees (the whole
-    batch at once when a contiguous cache holds the same length for every sequence); the rest, the tiled path."""
+    batch at once when a contiguous cache holds the same length for every sequence); the rest, the tiled path.
+    descales: an FP8 cache's (k, v) descales, (b, hk) each (sinkattn.fp8): every key tile is dequantized as it is
+    fetched, so the cache is never copied whole."""
     b, sq, h, _ = q.shape
     hk = k_cache.shape[2]
     acc_t = acc_dtype(q.dtype)
     lens = seqlens_k if isinstance(seqlens_k, list) else seqlens_k.tolist()
     fused = _fused_applies(q, mask) and 0 < sq <= DIRECT_MAX_ROWS
     sink_f = None if sinks is None else sinks.to(acc_t)
+
+    def seq_descales(bi):
+        return None if descales is None else (descales[0][bi], descales[1][bi])
     if fused and block_table is None and b > 0 and lens.count(lens[0]) == b:
-        res = _fused_forward(q, lambda r: (_take(k_cache, r, 1), _take(v_cache, r, 1)), lens[0], hk, sink_f, mask)
+        fetch = _dequantizing(lambda r: (_take(k_cache, r, 1), _take(v_cache, r, 1)),
+                              None if descales is None else (descales[0][:, None], descales[1][:, None]), q.dtype)
+        res = _fused_forward(q, fetch, lens[0], hk, sink_f, mask)
         if res is not None:
             return res
     sink = _sink_vector(sinks, h, acc_t, q.device)
@@ -540,7 +561,7 @@ def attention_kvcache(q, k_cache, v_cache, sinks, seqlens_k, block_table, mask: 
                 pages = block_table[bi]
                 fetch = lambda r, p=pages: (_paged_take(k_cache, p, k_cache.shape[1], r),  # noqa: E731
                                             _paged_take(v_cache, p, k_cache.shape[1], r))
-            res = _fused_forward(q[bi:bi + 1], fetch, n, hk, sink_f, mask)
+            res = _fused_forward(q[bi:bi + 1], _dequantizing(fetch, seq_descales(bi), q.dtype), n, hk, sink_f, mask)
             if res is not None:
                 out[bi].copy_(res[0][0])
                 lse[bi].copy_(res[1][0])
@@ -549,5 +570,5 @@ def attention_kvcache(q, k_cache, v_cache, sinks, seqlens_k, block_table, mask: 
             fetch = _slicer(k_cache[bi], v_cache[bi])
         else:
             fetch = _paged_fetch(k_cache, v_cache, block_table[bi].long(), k_cache.shape[1])
-        _forward_seq(q[bi], fetch, n, hk, sink, out[bi], lse[bi], mask)
+        _forward_seq(q[bi], _dequantizing(fetch, seq_descales(bi), acc_t), n, hk, sink, out[bi], lse[bi], mask)
     return out, lse

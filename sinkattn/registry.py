@@ -45,7 +45,8 @@ def needed_features(problem: Problem) -> list[str]:
               ("causal", problem.window_right == 0), ("window", problem.window_left >= 0 or problem.window_right > 0),
               ("softcap", problem.softcap > 0), ("gqa", problem.nheads != problem.nheads_k),
               ("varlen", problem.varlen), ("kvcache", problem.kind == "kvcache"), ("paged", problem.paged),
-              ("deterministic", problem.kind == "bwd" and problem.deterministic)]
+              ("deterministic", problem.kind == "bwd" and problem.deterministic),
+              ("fp8_kv", problem.kv_fp8)]
     return [name for name, needed in wanted if needed]
 
 
