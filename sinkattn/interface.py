@@ -42,7 +42,7 @@ def _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, 
               deterministic=False):
     """The checks every public function starts with -> (sinks, (scale, left, right, sink_tokens, softcap)). (Each
     test is the good case inline, the wording only on failure: at a tiny call these checks are a good part of the
-    time; bench/cpu_overhead.py.)"""
+    time; bench/studies/cpu_overhead.py.)"""
     if s_aux is not None:
         sinks = _checks.resolve_sinks(sinks, s_aux)
     if backend not in _checks.BACKENDS:

@@ -13,7 +13,7 @@ Inputs arrive validated by sinkattn.interface; the ops trust their metadata.
 `call_fwd` / `call_kvcache` are how the interface calls the ops: through torch.ops where the op layer has
 something to do (autograd, torch.compile's tracing, fake tensors, a torch function / dispatch mode, a functorch
 transform), else straight into the op's body (`direct`): eager inference on plain tensors, where the op wrapper
-only costs time (tens of microseconds a call on a CPU, more than a decode step's attention; bench/cpu_overhead.py).
+only costs time (tens of microseconds a call on a CPU, more than a decode step's attention; bench/studies/cpu_overhead.py).
 The body is the same function either way, so the results are the same.
 """
 # No `from __future__ import annotations`: custom_op reads the annotations to build the schema.

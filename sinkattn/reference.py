@@ -276,7 +276,7 @@ lse None (the caller drops it)."""
 
 
 # The aten kernel SDPA runs on CPU tensors, through its C binding: torch.ops' overload object costs about 3 us more
-# a call (measured at the tiny forward, where the kernel itself takes about 13 us; bench/cpu_overhead.py).
+# a call (measured at the tiny forward, where the kernel itself takes about 13 us; bench/studies/cpu_overhead.py).
 _FLASH_CPU = torch._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -426,7 +426,7 @@ def decode_bhsd(q, k, v, sinks, mask: Mask):
     sq, d), k/v (b, hk, sk, d) -> out (b, sq, h, d), the same as attention_fwd's out; None where the fused
     path does not apply (not fp32 on the CPU, softcap, a mask that hides a key, more than DIRECT_MAX_ROWS rows),
     and the caller then takes the general path. At one query per step the per-call overhead is what a CPU decode
-    step pays for (bench/cpu_decode.py)."""
+    step pays for (bench/studies/cpu_decode.py)."""
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     if not (q.device.type == "cpu" and q.dtype == torch.float32 and mask.softcap == 0 and 0 < sq <= DIRECT_MAX_ROWS

@@ -2,7 +2,7 @@
 a GPU. Same cases as the emulated backward tests (tests/bwd_cases.py) on every compiled head dim and dtype, plus a
 large case; deterministic mode gives identical bits across 3 runs; the public autograd path. The helpers serve
 tests/test_gpu_sm90_backward.py too (the sm90 backward: the same tests plus its own cases, in a file of its own so
-that bench/gpu_check.sh runs it in a time box of its own).
+that bench/gpu/check.sh runs it in a time box of its own).
 """
 from __future__ import annotations
 

@@ -250,7 +250,7 @@ def _streaming_dense(q, k, v, s_aux, mask, left, right, n_sink, scale, cap):
 def _attend(q, k, v, s_aux, kw):
     """flash_attn_with_sinks, except that CPU inference calls of decode size go straight to the reference
     backend (its direct path): CPU tensors run that backend anyway, and at one query the op wrapper's checks
-    and dispatch cost as much as the attention itself (measured: bench/cpu_decode.py)."""
+    and dispatch cost as much as the attention itself (measured: bench/studies/cpu_decode.py)."""
     if q.device.type == "cpu" and q.shape[1] <= reference.DIRECT_MAX_ROWS and not torch.is_grad_enabled() \
             and not torch.compiler.is_compiling():
         left, right = kw["window_size"]
