@@ -15,20 +15,21 @@ HEADDIM_MULTIPLE = 8
 HEADDIM_MAX = 256
 
 
+# What a process without the binary's list uses: a pure-Python build (no extension, and no csrc/ beside an installed
+# package) or a binary built before build_info carried the list. The same as csrc/build_info.h kKernelHeadDims
+# (tests/test_kernel_tables.py fails when they differ); with no kernels it only says what a kernel build serves.
+SOURCE_HEADDIMS = (64, 128, 256)
+
+
 def kernel_headdims_of(info: dict | None) -> tuple[int, ...]:
-    """The head dims the kernels are instantiated for, from the binary's build_info: its "kernel_headdims", the
-    C++ list (csrc/build_info.h kKernelHeadDims, which the generator reads too). Without an extension (a
-    pure-Python build) there are no kernels: (), and no head dim is served by one (dispatch declines before it
-    asks). A binary built before build_info carried the list: the head dims it was built for."""
-    if info is None:
-        return ()
-    listed = info.get("kernel_headdims")
-    if listed is None:
-        listed = [h for h in str(info.get("requested_headdims", "")).split(",") if h.strip()]
-    return tuple(sorted(int(h) for h in listed))
+    """The head dims the kernels are instantiated for: the binary's build_info()["kernel_headdims"] (the C++ list,
+    csrc/build_info.h kKernelHeadDims, which the generator reads too), else SOURCE_HEADDIMS."""
+    if info is None or "kernel_headdims" not in info:
+        return SOURCE_HEADDIMS
+    return tuple(sorted(int(h) for h in info["kernel_headdims"]))
 
 
-# A call runs on the smallest of these that holds its head dim (the kernels pad the rest).
+# A call runs on the smallest one that holds its head dim (the kernels pad the rest).
 KERNEL_HEADDIMS = kernel_headdims_of(_ext.build_info())
 
 

@@ -3,7 +3,7 @@ dims (build_info.h kKernelHeadDims), which head dims each kind has a tile for (t
 and which head dims compile which extra parts (sm80/fwd_config.h kFwdParts, sm80/bwd_config.h kBwdParts). Its
 readers are strict: today's tables read as the values below, and a declaration written any other way stops the
 build with the file and what was expected. Also: sinkattn/layout.py's kernel head dims come from the binary's
-build_info, which exports the same C++ list.
+build_info, which exports the same C++ list (and, without a binary, from a copy this file checks).
 
 Pure Python: nothing here compiles (the extension test at the end skips without sinkattn._C).
 """
@@ -183,18 +183,19 @@ def test_a_broken_table_stops_the_generator(tmp_path, rel, old, new, why):
 # ---- layout.py reads the list from the binary --------------------------------------------------------------------
 def test_layout_kernel_headdims_from_build_info():
     from sinkattn import layout
-    assert layout.kernel_headdims_of(None) == ()  # a pure-Python build: no kernels
     assert layout.kernel_headdims_of({"kernel_headdims": [64, 128, 256], "requested_headdims": "128"}) == (64, 128, 256)
-    # a binary built before build_info carried the list: the head dims it was built for
-    assert layout.kernel_headdims_of({"requested_headdims": "64,128"}) == (64, 128)
+    assert layout.kernel_headdims_of({"kernel_headdims": [256, 128]}) == (128, 256)
+    # no binary (a pure-Python build), or one built before build_info carried the list: the sources' list, which
+    # is build_info.h's
+    assert layout.kernel_headdims_of(None) == layout.kernel_headdims_of({"requested_headdims": "128"}) \
+        == layout.SOURCE_HEADDIMS == gen.ALL_HEADDIMS
+    assert [layout.kernel_headdim(d) for d in (8, 64, 72, 128, 136, 256, 264)] == [64, 64, 128, 128, 256, 256, None]
 
 
 def test_layout_kernel_headdims_are_the_binarys():
     from sinkattn import _ext, layout
     if not _ext.loaded():
-        assert layout.KERNEL_HEADDIMS == () and layout.kernel_headdim(64) is None
         pytest.skip(f"no sinkattn._C ({_ext.IMPORT_ERROR})")
     info = _ext.build_info()
     assert "kernel_headdims" in info, "this binary predates build_info's kernel_headdims: rebuild it"
     assert tuple(info["kernel_headdims"]) == layout.KERNEL_HEADDIMS == gen.ALL_HEADDIMS
-    assert [layout.kernel_headdim(d) for d in (8, 64, 72, 128, 136, 256, 264)] == [64, 64, 128, 128, 256, 256, None]
