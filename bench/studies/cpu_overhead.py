@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 import sinkattn
 
+_FLASH = torch._scaled_dot_product_flash_attention_for_cpu  # the aten kernel SDPA and sinkattn's CPU path run
+
 
 def _per_call(fn, calls: int) -> tuple[float, float]:
     """(wall, CPU time of this thread) per call in microseconds. With one torch thread every op runs on this
@@ -52,6 +54,13 @@ def cases(context: int):
     rows += [
         ("sdpa tiny (1,16,4,64)", None, lambda: F.scaled_dot_product_attention(qt, kt, vt)),
         ("sdpa tiny causal", None, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)),
+        # What a caller with flash-attn's (b, s, h, d) tensors pays for SDPA: the views in and out included.
+        ("sdpa tiny, (b,s,h,d) in/out", "sdpa tiny (1,16,4,64)",
+         lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)),
+        # The floor of sinkattn's CPU path: the fused kernel it runs, with the layout views, and nothing else (no
+        # checks, no dispatch, no sink).
+        ("floor: tiny kernel + views", "sdpa tiny (1,16,4,64)",
+         lambda: _FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.125)[0].transpose(1, 2)),
         ("sinkattn tiny", "sdpa tiny (1,16,4,64)", lambda: sinkattn.flash_attn_with_sinks(q, k, v)),
         ("sinkattn tiny causal+sinks", "sdpa tiny causal",
          lambda: sinkattn.flash_attn_with_sinks(q, k, v, sinks4, causal=True)),
