@@ -2,7 +2,8 @@
 
 Skipped without a cc 9.0 GPU. Every case the sm80 kernel is held to (tests/kernel_cases.py) runs here too,
 plus shapes aimed at the pipeline and the persistent scheduler: many tiles per CTA, a single tile in all,
-varlen batches of wildly different lengths, more key blocks than pipeline stages many times over.
+varlen batches of wildly different lengths, more key blocks than pipeline stages many times over; and the empty
+sides (no query row, no key), where no TMA descriptor may be encoded over an empty tensor.
 """
 from __future__ import annotations
 
@@ -104,3 +105,37 @@ def test_sm90_broadcast_kv_strides(rng_seed):
     ref = sinkattn.flash_attn_with_sinks(q.cpu().float(), k.cpu().float(), v.cpu().float(), causal=True,
                                          backend="reference")
     assert (out.float().cpu() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("side", ["no-queries", "no-keys", "varlen-no-keys"])
+def test_sm90_forward_empty_side(side, capfd):
+    """seqlen_q = 0 (no tile: the launcher returns before encoding any descriptor), or no key at all (padded
+    seqlen_k = 0, or every varlen sequence's keys empty: the tiles visit no key block, and K / V get descriptors
+    over a row of q, not over the empty k / v). Out and lse are the reference's (out 0, lse the sink), and CuTe
+    never reported a failed encode (with NDEBUG it would carry on with a zeroed descriptor)."""
+    _need_sm90()
+    import sinkattn
+
+    hd, dt = COMPILED[0]
+    gen = torch.Generator().manual_seed(16)
+    sq, sk = (0, 40) if side == "no-queries" else (37, 0)
+    sinks = torch.linspace(-1, 1, 4)
+    if side == "varlen-no-keys":
+        q = torch.randn(sq * 2, 4, hd, generator=gen).to(DTYPES[dt])
+        k = torch.randn(0, 2, hd, generator=gen).to(DTYPES[dt])
+        cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32)
+        cu_k = torch.zeros(3, dtype=torch.int32)
+        run = lambda dev, backend: sinkattn.flash_attn_varlen_with_sinks(  # noqa: E731
+            q.to(dev), k.to(dev), k.to(dev), cu_q.to(dev), cu_k.to(dev), sq, 0, sinks.to(dev), return_lse=True,
+            backend=backend)
+    else:
+        q = torch.randn(2, sq, 4, hd, generator=gen).to(DTYPES[dt])
+        k = torch.randn(2, sk, 2, hd, generator=gen).to(DTYPES[dt])
+        run = lambda dev, backend: sinkattn.flash_attn_with_sinks(  # noqa: E731
+            q.to(dev), k.to(dev), k.to(dev), sinks.to(dev), return_lse=True, backend=backend)
+    out, lse = run("cuda", "sm90")
+    torch.cuda.synchronize()
+    ref_out, ref_lse = run("cpu", "reference")
+    assert torch.equal(out.cpu(), ref_out.to(out.dtype))
+    assert torch.allclose(lse.cpu(), ref_lse.float(), rtol=1e-6, atol=1e-6)
+    assert "Failed to initialize the TMA descriptor" not in capfd.readouterr().err

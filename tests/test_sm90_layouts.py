@@ -3,8 +3,9 @@ transposed shared-memory views (Q^T, dO^T, K^T, dS^T) address the bytes TMA and 
 accumulator's registers are exactly the A operand of dV += P^T dO, S^T's rows are keys and its columns queries
 (the per-key mask bounds and the per-query LSE reads), dQ / dK / dV register pairs are adjacent columns (8-byte
 atomics and stores), dS^T register pairs are one 4-byte word of shared memory (st.shared.b32), and the 256
-consumer threads cover each tile once. tests/layout_facts/sm90_bwd.cu holds the checks; it is compiled here with
-nvcc as host code and run, and run again with --mutant, where three planted layout bugs must each be reported (the
+consumer threads cover each tile once, and 8 columns of Q / dO / K / V from a multiple of 8 are one 16-byte chunk
+(the varlen tail zeroing's stores). tests/layout_facts/sm90_bwd.cu holds the checks; it is compiled here with nvcc as
+host code and run, and run again with --mutant, where four planted layout bugs must each be reported (the
 untransposed dS^T view breaks two facts)."""
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _run(binary, *args):
 
 def test_sm90_backward_layout_facts(facts_binary):
     rc, lines = _run(facts_binary)
-    assert len(lines) == 16, lines  # 8 facts x head dims 64 and 128
+    assert len(lines) == 18, lines  # 9 facts x head dims 64 and 128
     broken = [ln for ln in lines if not ln.endswith(": ok")]
     assert rc == 0 and not broken, "\n".join(broken)
 
@@ -59,5 +60,6 @@ def test_layout_fact_checks_catch_planted_bugs(facts_binary):
     failed = sorted(ln.split(":")[0] for ln in lines if ": FAIL" in ln)
     want = sorted(f"hd{hd} {fact}" for hd in (64, 128) for fact in (
         "K^T view (B of dQ) is K", "dS^T view (what the consumers write) is dS (A of dQ)",
-        "S^T registers are the A operand of dV += P^T dO", "dS^T register pairs are one 4-byte word of dS"))
+        "S^T registers are the A operand of dV += P^T dO", "dS^T register pairs are one 4-byte word of dS",
+        "8 columns from a multiple of 8 are one 16-byte chunk of Q, dO, K, V"))
     assert rc == 1 and failed == want, lines

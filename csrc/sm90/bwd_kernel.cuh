@@ -12,7 +12,8 @@
 //   barrier) -> dQ = dS K on wgmma -> added in fp32 into dq_accum (float2 atomics; in increasing key-block order
 //   per M tile when deterministic, as the sm80 backward).
 // dK (times softmax_scale) and dV go out in fp32 per query head, as the sm80 kernel's: the postprocess sums the
-// GQA group.
+// GQA group. Varlen: the consumers zero the rows of a sequence's last key block and last M tile that lie past its
+// end (the next sequence's, which TMA loads with them), as the sm80 backward's zero-filled loads (zero_tail).
 #pragma once
 #include <cmath>
 #include <cuda_runtime.h>
@@ -29,6 +30,7 @@
 #include "common/tile_order.h"
 #include "params.h"
 #include "sm90/bwd_traits.h"
+#include "sm90/smem_utils.cuh"
 #include "sm90/wgmma_utils.cuh"
 
 namespace sinkattn::sm90 {
@@ -48,8 +50,21 @@ __device__ __forceinline__ int consumer_tid() {
   return t - 128;
 }
 
-// Named barriers among the 256 consumer threads (ids above CUTLASS's reserved ones).
-enum : uint32_t { kBarDs = 0, kBarDqTurn = 1 };
+// Named barriers among the 256 consumer threads (ids above CUTLASS's reserved ones). kBarTail: a varlen tile's
+// rows past its sequence zeroed (zero_tail below).
+enum : uint32_t { kBarDs = 0, kBarDqTurn = 1, kBarTail = 2 };
+
+// Varlen only: rows [valid, rows) of two tiles TMA has just filled (the block's K and V, or a stage's Q and dO) are
+// the next sequence's, so the 256 consumers zero them (sm90/smem_utils.cuh says why), make the stores visible to
+// wgmma and sync before either warpgroup's product reads them. Called where a tile runs past its sequence's end:
+// a sequence's last key block (once per CTA) and its last M tile, never on the common path. (Padded batches need
+// none: each sequence has its own rows in the descriptor, and TMA zero-fills past them.)
+template <class TileA, class TileB>
+__device__ __forceinline__ void zero_tail(TileA const& a, TileB const& b, int valid) {
+  zero_tail_rows<256>(a, b, valid, consumer_tid());
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::sync(256, kBarTail);
+}
 
 // The producer: one thread (warp 0, lane 0) issues every TMA load; warp 1 writes each step's LSE and delta rows.
 // Both walk the same M tiles through the same stages: q_full[s] completes when the TMA bytes have landed and the
@@ -109,9 +124,9 @@ __device__ void produce_rows(BwdParams const& p, typename Kt::SharedStorage& ss,
   for (int m = w.m_begin, it = 0; m < w.m_end; ++m, ++it) {
     int const st = it % kStages, phase = (it / kStages) & 1;
     EmptyBarrier::wait(&ss.q_empty[st], phase ^ 1);
-    // The rows' offset is recomputed every step from w in shared memory (the empty asm makes the compiler reread
-    // it): held across steps, it and its pointers spilled at hd64's 24 producer registers.
-    asm volatile("" ::: "memory");
+    // The rows' offset is recomputed every step from w in shared memory (the fence makes the compiler reread it):
+    // held across steps, it and its pointers spilled at hd64's 24 producer registers.
+    compiler_fence();
     int64_t const row0 = bwd_lse_index(p, w.batch, w.head, 0) + int64_t(m) * kBlockM;
     int const rows = w.ext.seqlen_q - m * kBlockM;
 #pragma unroll 1
@@ -125,9 +140,8 @@ __device__ void produce_rows(BwdParams const& p, typename Kt::SharedStorage& ss,
       ss.lse_log2[st][r] = lse * log2e;
       ss.delta[st][r] = delta;
     }
-    // CUTLASS's arrive is asm volatile without a memory clobber: the stores above must not move past it (the
-    // arrival is what releases them to the consumers).
-    asm volatile("" ::: "memory");
+    // The stores above must not move past the arrival (it is what releases them to the consumers).
+    compiler_fence();
     FullBarrier::arrive(&ss.q_full[st]);
   }
 }
@@ -199,10 +213,15 @@ __device__ void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Work
   int const j0 = w.n_block * kBlockN;
 
   FullBarrier::wait(&ss.kv_full, 0);
+  if (varlen && j0 + kBlockN > w.ext.seqlen_k) zero_tail(sK, sV, w.ext.seqlen_k - j0);
   for (int m = w.m_begin, it = 0; m < w.m_end; ++m, ++it) {
     int const st = it % kStages, phase = (it / kStages) & 1, buf = it & 1;
     int const i0 = m * kBlockM;
     FullBarrier::wait(&ss.q_full[st], phase);
+    // The stage's LSE / delta rows (plain stores of warp 1, released by its arrivals on q_full) are read below:
+    // no load of them may move above the wait.
+    compiler_fence();
+    if (varlen && i0 + kBlockM > w.ext.seqlen_q) zero_tail(sQ(_, _, st), sdO(_, _, st), w.ext.seqlen_q - i0);
     wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
     wgmma<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st), tdPrdP);
     warpgroup_wait<1>();  // S^T in; dP^T may still run

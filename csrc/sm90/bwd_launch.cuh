@@ -31,14 +31,19 @@ void launch_bwd(BwdParams const& p, cudaStream_t stream) {
     return tma_gmem_tensor<Element>(p, ptr, rows, heads, rs, hs, bs);
   };
   int const rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
+  // No query row (seqlen_q == 0, or every varlen sequence empty) or no key: no CTA would find an M tile, and the
+  // empty tensor would get a TMA descriptor. dk_accum / dv_accum / dq_accum stay the zeros they were made as, and
+  // the postprocess (run_bwd_steps) still turns them into dk / dv / dq and dsinks.
+  if (rows_q == 0 || rows_k == 0) return;
   auto const gQ = tensor(p.q, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   auto const gdO = tensor(p.dout, rows_q, p.nheads, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
   auto const gK = tensor(p.k, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
   auto const gV = tensor(p.v, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   auto const q_tile = take<0, 2>(typename Kt::SmemLayoutQ{});
-  BwdTmaParams<Kt> const tma{make_tma_copy(SM90_TMA_LOAD{}, gQ, q_tile), make_tma_copy(SM90_TMA_LOAD{}, gdO, q_tile),
-                             make_tma_copy(SM90_TMA_LOAD{}, gK, typename Kt::SmemLayoutKV{}),
-                             make_tma_copy(SM90_TMA_LOAD{}, gV, typename Kt::SmemLayoutKV{})};
+  BwdTmaParams<Kt> const tma{checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gQ, q_tile), "q"),
+                             checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gdO, q_tile), "dout"),
+                             checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gK, typename Kt::SmemLayoutKV{}), "k"),
+                             checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gV, typename Kt::SmemLayoutKV{}), "v")};
   auto kernel = p.softcap > 0.f ? bwd_kernel<Kt, true> : bwd_kernel<Kt, false>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
   kernel<<<unsigned(grid.count()), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, tma, grid);

@@ -29,6 +29,7 @@
 #include "params.h"
 #include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_traits.h"
+#include "sm90/smem_utils.cuh"
 #include "sm90/wgmma_utils.cuh"
 
 namespace sinkattn::sm90 {
@@ -61,13 +62,9 @@ struct TileWork {
 // (static) every gridDim.x-th of the tile order, or (kDynamicTiles) the next index drawn from p.tile_counter by
 // the producer, which hands each index (the first too) to the consumers through a two-slot ring in shared
 // memory; an index >= count ends the walk for all of them.
+// The slot's plain accesses stay between the wait and the arrive through compiler_fence (sm90/smem_utils.cuh).
 template <class Kt>
 struct TileWalk {
-  // CUTLASS's mbarrier wait/arrive are asm volatile without a memory clobber, so the compiler may move a plain
-  // shared-memory access across them; the hardware's ordering (arrive releases, wait acquires) needs the
-  // accesses to stay between them in the program.
-  static __device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
-
   typename Kt::SharedStorage& ss;
   int64_t count;
   int round = 0;

@@ -3,6 +3,8 @@
 // with batch 1. Host code of the launchers; the traits take the type.
 #pragma once
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <cute/tensor.hpp>
 
 #include "params.h"
@@ -17,18 +19,34 @@ using TmaGmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast
 
 // One tensor of the problem in p: rows (seqlen, or the packed total when varlen), heads, and its strides in
 // elements. A TMA descriptor wants every extent >= 1 and every stride a multiple of 16 bytes; an extent-1 mode's
-// stride is never used, so any such value serves.
+// stride is never used, so any such value serves. Never over an empty tensor (its pointer may be null or point
+// at nothing): the launchers return before encoding when there is no query row, and the forward encodes K and V
+// over a stand-in when there is no key (its tiles then visit no key block).
 template <class Element>
 TmaGmemTensor<Element> tma_gmem_tensor(AttnParams const& p, void const* ptr, int rows, int heads, int64_t row_stride,
                                        int64_t head_stride, int64_t batch_stride) {
   using namespace cute;
   int const bdim = p.cu_seqlens_q != nullptr ? 1 : p.batch;
+  if (ptr == nullptr || rows < 1 || heads < 1 || bdim < 1 || p.headdim < 1)
+    throw std::logic_error("sinkattn sm90: a TMA descriptor over an empty tensor (the launcher must not encode one)");
   auto stride_of = [](int64_t stride, int extent) { return extent > 1 ? stride : int64_t(8); };
-  rows = rows > 1 ? rows : 1;
   return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
                      TmaGmemLayout{make_shape(rows, p.headdim, heads, bdim),
                                    make_stride(stride_of(row_stride, rows), _1{}, stride_of(head_stride, heads),
                                                stride_of(batch_stride, bdim))});
+}
+
+// The TMA copy make_tma_copy built, checked: CuTe reports a failed cuTensorMapEncodeTiled only by printing to
+// stderr and assert(false), which the build's NDEBUG compiles out, so the kernel would get a zeroed descriptor (a
+// fault, or loads from address 0). A descriptor the driver encoded holds the tensor's address and extents, never
+// 128 zero bytes; `what` names the tensor in the error.
+template <class TmaCopy>
+TmaCopy checked_tma(TmaCopy const& tma, char const* what) {
+  auto const* bytes = reinterpret_cast<unsigned char const*>(tma.get_tma_descriptor());
+  for (size_t i = 0; i < sizeof(cute::TmaDescriptor); ++i)
+    if (bytes[i] != 0) return tma;
+  throw std::runtime_error(std::string("sinkattn sm90: encoding the TMA descriptor of ") + what +
+                           " failed (cuTensorMapEncodeTiled; CuTe printed its arguments to stderr)");
 }
 
 }  // namespace sinkattn::sm90

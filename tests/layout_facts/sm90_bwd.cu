@@ -1,8 +1,9 @@
 // sm90_bwd.cu: the layout facts the sm90 backward relies on, evaluated on the host (CuTe layouts are host code),
 // so they are checked without a GPU (docs/DESIGN.md section 6). tests/test_sm90_layouts.py compiles and runs it.
 // Prints one line per fact and head dim, "ok" or what broke; exits 1 when anything broke. With --mutant it checks
-// three plausible kernel bugs instead (two views built in the untransposed order, and the S^T registers regrouped
-// into k16 blocks from the wrong mode), each of which must be reported broken: the checks can fail.
+// four plausible kernel bugs instead (two views built in the untransposed order, the S^T registers regrouped
+// into k16 blocks from the wrong mode, and MN-major tiles under the 16-byte tail stores), each of which must be
+// reported broken: the checks can fail.
 #include <cstdio>
 #include <string>
 #include <type_traits>
@@ -61,6 +62,28 @@ void check() {
       for (int i = 0; i < kBlockM; ++i)
         if (LayoutdSt{}(j, i, b) != typename Kt::SmemLayoutdS{}(i, j, b)) fail("dSt(%d, %d, %d) %d", j, i, b, 0);
   report("dS^T view (what the consumers write) is dS (A of dQ)", kHeadDim, bad, first);
+  // The varlen tail zeroing (sm90/smem_utils.cuh zero_tail_rows) stores 16 bytes per 8 columns from a multiple
+  // of 8: those 8 elements must be adjacent in shared memory, the first 16-byte aligned, in Q / dO (every stage)
+  // and K / V. The mutant asks it of the MN-major layout of the same shape (rows contiguous), which breaks it.
+  {
+    using Atom = std::conditional_t<kMutant, GMMA::Layout_MN_SW128_Atom<cutlass::bfloat16_t>,
+                                    GMMA::Layout_K_SW128_Atom<cutlass::bfloat16_t>>;
+    using LayoutQ = decltype(tile_to_shape(Atom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<Kt::kStages>>{}));
+    using LayoutKV = decltype(tile_to_shape(Atom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    static_assert(kMutant || (std::is_same_v<LayoutQ, typename Kt::SmemLayoutQ> &&
+                              std::is_same_v<LayoutKV, typename Kt::SmemLayoutKV>));
+    bad = 0;
+    for (int s = 0; s < Kt::kStages; ++s)
+      for (int i = 0; i < kBlockM; ++i)
+        for (int c = 0; c < kHeadDim; c += 8)
+          for (int e = 0; e < 8; ++e)
+            if (LayoutQ{}(i, c + e, s) != LayoutQ{}(i, c, s) + e || LayoutQ{}(i, c, s) % 8) fail("Q(%d, %d + %d, %d)", i, c, e, s);
+    for (int j = 0; j < kBlockN; ++j)
+      for (int c = 0; c < kHeadDim; c += 8)
+        for (int e = 0; e < 8; ++e)
+          if (LayoutKV{}(j, c + e) != LayoutKV{}(j, c) + e || LayoutKV{}(j, c) % 8) fail("K(%d, %d + %d) %d", j, c, e, 0);
+    report("8 columns from a multiple of 8 are one 16-byte chunk of Q, dO, K, V", kHeadDim, bad, first);
+  }
 
   // 2. Accumulator facts, for each of the 256 consumer threads.
   typename Kt::TiledMmaSdP mma_sdp;
