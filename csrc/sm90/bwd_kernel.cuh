@@ -133,9 +133,8 @@ __device__ void produce_rows(BwdParams const& p, typename Kt::SharedStorage& ss,
     for (int r = lane; r < kBlockM; r += 32) {
       float lse = INFINITY, delta = 0.f;
       if (r < rows) {
-        lse = p.lse[row0 + r];
+        lse = bwd_lse(p.lse[row0 + r]);  // common/online_softmax.h: a row that saw nothing gets P = 0, never NaN
         delta = p.delta[row0 + r];
-        if (lse == -INFINITY) lse = INFINITY;  // a row that sees nothing and has no sink: P = 0, never NaN
       }
       ss.lse_log2[st][r] = lse * log2e;
       ss.delta[st][r] = delta;
@@ -204,8 +203,8 @@ __device__ void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Work
   static_assert(kRows == 2);
   int64_t const dq_row_stride = int64_t(p.nheads) * p.headdim_rounded;
   bool const varlen = w.ext.varlen;
-  int64_t const q_row0 = varlen ? w.ext.q_start : int64_t(w.batch) * p.seqlen_q;
-  int64_t const k_row0 = varlen ? w.ext.k_start : int64_t(w.batch) * p.seqlen_k;
+  int64_t const q_row0 = w.ext.q_rows_before(w.batch, p.seqlen_q);  // rows of the fp32 accumulators
+  int64_t const k_row0 = w.ext.k_rows_before(w.batch, p.seqlen_k);
   float* const dq_head = p.dq_accum + q_row0 * dq_row_stride + int64_t(w.head) * p.headdim_rounded;
 
   ScoreScale<kSoftcap ? Softcap::kRunTime : Softcap::kOff> const score{p.softmax_scale, p.softcap};
@@ -315,8 +314,7 @@ __device__ void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Work
     int* sem = nullptr;
     int turn = 0;
     if (p.dq_semaphore) {
-      BlockRange const visitors = mask.range(m);
-      turn = w.n_block < visitors.sink_end ? w.n_block : visitors.sink_end + (w.n_block - visitors.win_begin);
+      turn = mask.range(m).rank(w.n_block);
       sem = p.dq_semaphore + (int64_t(w.batch) * p.nheads + w.head) * p.dq_m_blocks + m;
       if (ctid == 0) {
         while (atomicAdd(sem, 0) != turn) __nanosleep(32);

@@ -46,8 +46,7 @@ struct Work {
     int split;
     grid.decode(blockIdx.x, w.n_block, split, w.head, w.batch);
     w.ext = seq_extent(p, w.batch);
-    w.mask = TileMask{MaskPolicy{w.ext.seqlen_q, w.ext.seqlen_k, p.window_left, p.window_right, p.sink_tokens},
-                      Kt::kBlockM, Kt::kBlockN, 1};
+    w.mask = TileMask{mask_policy(p, w.ext), Kt::kBlockM, Kt::kBlockN, 1};
     w.m_begin = w.m_end = 0;
     if (w.n_block * Kt::kBlockN < w.ext.seqlen_k) w.mask.m_range(w.n_block, w.m_begin, w.m_end);
     return w;

@@ -38,24 +38,22 @@ __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::E
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kHeadDim = Kt::kHeadDim;
   int const m0 = m_block * kBlockM;
-  bool const varlen = ext.varlen;
   Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
   Tensor tOsO = thr_o.partition_C(sO);
   CUTE_UNROLL
   for (int i = 0; i < size(tOrO); ++i) tOsO(i) = Element(tOrO(i));
 
-  int64_t const lse_seq = (varlen ? ext.q_start : 0) + int64_t(batch) * p.lse_batch_stride;
+  // lse: (batch, heads, seqlen_q), or (heads, total_q) when varlen; rows contiguous.
+  int64_t const lse_head = ext.q_row(batch, p.lse_batch_stride, 1, p.lse_head_stride, head);
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     int const row = get<0>(tOcO(r, 0));
-    if (get<1>(tOcO(r, 0)) == 0 && m0 + row < ext.seqlen_q) {
-      p.lse[lse_seq + int64_t(head) * p.lse_head_stride + m0 + row] = lse[r];
-    }
+    if (get<1>(tOcO(r, 0)) == 0 && m0 + row < ext.seqlen_q) p.lse[lse_head + m0 + row] = lse[r];
   }
 
   cutlass::arch::NamedBarrier::sync(128, kBarTurn0 + Kt::kConsumerWarpgroups + wg);
-  Element* o_seq = static_cast<Element*>(p.out) + int64_t(head) * p.o_head_stride +
-                   (varlen ? ext.q_start * p.o_row_stride : int64_t(batch) * p.o_batch_stride);
+  Element* o_seq =
+      static_cast<Element*>(p.out) + ext.q_row(batch, p.o_batch_stride, p.o_row_stride, p.o_head_stride, head);
   constexpr int kVecsPerRow = kHeadDim / 8;
   constexpr int kVecs = 64 * kVecsPerRow;
 #pragma unroll 1  // unrolled, the compiler keeps every iteration's shared address live across tiles
