@@ -23,10 +23,11 @@
 namespace sinkattn {
 
 using MergeFn = void (*)(MergeParams const&, cudaStream_t);
-using FwdFn = void (*)(FwdParams const&, cudaStream_t);
-using FwdEmuFn = void (*)(FwdParams const&, EmuLaunch const&);
-using BwdFn = void (*)(BwdParams const&, cudaStream_t);
-using BwdEmuFn = void (*)(BwdParams const&, EmuLaunch const&);
+// An attention kernel's registry entry points: a GPU launcher, or the same body under host emulation.
+template <class Params>
+using KernelFn = void (*)(Params const&, cudaStream_t);
+template <class Params>
+using EmuKernelFn = void (*)(Params const&, EmuLaunch const&);
 
 static std::string dtype_name(at::ScalarType t) {
   switch (t) {
@@ -119,15 +120,6 @@ static std::vector<at::Tensor> merge_states(at::Tensor out_a, at::Tensor lse_a, 
 }
 
 // ---- attention forward --------------------------------------------------------------------------------
-// The kernels read the sink logits as fp32: a contiguous fp32 copy (the caller keeps it alive through the
-// launch) and its pointer in `ptr`; without sinks an undefined tensor and a null pointer.
-static at::Tensor sinks_fp32(std::optional<at::Tensor> const& sinks, float const*& ptr) {
-  if (!sinks) return {};
-  at::Tensor f = sinks->to(at::kFloat).contiguous();
-  ptr = f.data_ptr<float>();
-  return f;
-}
-
 static int served_headdim(int d) {
   for (int h : {64, 128, 256})
     if (d <= h) return h;
@@ -200,16 +192,19 @@ static int smem_limit(bool emulated, int64_t max_smem, at::Device device) {
   return max_smem > 0 ? int(std::min<int64_t>(max_smem, smem)) : smem;
 }
 
-static void launch_fwd(KernelInfo const* info, FwdParams const& p, bool emulated, at::Device device) {
+// Runs a forward or backward kernel: under host emulation (CPU tensors; an A100's resources, or the smaller
+// shared-memory limit the params picked their tile with) or on the current stream of `device`.
+template <class Params>
+static void launch_kernel(KernelInfo const* info, Params const& p, bool emulated, at::Device device) {
   if (emulated) {
     EmuLaunch launch;
     launch.max_smem_per_block = p.max_smem_per_block;
     py::gil_scoped_release no_gil;  // the emulation runs for a while on its own threads
-    reinterpret_cast<FwdEmuFn>(info->fn)(p, launch);
+    reinterpret_cast<EmuKernelFn<Params>>(info->fn)(p, launch);
     return;
   }
   c10::cuda::CUDAGuard guard(device);
-  reinterpret_cast<FwdFn>(info->fn)(p, c10::cuda::getCurrentCUDAStream());
+  reinterpret_cast<KernelFn<Params>>(info->fn)(p, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -224,14 +219,19 @@ struct MaskArgs {
 // q/k/v/out: padded (batch, seqlen, heads, d), or varlen (total, heads, d) with cu_seqlens (batch + 1,) int32
 // on the tensors' device and max_seqlen sizing the grid; a KV cache passes its caches as k/v (the caller then
 // sets seqlen_k). lse: contiguous (batch, nheads, seqlen_q), or (nheads, total_q) when varlen.
-static void fill_attn_params(AttnParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                             at::Tensor const& out, at::Tensor const& lse, std::optional<at::Tensor> const& cu_seqlens_q,
-                             std::optional<at::Tensor> const& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                             float const* sinks, MaskArgs const& m, int max_smem_per_block, char const* op) {
+// The kernels read the sink logits as fp32: p.sinks points into a contiguous fp32 copy, which is returned and
+// which the caller keeps alive through the launch (undefined, and p.sinks null, without sinks).
+[[nodiscard]] static at::Tensor fill_attn_params(AttnParams& p, at::Tensor const& q, at::Tensor const& k,
+                                                 at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse,
+                                                 std::optional<at::Tensor> const& cu_seqlens_q,
+                                                 std::optional<at::Tensor> const& cu_seqlens_k, int64_t max_seqlen_q,
+                                                 int64_t max_seqlen_k, std::optional<at::Tensor> const& sinks,
+                                                 MaskArgs const& m, int max_smem_per_block, char const* op) {
   bool const varlen = cu_seqlens_q.has_value();
   TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "sinkattn ", op, ": cu_seqlens_q and cu_seqlens_k go together");
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
-  p.sinks = sinks;
+  at::Tensor const sinks_f32 = sinks ? sinks->to(at::kFloat).contiguous() : at::Tensor();
+  p.sinks = sinks ? sinks_f32.data_ptr<float>() : nullptr;
   p.headdim = q.size(-1);
   p.headdim_rounded = served_headdim(p.headdim);
   p.nheads = q.size(-2);
@@ -278,6 +278,7 @@ static void fill_attn_params(AttnParams& p, at::Tensor const& q, at::Tensor cons
   p.window_right = int(m.window_right);
   p.sink_tokens = int(m.sink_tokens);
   p.max_smem_per_block = max_smem_per_block;
+  return sinks_f32;
 }
 
 static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> sinks,
@@ -299,11 +300,9 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   auto const* info = variant ? variant : fwd_kernel_for(backend, q);
 
   FwdParams p;
-  float const* sinks_ptr = nullptr;
-  at::Tensor const sinks_f = sinks_fp32(sinks, sinks_ptr);
-  fill_attn_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks_ptr,
-                   {softmax_scale, window_left, window_right, sink_tokens, softcap},
-                   smem_limit(emulated, max_smem, q.device()), "fwd");
+  at::Tensor const sinks_f = fill_attn_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, sinks, {softmax_scale, window_left, window_right,
+                                              sink_tokens, softcap}, smem_limit(emulated, max_smem, q.device()), "fwd");
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   TORCH_CHECK(!variant || variant->smem_bytes <= p.max_smem_per_block, "sinkattn fwd: variant ", variant->name,
@@ -315,7 +314,7 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
     tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
   }
-  launch_fwd(info, p, emulated, q.device());
+  launch_kernel(info, p, emulated, q.device());
 }
 
 // The sm90 backward's M tile for a head dim it serves (sm90/bwd_tiles.h; dispatch sends it no other).
@@ -356,11 +355,9 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
               " in this build");
 
   BwdParams p;
-  float const* sinks_ptr = nullptr;
-  at::Tensor const sinks_f = sinks_fp32(sinks, sinks_ptr);
-  fill_attn_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks_ptr,
-                   {softmax_scale, window_left, window_right, sink_tokens, softcap},
-                   smem_limit(emulated, max_smem, q.device()), "bwd");
+  at::Tensor const sinks_f = fill_attn_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, sinks, {softmax_scale, window_left, window_right,
+                                              sink_tokens, softcap}, smem_limit(emulated, max_smem, q.device()), "bwd");
   p.out = out.data_ptr(); p.dout = dout.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.dlse = dlse ? dlse->data_ptr<float>() : nullptr;
@@ -387,7 +384,7 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   if (deterministic) {
     // The counters are per M tile of the kernel that runs (its tile table's block_m).
     int const block_m = backend == "sm90" ? sm90_bwd_block_m(hd) : sm80::choose_bwd_tile(hd, p.max_smem_per_block).block_m;
-    p.dq_m_blocks = std::max(1, (p.seqlen_q + block_m - 1) / block_m);
+    p.dq_m_blocks = std::max(1, ceil_div(p.seqlen_q, block_m));
     dq_semaphore = at::zeros({p.batch, p.nheads, p.dq_m_blocks}, q.options().dtype(at::kInt));
     p.dq_semaphore = dq_semaphore.data_ptr<int>();
   }
@@ -401,16 +398,7 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   p.delta = delta.data_ptr<float>();
   p.dsink_rows = dsink_rows.data_ptr<float>();
 
-  if (emulated) {
-    EmuLaunch launch;
-    launch.max_smem_per_block = p.max_smem_per_block;
-    py::gil_scoped_release no_gil;
-    reinterpret_cast<BwdEmuFn>(info->fn)(p, launch);
-    return;
-  }
-  c10::cuda::CUDAGuard guard(q.device());
-  reinterpret_cast<BwdFn>(info->fn)(p, c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(info, p, emulated, q.device());
 }
 
 // The host entries' tile mask of a padded problem, built as the kernels build theirs (seq_extent, mask_policy).
@@ -498,6 +486,7 @@ static py::dict seq_extent_host(int b, int seqlen_q, int seqlen_k, std::optional
   d["mask"] = std::vector<int>{m.seqlen_q, m.seqlen_k, m.window_left, m.window_right, m.sink_tokens};
   d["q_row"] = e.q_row(b, q_strides[0], q_strides[1], q_strides[2], head, row);
   d["k_row"] = e.k_row(b, k_strides[0], k_strides[1], k_strides[2], head, row);
+  d["lse_row"] = e.lse_row(b, q_strides[0], q_strides[2], head, int(row));  // q's batch and head strides as lse's
   d["q_rows_before"] = e.q_rows_before(b, seqlen_q);
   d["k_rows_before"] = e.k_rows_before(b, seqlen_k);
   return d;
@@ -534,12 +523,10 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
               "sinkattn fwd_kvcache: seqused_k must be contiguous int32 (batch,)");
 
   FwdParams p;
-  float const* sinks_ptr = nullptr;
-  at::Tensor const sinks_f = sinks_fp32(sinks, sinks_ptr);
   // Page pools fill the batch strides with the page strides.
-  fill_attn_params(p, q, k_cache, v_cache, out, lse, std::nullopt, std::nullopt, 0, 0, sinks_ptr,
-                   {softmax_scale, window_left, window_right, sink_tokens, softcap},
-                   smem_limit(emulated, max_smem, q.device()), "fwd_kvcache");
+  at::Tensor const sinks_f = fill_attn_params(p, q, k_cache, v_cache, out, lse, std::nullopt, std::nullopt, 0, 0, sinks,
+                                              {softmax_scale, window_left, window_right, sink_tokens, softcap},
+                                              smem_limit(emulated, max_smem, q.device()), "fwd_kvcache");
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.seqused_k = seqused_k.data_ptr<int>();
@@ -577,7 +564,7 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
     p.out_accum = out_accum.data_ptr<float>();
     p.lse_accum = lse_accum.data_ptr<float>();
   }
-  launch_fwd(info, p, emulated, q.device());
+  launch_kernel(info, p, emulated, q.device());
 }
 
 static int64_t num_splits_heuristic(int64_t ctas, int64_t num_sms, int64_t n_blocks, int64_t max_splits) {

@@ -157,15 +157,17 @@ def test_seq_extent_mask_policy_and_row_addresses():
     assert e["mask"] == [30, 50, 7, 0, 4]
     assert e["q_row"] == 2 * 7000 + 11 * 96 + 3 * 8 and e["k_row"] == 2 * 5000 + 11 * 40 + 3 * 8
     assert (e["q_rows_before"], e["k_rows_before"]) == (60, 100)
+    assert e["lse_row"] == 2 * 7000 + 3 * 8 + 11, "lse rows are contiguous"
     # the sequence's base: row 0, head 0
     assert C.seq_extent(1, 30, 50, None, None, None, -1, -1, 0, qs, ks, 0, 0)["q_row"] == 7000
     # varlen: sequence 1 holds packed q rows [5, 12) and k rows [9, 30)
     cq, ck = i32([0, 5, 12]), i32([0, 9, 30])
-    e = C.seq_extent(1, 64, 64, cq, ck, None, -1, 0, 0, qs, ks, 2, 4)
+    e = C.seq_extent(1, 64, 64, cq, ck, None, -1, 0, 0, [0, 96, 8], ks, 2, 4)  # a varlen lse has batch stride 0
     assert (e["varlen"], e["q_start"], e["k_start"], e["seqlen_q"], e["seqlen_k"]) == (True, 5, 9, 7, 21)
     assert e["mask"] == [7, 21, -1, 0, 0], "the mask is the sequence's, not the batch maximum"
     assert e["q_row"] == (5 + 4) * 96 + 2 * 8 and e["k_row"] == (9 + 4) * 40 + 2 * 8, "varlen ignores batch strides"
     assert (e["q_rows_before"], e["k_rows_before"]) == (5, 9)
+    assert e["lse_row"] == 5 + 2 * 8 + 4, "varlen lse rows follow cu_seqlens_q"
     # a KV cache: sequence 1 holds 17 keys of a 64-key cache
     e = C.seq_extent(1, 3, 64, None, None, i32([40, 17]), 100, 0, 2, qs, ks, 1, 0)
     assert (e["seqlen_q"], e["seqlen_k"]) == (3, 17) and e["mask"] == [3, 17, 100, 0, 2]

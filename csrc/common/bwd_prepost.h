@@ -18,8 +18,7 @@ SA_HOST_DEVICE int64_t bwd_lse_index(BwdParams const& p, int b, int h, int i) {
 
 // Offset of row i of sequence b, head h, in out and dout (their strides are the same).
 SA_HOST_DEVICE int64_t bwd_out_row_offset(BwdParams const& p, SeqExtent const& ext, int b, int h, int i) {
-  return (ext.varlen ? (ext.q_start + i) * p.o_row_stride : int64_t(b) * p.o_batch_stride + int64_t(i) * p.o_row_stride) +
-         int64_t(h) * p.o_head_stride;
+  return ext.q_row(b, p.o_batch_stride, p.o_row_stride, p.o_head_stride, h, i);
 }
 
 // The rest of row li's preprocess once dot = rowsum(dO_i * O_i) is known: delta_i = dot - dlse_i, and the row's

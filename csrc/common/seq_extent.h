@@ -27,6 +27,11 @@ struct SeqExtent {
                                int64_t row = 0) const {
     return (varlen ? k_start * row_stride : int64_t(b) * batch_stride) + row * row_stride + int64_t(head) * head_stride;
   }
+  // Row `row` of head `head` in an lse-like buffer (fp32, rows contiguous: lse, dlse, delta, dsink_rows): padded
+  // (batch, heads, seqlen_q), or (heads, total_q) when varlen, whose batch stride is then 0.
+  SA_HOST_DEVICE int64_t lse_row(int b, int64_t batch_stride, int64_t head_stride, int head = 0, int row = 0) const {
+    return (varlen ? q_start : 0) + int64_t(b) * batch_stride + int64_t(head) * head_stride + row;
+  }
   // The first row of sequence b in a buffer whose rows are every sequence's query rows back to back (the fp32
   // accumulators dq_accum; lse-like buffers when varlen): q_start when varlen, else b * seqlen_q (padded).
   SA_HOST_DEVICE int64_t q_rows_before(int b, int seqlen_q_padded) const {

@@ -39,32 +39,35 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
 
   // ---- the tile: this sequence's extent (varlen: cu_seqlens; KV cache: seqused_k), its rows and key blocks ---
   SeqExtent const ext = seq_extent(p, bidb);
-  bool const varlen = ext.varlen;
   int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
   int const rows = ext.seqlen_q * group;  // rows of this (sequence, head or head group) problem
   if (m_block * kBlockM >= rows) return;  // uniform per CTA: the grid covers the longest sequence
   int const bidh_k = p.pack_gqa ? bidh : bidh / (p.nheads / p.nheads_k);
   int const m0 = m_block * kBlockM;
   FwdRows<Element> const at{m0, bidh, group,
-                            static_cast<Element*>(p.out) + (varlen ? ext.q_start * p.o_row_stride : bidb * p.o_batch_stride),
+                            static_cast<Element*>(p.out) + ext.q_row(bidb, p.o_batch_stride, p.o_row_stride, p.o_head_stride),
                             p.o_row_stride, p.o_head_stride};
 
-  TileMask const tile_mask{MaskPolicy{ext.seqlen_q, ext.seqlen_k, p.window_left, p.window_right, p.sink_tokens},
-                           kBlockM, kBlockN, group};
+  TileMask const tile_mask{mask_policy(p, ext), kBlockM, kBlockN, group};
   BlockRange const range = tile_mask.range(m_block);
   TileMask::MaskTest const mask_test = tile_mask.mask_test(m_block);
   int t_begin = 0, t_end = range.count();
   if (p.num_splits > 1) split_share(range.count(), split, p.num_splits, t_begin, t_end);
 
   // ---- global rows: Q of tile row r; key j of this sequence, contiguous or slot j % page_size of a page ------
-  Element const* q_seq = static_cast<Element const*>(p.q) + (varlen ? ext.q_start * p.q_row_stride : bidb * p.q_batch_stride);
+  // (SeqExtent gives each sequence's base; a row adds row * row_stride + head * head_stride.)
+  Element const* q_seq = static_cast<Element const*>(p.q) + ext.q_row(bidb, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
   auto q_row = [&](int r) {
     return q_seq + int64_t(at.query_of(r)) * p.q_row_stride + int64_t(at.head_of(r)) * p.q_head_stride;
   };
+  // K and V: SeqExtent::k_row's rule, except that a paged cache has no batch term (its batch strides are page
+  // strides, applied per key by kv_offset; k_start is 0, KV caches are never varlen). Written out here: through
+  // k_row with a zero batch stride, or through a SeqExtent member taking the block table, the hd128 tiles took 2-4
+  // more registers (ptxas, sm_80 and sm_90).
   Element const* k_seq = static_cast<Element const*>(p.k) + int64_t(bidh_k) * p.k_head_stride +
-                         (p.block_table || varlen ? ext.k_start * p.k_row_stride : bidb * p.k_batch_stride);
+                         (p.block_table || ext.varlen ? ext.k_start * p.k_row_stride : bidb * p.k_batch_stride);
   Element const* v_seq = static_cast<Element const*>(p.v) + int64_t(bidh_k) * p.v_head_stride +
-                         (p.block_table || varlen ? ext.k_start * p.v_row_stride : bidb * p.v_batch_stride);
+                         (p.block_table || ext.varlen ? ext.k_start * p.v_row_stride : bidb * p.v_batch_stride);
   int const* pages = p.block_table ? p.block_table + bidb * p.block_table_batch_stride : nullptr;
   // Key j's offset from *_seq: in a paged cache slot j % page_size of page pages[j / page_size] (shifts for the
   // usual power-of-two page sizes).
@@ -250,7 +253,7 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     return;
   }
   Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
-  int64_t const lse_seq = (varlen ? ext.q_start : 0) + int64_t(bidb) * p.lse_batch_stride;
+  int64_t const lse_seq = ext.lse_row(bidb, p.lse_batch_stride, p.lse_head_stride);
   store_out_lse<Kt>(p, at, rows, tiled_mma, mma_tid, tid, acc_o, tOcO, lse, holds_rows, lse_seq, sO, vec);
 }
 
