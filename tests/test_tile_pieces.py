@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 import sinkattn
 
