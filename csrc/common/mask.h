@@ -185,13 +185,13 @@ struct TileMask {
   // tests sweep (they are kept apart, not one built on the other, for what each costs in the kernel that asks):
   // - needs_mask(m, n): one question, no state. It works out the tile's first and last query and the window's
   //   edges there on every call: ~40 instructions per key block in the sm80 forward's loop, nothing held across
-  //   blocks. Right for a kernel that asks once per (M tile, key block) pair with the M tile changing (the
-  //   backwards: an N tile walks M tiles). The sm90 forward asks it per key block of one M tile; whether
-  //   mask_test pays there (three more live ints in its consumers) is csrc/sm90/fwd_kernel.cuh's to measure.
+  //   blocks. Right for a kernel that asks once per (M tile, key block) pair with the M tile changing: the
+  //   backwards (sm80 and sm90), where an N tile walks M tiles.
   // - mask_test(m).needs(n): the tile's part worked out once (64-bit, clamped), then three ints held across
-  //   the key-block loop and two or three compares per block. Right for the sm80 forward, which asks every key
-  //   block of one M tile in an issue-bound loop. Were needs_mask built on it, the backward's per-(m, n) question would
-  //   redo the 64-bit tile part for every M tile.
+  //   the key-block loop and two or three compares per block. Right for a kernel that asks every key block of
+  //   one M tile: both forwards (the sm90 forward's key-block loop took 1014 -> 957 SASS instructions with it,
+  //   sm_90a hd128, registers unchanged; csrc/sm90/fwd_kernel.cuh). Were needs_mask built on it, the backwards'
+  //   per-(m, n) question would redo the 64-bit tile part for every M tile.
   SA_HOST_DEVICE bool needs_mask(int m_block, int n_block) const {
     int m0, m_last;
     tile_queries(m_block, m0, m_last);
