@@ -8,8 +8,10 @@
 // shared memory; dV += P^T dO and dK += dS^T Q in registers; dQ_i = dS K added in fp32 into dq_accum
 // (Prims::atomic_add, unscaled: the postprocess applies softmax_scale; in increasing key-block order per M tile
 // when deterministic). dK and dV go out in fp32 per query head; the postprocess sums the GQA group and converts.
+//
+// The pieces, as the forward's: the P/dS pass and P, dS staged (bwd_p_ds.h), the dQ adds and the deterministic
+// turn (bwd_dq.h), the dK/dV store (bwd_epilogue.h). The body keeps the loads, the barriers and the products.
 #pragma once
-#include <cmath>
 #include <cute/tensor.hpp>
 
 #include "common/bwd_prepost.h"
@@ -18,6 +20,9 @@
 #include "common/online_softmax.h"
 #include "common/seq_extent.h"
 #include "params.h"
+#include "sm80/bwd_dq.h"
+#include "sm80/bwd_epilogue.h"
+#include "sm80/bwd_p_ds.h"
 #include "sm80/bwd_traits.h"
 #include "sm80/gemm.h"
 #include "sm80/layout_utils.h"
@@ -34,29 +39,27 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
 
   SeqExtent const ext = seq_extent(p, bidb);
-  bool const varlen = ext.varlen;
-  int64_t const q_start = ext.q_start, k_start = ext.k_start;
   int const seqlen_q = ext.seqlen_q, seqlen_k = ext.seqlen_k;
   int const j0 = n_block * kBlockN;
   if (j0 >= seqlen_k) return;  // uniform per CTA: the grid covers the longest sequence
   int const bidh_k = bidh / (p.nheads / p.nheads_k);
 
-  TileMask const tile_mask{MaskPolicy{seqlen_q, seqlen_k, p.window_left, p.window_right, p.sink_tokens}, kBlockM, kBlockN, 1};
+  TileMask const tile_mask{mask_policy(p, ext), kBlockM, kBlockN, 1};
   int m_begin, m_end;
   tile_mask.m_range(n_block, m_begin, m_end);
 
   // ---- global rows ------------------------------------------------------------------------------------------
-  Element const* q_seq = static_cast<Element const*>(p.q) + (varlen ? q_start * p.q_row_stride : bidb * p.q_batch_stride) +
-                         int64_t(bidh) * p.q_head_stride;
-  int64_t const o_off = (varlen ? q_start * p.o_row_stride : bidb * p.o_batch_stride) + int64_t(bidh) * p.o_head_stride;
-  Element const* do_seq = static_cast<Element const*>(p.dout) + o_off;
-  Element const* k_seq = static_cast<Element const*>(p.k) + (varlen ? k_start * p.k_row_stride : bidb * p.k_batch_stride) +
-                         int64_t(bidh_k) * p.k_head_stride;
-  Element const* v_seq = static_cast<Element const*>(p.v) + (varlen ? k_start * p.v_row_stride : bidb * p.v_batch_stride) +
-                         int64_t(bidh_k) * p.v_head_stride;
+  Element const* q_seq =
+      static_cast<Element const*>(p.q) + ext.q_row(bidb, p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidh);
+  Element const* do_seq =
+      static_cast<Element const*>(p.dout) + ext.q_row(bidb, p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidh);
+  Element const* k_seq =
+      static_cast<Element const*>(p.k) + ext.k_row(bidb, p.k_batch_stride, p.k_row_stride, p.k_head_stride, bidh_k);
+  Element const* v_seq =
+      static_cast<Element const*>(p.v) + ext.k_row(bidb, p.v_batch_stride, p.v_row_stride, p.v_head_stride, bidh_k);
   int64_t const lse_seq = bwd_lse_index(p, bidb, bidh, 0);
-  int64_t const q_row0 = varlen ? q_start : int64_t(bidb) * p.seqlen_q;  // rows of the fp32 accumulators
-  int64_t const k_row0 = varlen ? k_start : int64_t(bidb) * p.seqlen_k;
+  int64_t const q_row0 = ext.q_rows_before(bidb, p.seqlen_q);  // rows of the fp32 accumulators
+  int64_t const k_row0 = ext.k_rows_before(bidb, p.seqlen_k);
 
   // ---- shared memory: Q, dO, K, V, P, dS, then Q and dO of the second stage ----------------------------------
   Element* smem_q = reinterpret_cast<Element*>(smem);
@@ -149,24 +152,8 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   clear(acc_dv);
 
   Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
-  constexpr int kRows = decltype(size<0>(tScS))::value, kCols = decltype(size<1>(tScS))::value;
-
-  // dQ accumulation (FlashAttention-2's way): this thread's dq_accum address is computed once per CTA and moved
-  // kBlockM rows per M tile; each element's add goes to a row pointer (one per row of the thread's fragment,
-  // per M tile) plus a compile-time column offset. The rows and columns come from the identity partition
-  // (rows x cols view): the thread's part is tdQcdQ(0, 0), the rest is its static layout. Every column is
-  // added: dq_accum's rows are the compiled head dim long (headdim_rounded == kHeadDim, the launchers check),
-  // and columns at and past headdim get the zero-filled K columns' zeros, which the postprocess never reads.
-  // Full M tiles add every element unpredicated; the tail tile skips the rows past the sequence.
-  Tensor tdQcdQ = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Kt::kDqCols>>{})));
-  constexpr int kDqRows = decltype(size<0>(tdQcdQ))::value, kDqColsPerThr = decltype(size<1>(tdQcdQ))::value;
-  int const dq_r0 = get<0>(tdQcdQ(0, 0)), dq_c0 = get<1>(tdQcdQ(0, 0));
-  int const dq_row_stride = p.nheads * p.headdim_rounded;  // floats from one row of dq_accum to the next
-  float* dq_thr = p.dq_accum + (q_row0 + int64_t(m_begin) * kBlockM + dq_r0) * dq_row_stride +
-                  int64_t(bidh) * p.headdim_rounded + dq_c0;  // at (m_begin's row dq_r0, column dq_c0)
-
+  auto dq = make_dq_accum<Kt>(p, thr_mma, q_row0 + int64_t(m_begin) * kBlockM, bidh);
   ScoreScale<Kt::kCap> const score{p.softmax_scale, p.softcap};
-  float const log2e = float(M_LOG2E);
 
   for (int m_block = m_begin; m_block < m_end; ++m_block) {
     int const i0 = m_block * kBlockM;
@@ -191,6 +178,7 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
     Tensor tdVsdOt = thr_bt.partition_S(make_tensor(make_smem_ptr(do_stage(s)), typename Kt::SmemLayoutQt{}));
     Tensor tdKsQt = thr_bt.partition_S(make_tensor(make_smem_ptr(q_stage(s)), typename Kt::SmemLayoutQt{}));
 
+    // S = Q K^T and dP = dO V^T recomputed.
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor acc_dp = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
@@ -198,106 +186,25 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
     gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a, copy_b, tid);
     gemm_smem_smem(tiled_mma, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a, copy_b, tid);
 
-    // P = exp(S - lse), the forward's probabilities recomputed (lse holds the sink), and dS = P (dP - delta),
-    // element by element in one pass (the mask's row bounds, TileMask::row_keys, decide each element's
-    // visibility in the same pass: P = 0 and dS = 0 where hidden). Rows past the sequence, and rows that see no
-    // key and have no sink (lse = -inf), take lse = +inf: P = 0 there, never NaN.
-    // Without softcap the mask is TileMask::apply on the raw scores (-inf: exp2 gives P = 0 and dS = 0), as in the
-    // forward, and the pass over the elements has no test in it: a visibility test per element in the pass cost
-    // ~170 instructions per tile on sm_90. With softcap (tanh(-inf) would be -1) each element's test stays.
-    Tensor scores = rowcol_view(acc_s);
-    Tensor dps = rowcol_view(acc_dp);
-    bool const masked = tile_mask.needs_mask(m_block, n_block);
-    constexpr bool kTestEach = Kt::kCap != Softcap::kOff;
-    if (!kTestEach && masked) {
-      tile_mask.apply<kRows, kCols>(tScS, i0, j0, [&](int r, int c) { scores(r, c) = -INFINITY; });
-    }
-    float const scale_log2 = p.softmax_scale * log2e;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      int const i = i0 + get<0>(tScS(r, 0));
-      float lse = i < seqlen_q ? p.lse[lse_seq + i] : INFINITY;
-      if (lse == -INFINITY) lse = INFINITY;
-      float const delta = i < seqlen_q ? p.delta[lse_seq + i] : 0.f;
-      float const lse_log2 = lse * log2e;
-      TileMask::RowKeys const keys = tile_mask.row_keys(i, j0);
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) {
-        if constexpr (kTestEach) {
-          float dtanh;
-          float const s = score.score(scores(r, c), dtanh);
-          float const prob = !masked || keys.visible(get<1>(tScS(r, c))) ? exp2f(s * log2e - lse_log2) : 0.f;
-          scores(r, c) = prob;
-          dps(r, c) = prob * (dps(r, c) - delta) * dtanh;
-        } else {
-          float const prob = exp2f(scores(r, c) * scale_log2 - lse_log2);
-          scores(r, c) = prob;
-          dps(r, c) = prob * (dps(r, c) - delta);
-        }
-      }
-    }
-    Tensor rP = make_tensor<Element>(acc_s.layout());
-    Tensor rdS = make_tensor<Element>(acc_dp.layout());
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc_s); ++e) {
-      rP(e) = Element(acc_s(e));
-      rdS(e) = Element(acc_dp(e));
-    }
-    copy(smem_copy_c, smem_thr_c.retile_S(rP), tPsP);
-    copy(smem_copy_c, smem_thr_c.retile_S(rdS), tPsdS);
+    // P and dS from S and dP (in place), staged in shared memory for the three products below.
+    p_ds_pass<Kt>(p, tile_mask, score, tScS, m_block, n_block, i0, j0, seqlen_q, lse_seq, acc_s, acc_dp);
+    stage_p_ds<Element>(smem_copy_c, smem_thr_c, acc_s, acc_dp, tPsP, tPsdS);
     Prims::sync_threads();  // P and dS complete
 
+    // dV += P^T dO and dK += dS^T Q in registers; dQ_i = dS K added to dq_accum, in n_block's turn when
+    // deterministic.
     gemm_smem_smem(tiled_mma, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_at, copy_bt, tid);
     gemm_smem_smem(tiled_mma, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_at, copy_bt, tid);
-    // Deterministic: wait for this key block's turn on the M tile. The key blocks visiting M tile m_block are
-    // exactly the forward's block range of that tile (sink blocks [0, sink_end), window blocks [win_begin,
-    // win_end)); they add in increasing order, so the rank of n_block among them is its turn.
-    int* sem = nullptr;
-    int turn = 0;
-    if (p.dq_semaphore) {
-      BlockRange const visitors = tile_mask.range(m_block);
-      turn = n_block < visitors.sink_end ? n_block : visitors.sink_end + (n_block - visitors.win_begin);
-      sem = p.dq_semaphore + (int64_t(bidb) * p.nheads + bidh) * p.dq_m_blocks + m_block;
-      if (tid == 0) Prims::wait_until_equal(sem, turn);
-      Prims::sync_threads();
-    }
-    // dQ_i = dS K in column chunks of at most 128 (the fp32 tile stays small beside dK and dV), added to dq_accum.
-    bool const dq_full = i0 + kBlockM <= seqlen_q;
-    CUTE_UNROLL
-    for (int ch = 0; ch < kHeadDim / Kt::kDqCols; ++ch) {
-      Tensor sKt_ch = local_tile(sKt, Shape<Int<Kt::kDqCols>, Int<kBlockN>>{}, make_coord(ch, 0));
-      Tensor tdQrKt = thr_mma.partition_fragment_B(sKt_ch);
-      Tensor tdQsKt = thr_bt.partition_S(sKt_ch);
-      Tensor acc_dq = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<Kt::kDqCols>>{});
-      clear(acc_dq);
-      gemm_smem_smem(tiled_mma, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a, copy_bt, tid);
-      Tensor dq = rowcol_view(acc_dq);
-      CUTE_UNROLL
-      for (int r = 0; r < kDqRows; ++r) {
-        if (!dq_full && i0 + get<0>(tdQcdQ(r, 0)) >= seqlen_q) continue;  // the tail tile's rows past the sequence
-        float* row = dq_thr + (get<0>(tdQcdQ(r, 0)) - dq_r0) * dq_row_stride + ch * Kt::kDqCols;
-        CUTE_UNROLL
-        for (int c = 0; c < kDqColsPerThr; ++c) Prims::atomic_add(row + (get<1>(tdQcdQ(r, c)) - dq_c0), dq(r, c));
-      }
-    }
-    dq_thr += int64_t(kBlockM) * dq_row_stride;
-    if (sem) Prims::thread_fence();  // this thread's adds visible before the next key block's turn
+    DqTurn const turn = dq_wait_turn<Prims>(p, tile_mask, m_block, n_block, bidb, bidh, tid);
+    dq.add_tile(tiled_mma, tdQrdS, tdQsdS, sKt, copy_a, copy_bt, tid, i0, seqlen_q);
+    dq.next_tile();
+    if (turn.sem) Prims::thread_fence();  // this thread's adds visible before the next key block's turn
     Prims::sync_threads();  // every read of this stage's Q, dO and of P, dS done before they are overwritten
-    if (sem && tid == 0) Prims::signal(sem, turn + 1);
+    if (turn.sem && tid == 0) Prims::signal(turn.sem, turn.turn + 1);
   }
   if (m_end == m_begin) Prims::template cp_async_wait<0>();  // the K/V copy, when no M tile was visited
 
-  // ---- dK, dV of this query head, fp32 (the postprocess sums the GQA group) -----------------------------------
-  Tensor tdKcdK = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  CUTE_UNROLL
-  for (int e = 0; e < size(acc_dk); ++e) {
-    int const j = j0 + get<0>(tdKcdK(e)), c = get<1>(tdKcdK(e));
-    if (j < seqlen_k && c < p.headdim) {
-      int64_t const a = ((k_row0 + j) * p.nheads + bidh) * p.headdim_rounded + c;
-      p.dk_accum[a] = acc_dk(e) * p.softmax_scale;
-      p.dv_accum[a] = acc_dv(e);
-    }
-  }
+  store_dk_dv<Kt>(p, thr_mma, acc_dk, acc_dv, j0, seqlen_k, k_row0, bidh);
 }
 
 }  // namespace sinkattn::sm80

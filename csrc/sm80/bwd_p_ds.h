@@ -1,0 +1,82 @@
+// bwd_p_ds.h: the sm80 backward's pass from S and dP to P and dS for one (M tile, N tile), and P and dS staged in
+// shared memory for the dV, dK and dQ products (bwd_kernel.h).
+#pragma once
+#include <cmath>
+#include <cute/tensor.hpp>
+
+#include "common/defs.h"
+#include "common/mask.h"
+#include "common/online_softmax.h"
+#include "params.h"
+#include "sm80/layout_utils.h"
+
+namespace sinkattn::sm80 {
+
+using namespace cute;
+
+// P = exp(S - lse), the forward's probabilities recomputed (lse holds the sink), and dS = P (dP - delta), element
+// by element in one pass over acc_s (S in, P out) and acc_dp (dP in, dS out); the mask's row bounds
+// (TileMask::row_keys) decide each element's visibility in the same pass: P = 0 and dS = 0 where hidden. Rows
+// past the sequence, and rows that see no key and have no sink (lse = -inf), take lse = +inf (bwd_lse): P = 0
+// there, never NaN. tScS: the (row, key) of this thread's elements in the tile (rows x cols view). lse_seq: the
+// sequence's and head's first row in lse and delta. i0, j0: the tile's first query and key (m_block * kBlockM,
+// n_block * kBlockN), computed once by the caller, which the dQ adds share: computing them here as well changed
+// the integer code around the M-tile loop and cost the sm_90 hd128 softcap tile 4 registers (218 -> 222).
+// Without softcap the mask is TileMask::apply on the raw scores (-inf: exp2 gives P = 0 and dS = 0), as in the
+// forward, and the pass over the elements has no test in it: a visibility test per element in the pass cost ~170
+// instructions per tile on sm_90. With softcap (tanh(-inf) would be -1) each element's test stays.
+template <class Kt, class Coords, class AccS, class AccDp>
+SA_DEVICE void p_ds_pass(BwdParams const& p, TileMask const& tile_mask, ScoreScale<Kt::kCap> const& score,
+                         Coords const& tScS, int m_block, int n_block, int i0, int j0, int seqlen_q, int64_t lse_seq,
+                         AccS& acc_s, AccDp& acc_dp) {
+  constexpr int kRows = decltype(size<0>(tScS))::value, kCols = decltype(size<1>(tScS))::value;
+  float const log2e = float(M_LOG2E);
+  Tensor scores = rowcol_view(acc_s);
+  Tensor dps = rowcol_view(acc_dp);
+  bool const masked = tile_mask.needs_mask(m_block, n_block);
+  constexpr bool kTestEach = Kt::kCap != Softcap::kOff;
+  if (!kTestEach && masked) {
+    tile_mask.apply<kRows, kCols>(tScS, i0, j0, [&](int r, int c) { scores(r, c) = -INFINITY; });
+  }
+  float const scale_log2 = p.softmax_scale * log2e;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    int const i = i0 + get<0>(tScS(r, 0));
+    float const lse = bwd_lse(i < seqlen_q ? p.lse[lse_seq + i] : INFINITY);
+    float const delta = i < seqlen_q ? p.delta[lse_seq + i] : 0.f;
+    float const lse_log2 = lse * log2e;
+    TileMask::RowKeys const keys = tile_mask.row_keys(i, j0);
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      if constexpr (kTestEach) {
+        float dtanh;
+        float const s = score.score(scores(r, c), dtanh);
+        float const prob = !masked || keys.visible(get<1>(tScS(r, c))) ? exp2f(s * log2e - lse_log2) : 0.f;
+        scores(r, c) = prob;
+        dps(r, c) = prob * (dps(r, c) - delta) * dtanh;
+      } else {
+        float const prob = exp2f(scores(r, c) * scale_log2 - lse_log2);
+        scores(r, c) = prob;
+        dps(r, c) = prob * (dps(r, c) - delta);
+      }
+    }
+  }
+}
+
+// P and dS in the input precision, registers -> shared memory (tPsP, tPsdS: the smem_copy_c partitions of sP and
+// sdS), converted in one loop over both fragments. The caller's barrier completes them.
+template <class Element, class SmemCopy, class SmemThr, class AccS, class AccDp, class SP, class SdS>
+SA_DEVICE void stage_p_ds(SmemCopy const& smem_copy_c, SmemThr const& smem_thr_c, AccS const& acc_s,
+                          AccDp const& acc_dp, SP& tPsP, SdS& tPsdS) {
+  Tensor rP = make_tensor<Element>(acc_s.layout());
+  Tensor rdS = make_tensor<Element>(acc_dp.layout());
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc_s); ++e) {
+    rP(e) = Element(acc_s(e));
+    rdS(e) = Element(acc_dp(e));
+  }
+  copy(smem_copy_c, smem_thr_c.retile_S(rP), tPsP);
+  copy(smem_copy_c, smem_thr_c.retile_S(rdS), tPsdS);
+}
+
+}  // namespace sinkattn::sm80
