@@ -401,14 +401,19 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   launch_kernel(info, p, emulated, q.device());
 }
 
-// The host entries' tile mask of a padded problem, built as the kernels build theirs (seq_extent, mask_policy).
-static TileMask host_tile_mask(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n, int group = 1) {
-  AttnParams p;
+// The host entries' params: a padded problem's lengths and the call's window and sink tokens.
+static void host_mask_params(AttnParams& p, int sq, int sk, int wl, int wr, int ns) {
   p.seqlen_q = sq;
   p.seqlen_k = sk;
   p.window_left = wl;
   p.window_right = wr;
   p.sink_tokens = ns;
+}
+
+// The host entries' tile mask of a padded problem, built as the kernels build theirs (seq_extent, mask_policy).
+static TileMask host_tile_mask(int sq, int sk, int wl, int wr, int ns, int block_m, int block_n, int group = 1) {
+  AttnParams p;
+  host_mask_params(p, sq, sk, wl, wr, ns);
   return TileMask{mask_policy(p, seq_extent(p, 0)), block_m, block_n, group};
 }
 
@@ -465,11 +470,7 @@ static py::dict seq_extent_host(int b, int seqlen_q, int seqlen_k, std::optional
   };
   at::Tensor const cq = ints(cu_seqlens_q), ck = ints(cu_seqlens_k), su = ints(seqused_k);
   FwdParams p;
-  p.seqlen_q = seqlen_q;
-  p.seqlen_k = seqlen_k;
-  p.window_left = wl;
-  p.window_right = wr;
-  p.sink_tokens = ns;
+  host_mask_params(p, seqlen_q, seqlen_k, wl, wr, ns);
   if (cq.defined()) {
     p.cu_seqlens_q = cq.data_ptr<int>();
     p.cu_seqlens_k = ck.data_ptr<int>();

@@ -48,6 +48,13 @@ SA_HOST_DEVICE void bwd_preprocess_row(BwdParams const& p, int b, int h, int i) 
   bwd_preprocess_finish(p, bwd_lse_index(p, b, h, i), h, dot);
 }
 
+// Where row `row` of an fp32 accumulator (every sequence's rows back to back, the rows SeqExtent::q_rows_before /
+// k_rows_before count) lives in its (batch, seqlen, heads, d) tensor, or its packed (total, heads, d) one when varlen.
+SA_HOST_DEVICE int64_t bwd_accum_row_offset(bool varlen, int64_t row, int64_t seqlen, int64_t batch_stride,
+                                            int64_t row_stride) {
+  return varlen ? row * row_stride : (row / seqlen) * batch_stride + (row % seqlen) * row_stride;
+}
+
 // dq element (row of q, head, column): the dq slots summed in order (dS K, unscaled), times softmax_scale, converted.
 template <class Element>
 SA_HOST_DEVICE void bwd_convert_dq(BwdParams const& p, int64_t idx) {
@@ -56,8 +63,7 @@ SA_HOST_DEVICE void bwd_convert_dq(BwdParams const& p, int64_t idx) {
   int const h = int(rh % p.nheads);
   int64_t const row = rh / p.nheads;
   float const acc = p.dq_accum[(row * p.nheads + h) * p.headdim_rounded + c] * p.softmax_scale;
-  int64_t const dst = p.cu_seqlens_q ? row * p.dq_row_stride
-                                     : (row / p.seqlen_q) * p.dq_batch_stride + (row % p.seqlen_q) * p.dq_row_stride;
+  int64_t const dst = bwd_accum_row_offset(p.cu_seqlens_q, row, p.seqlen_q, p.dq_batch_stride, p.dq_row_stride);
   static_cast<Element*>(p.dq)[dst + int64_t(h) * p.dq_head_stride + c] = Element(acc);
 }
 
@@ -75,10 +81,10 @@ SA_HOST_DEVICE void bwd_convert_dkv(BwdParams const& p, int64_t idx) {
     dk += p.dk_accum[a];
     dv += p.dv_accum[a];
   }
-  int64_t const sk = p.cu_seqlens_k ? 0 : p.seqlen_k;
-  int64_t const dk_dst = (p.cu_seqlens_k ? row * p.dk_row_stride : (row / sk) * p.dk_batch_stride + (row % sk) * p.dk_row_stride) +
+  bool const varlen = p.cu_seqlens_k != nullptr;
+  int64_t const dk_dst = bwd_accum_row_offset(varlen, row, p.seqlen_k, p.dk_batch_stride, p.dk_row_stride) +
                          int64_t(hk) * p.dk_head_stride + c;
-  int64_t const dv_dst = (p.cu_seqlens_k ? row * p.dv_row_stride : (row / sk) * p.dv_batch_stride + (row % sk) * p.dv_row_stride) +
+  int64_t const dv_dst = bwd_accum_row_offset(varlen, row, p.seqlen_k, p.dv_batch_stride, p.dv_row_stride) +
                          int64_t(hk) * p.dv_head_stride + c;
   static_cast<Element*>(p.dk)[dk_dst] = Element(dk);
   static_cast<Element*>(p.dv)[dv_dst] = Element(dv);
