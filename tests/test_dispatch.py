@@ -17,9 +17,9 @@ from oracle import single_thread  # noqa: F401  (autouse: one torch thread per t
 CUDA_PROBLEM = Problem(kind="fwd", device_type="cuda", dtype=torch.bfloat16, headdim=128, nheads=8, nheads_k=8,
                        mask=Mask(0.125, -1, 0), has_sinks=True, device_index=0)
 # The families' registry features as the binary lists them (csrc: SINKATTN_FWD_FEATURES and friends).
-FEATURES = {("sm80", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv",
+FEATURES = {("sm80", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv,broadcast_strides",
             ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen",
-            ("sm80", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic",
+            ("sm80", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic,broadcast_strides",
             ("sm90", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic"}
 ARCHS = {"sm80": "sm_80,sm_90,compute_80", "sm90": "sm_90a", "sm80-emulated": "host"}
 

@@ -13,6 +13,8 @@ import torch
 from kernel_cases import Case, kernel_cases, run_case
 from sinkattn import _ext, kernels
 from sinkattn.layout import kernel_headdim
+from sinkattn._problem import Problem
+from sinkattn.mask import Mask
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +77,7 @@ def test_sm90_is_what_auto_picks_and_captures_in_a_graph(rng_seed):
                                          backend="reference", **kw)
     out = sinkattn.flash_attn_with_sinks(q, k, v, sinks, backend="auto", **kw)
     assert (out.float().cpu() - ref).abs().max().item() < 2e-2
-    problem = dispatch.make_problem("fwd", q, k, sinks, window_left=127, window_right=0, sink_tokens=0, softcap=0.0)
+    problem = Problem.of_call("fwd", q, k, sinks, Mask(q.shape[-1] ** -0.5, 127, 0))
     assert dispatch.choose(problem, "auto") == "sm90"
     static_out = torch.empty_like(out)
     s = torch.cuda.Stream()

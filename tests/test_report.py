@@ -98,7 +98,7 @@ def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
 
 # The features each family's forward kernels list in the registry (csrc: SINKATTN_FWD_FEATURES and
 # SINKATTN_FWD_SM90_FEATURES): the sm90 kernel reads q/k/v tensors, not KV caches.
-FWD_FEATURES_OF = {"sm80": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv",
+FWD_FEATURES_OF = {"sm80": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv,broadcast_strides",
                    "sm90": "sinks,sink_tokens,causal,window,softcap,gqa,varlen"}
 
 

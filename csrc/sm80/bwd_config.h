@@ -12,7 +12,7 @@
 #include "sm80/bwd_traits.h"
 
 // What every sm80 backward kernel serves (recorded in the registry, shown by the report, read by dispatch).
-#define SINKATTN_BWD_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic"
+#define SINKATTN_BWD_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic,broadcast_strides"
 
 namespace sinkattn::sm80 {
 
