@@ -150,7 +150,7 @@ static KernelInfo const* fwd_kernel_for(std::string const& backend, at::Tensor c
   return info;
 }
 
-// A tuning-grid variant (generate_kernels.py SWEEP_*; bench/sweep.py runs them): backend "variant:<registry name>"
+// A tuning-grid variant (sweep_grid.py SWEEP_*; bench/sweep/runner.py runs them): backend "variant:<registry name>"
 // of a "*-sweep" family, which dispatch never picks. It serves its own head dim and dtype, only the features its
 // registry entry lists, and only where its one tile fits the shared memory (a variant has no fallback tile).
 static constexpr char kVariantPrefix[] = "variant:";

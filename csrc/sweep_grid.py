@@ -1,6 +1,6 @@
 """The tuning grid of `make gpu-sweep` (issue 17 item 4, docs/DESIGN.md section 8): kernel variants beside the
 default tile tables, which csrc/generate_kernels.py compiles with SINKATTN_SWEEP (each its own unit, registered by
-name in a "<family>-sweep" family that dispatch never picks) and bench/sweep.py runs, checks against the oracle
+name in a "<family>-sweep" family that dispatch never picks) and bench/sweep/runner.py runs, checks against the oracle
 and times on the target shapes. Off by default: every unit costs every build. A round's winners move into the
 tables (sm90/fwd_tiles.h, sm80/fwd_tiles.h); the grid stays for the next round. Each entry states why it is here.
 

@@ -199,7 +199,7 @@ def test_units_full_grid_with_fwd(with_fwd):
              for p in ("_keys", "_softcap")}
     want |= {f"bwd_sm80_hdim128_{d}_small" for d in ("bf16", "fp16")}
     want |= {f"bwd_sm80_hdim{h}_{d}_softcap" for h in (64, 128, 256) for d in ("bf16", "fp16")}
-    # the emulation build's one tuning variant (the CPU tests run bench/sweep.py's variant path through it)
+    # the emulation build's one tuning variant (the CPU tests run bench/sweep/runner.py's variant path through it)
     want |= {"sweep_fwd_emu_hdim128_bf16_m128n64w4"}
     assert set(names) == want and len(names) == len(want)
     assert {u.name for u in gen.units(g) if not u.registers} == {n for n in want

@@ -1,6 +1,6 @@
 // fwd_kernel.h: the body of the sm80 forward kernel (FlashAttention-2 structure) for one (M tile, batch, head).
 //
-// The same code runs on the GPU (called from the __global__ in fwd_tile.cuh with GpuPrims) and on the CPU
+// The same code runs on the GPU (called from the __global__ in fwd_launch.cuh with GpuPrims) and on the CPU
 // under host emulation (emu/fwd_sm80_emu.h with EmuPrims): everything arch-facing goes through Kt::Prims.
 //
 // Per CTA: Q tile (kBlockM x d) once; K/V blocks chosen by the mask policy (window blocks from the last down,

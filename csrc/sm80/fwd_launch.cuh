@@ -67,7 +67,7 @@ void launch_fwd_part(FwdParams const& p, cudaStream_t stream) {
   });
 }
 
-// A tuning-grid variant (generate_kernels.py SWEEP_SM80; bench/sweep.py runs it by name, dispatch never does):
+// A tuning-grid variant (sweep_grid.py SWEEP_SM80; bench/sweep/runner.py runs it by name, dispatch never does):
 // one tile for every problem, softcap compiled out (its registry entry lists no softcap, so api.cpp never runs it
 // with one), no split-KV (the plain forward's num_splits is 1).
 template <class Tile, class Element>

@@ -30,7 +30,7 @@ inline int sm_count() {
 }
 
 // The kernel of one tile: the table's (run_fwd_sm90 below) or a tuning-grid variant's (registered by name,
-// never picked by dispatch; generate_kernels.py SWEEP_SM90).
+// never picked by dispatch; sweep_grid.py SWEEP_SM90).
 template <class Tile, class Element>
 void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   using namespace cute;
