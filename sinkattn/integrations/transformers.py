@@ -255,7 +255,7 @@ def _attend(q, k, v, s_aux, kw):
             and not torch.compiler.is_compiling():
         left, right = kw["window_size"]
         mask = Mask(kw["softmax_scale"], left, right, kw.get("sink_tokens", 0), kw["softcap"])
-        return reference.attention_fwd(q, k, v, s_aux, mask)[0]
+        return reference.attention_fwd(q, k, v, s_aux, mask, need_lse=False)[0]
     return flash_attn_with_sinks(q, k, v, s_aux, **kw)
 
 
