@@ -139,7 +139,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
     _checks.check_bool("rotary_interleaved", rotary_interleaved)
     _checks.check_no_grad_needed("flash_attn_with_kvcache", {"q": q, "k_cache": k_cache, "v_cache": v_cache,
                                                              "sinks": sinks, "k": k, "v": v, "rotary_cos": rotary_cos,
-                                                             "rotary_sin": rotary_sin})
+                                                             "rotary_sin": rotary_sin, "k_descale": k_descale,
+                                                             "v_descale": v_descale})
     out, lse = ops.call_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                                 rotary_interleaved, scale, left, right, n, cap, num_splits, backend, k_descale,
                                 v_descale)

@@ -171,3 +171,12 @@ def test_kernels_refuse_fp8_caches_and_say_why():
         _call(q=torch.randn(1, 1, 2, 64, dtype=torch.bfloat16), kc=torch.zeros(1, 4, 1, 64, dtype=torch.float8_e4m3fn),
               vc=torch.zeros(1, 4, 1, 64, dtype=torch.float8_e4m3fn), backend="sm80-emulated")
     assert "FP8 KV caches" in str(e.value), str(e.value)
+
+
+def test_a_scale_that_requires_grad_is_refused():
+    """The op has no backward: a scale tensor that needs grad is refused like every other input (not an output whose
+    .backward() fails inside torch)."""
+    q = torch.randn(1, 1, 2, 8)
+    kc, vc = torch.zeros(1, 4, 1, 8, dtype=torch.float8_e4m3fn), torch.zeros(1, 4, 1, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(SinkattnRuntimeError, match="no backward"):
+        sinkattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, k_scale=torch.tensor([0.5], requires_grad=True))
