@@ -10,6 +10,7 @@ Environment:
     SINKATTN_HEADDIMS     default "64,128,256"
     SINKATTN_DTYPES       default "bf16,fp16"
     SINKATTN_EMULATION    "1" also builds the host-emulated kernels the CPU tests run (default "0"; make test: "1")
+    SINKATTN_DIAGNOSTIC   "1" builds the diagnostic GPU build (bounded sm90 barrier waits; generate_kernels.py)
     SINKATTN_SKIP_CUDA    "1" builds a pure-Python package (reference backend only)
     SINKATTN_CUTLASS_DIR  a CUTLASS include dir (holding cute/ and cutlass/)
     SINKATTN_PTXAS_VERBOSE "1" prints ptxas resource usage per kernel
@@ -140,7 +141,7 @@ def write_ninja(build_dir, units, cuda_home, cutlass_inc, grid, cxx_flags_extra)
                       "-MMD -MF $out.d -c $in -o $out",
                       "  description = $unit", "  depfile = $out.d", "  deps = gcc", ""]
         else:
-            flags = " ".join(gen.gencode_flags(fam, grid.archs))
+            flags = " ".join(gen.gencode_flags(fam, grid.archs)) + (" -DSINKATTN_DIAGNOSTIC=1" if grid.diagnostic else "")
             archs = gen.arch_list_string(fam, grid.archs)
             lines += [f"rule cc_{fam}",
                       f"  command = touch $out.start && {pre}{nvcc} {nvcc_common} {flags} "
@@ -232,7 +233,8 @@ def cuda_extension():
                f"-DSINKATTN_NATIVE_GPUS=\"{gen.native_string(grid)}\"",
                f"-DSINKATTN_REQUESTED_HEADDIMS=\"{','.join(map(str, grid.headdims))}\"",
                f"-DSINKATTN_REQUESTED_DTYPES=\"{','.join(grid.dtypes)}\"",
-               f"-DSINKATTN_EMULATION_BUILT={int(grid.emulation)}"]
+               f"-DSINKATTN_EMULATION_BUILT={int(grid.emulation)}",
+               f"-DSINKATTN_DIAGNOSTIC_BUILT={int(grid.diagnostic)}"]
     ext = CUDAExtension(
         name="sinkattn._C",
         sources=["csrc/api.cpp"],

@@ -71,6 +71,7 @@ static py::dict build_info() {
   d["kernel_headdims"] = kernel_headdims();  // build_info.h kKernelHeadDims (sinkattn/layout.py reads it)
   d["requested_dtypes"] = SINKATTN_REQUESTED_DTYPES;
   d["emulation"] = bool(SINKATTN_EMULATION_BUILT);
+  d["diagnostic"] = bool(SINKATTN_DIAGNOSTIC_BUILT);  // bounded sm90 barrier waits (sm90/pipeline.cuh)
   d["cutlass_version_header"] = SINKATTN_CUTLASS_VERSION;
   return d;
 }

@@ -19,6 +19,9 @@ Environment knobs (read by setup.py and passed in as `Grid`):
     SINKATTN_EMULATION   "0" (default): the host-emulated sm80 kernels are a test facility (the CPU tests run
                          the kernels' logic through them); `make test` builds them with "1". An emulation build
                          also holds SWEEP_EMU_SMOKE, the one emulated tuning variant the CPU tests run the sweep with.
+    SINKATTN_DIAGNOSTIC  "0" (default). "1": the diagnostic GPU build: every sm90 mbarrier wait bounded, a hang
+                         printed (block, warp, barrier, phase) and trapped (sm90/pipeline.cuh); slower (a printf
+                         call serializes wgmma), for a GPU round's never-run kernels only.
     SINKATTN_SWEEP       "0" (default): no tuning variants. "1": the whole tuning grid of `make gpu-sweep`
                          (sweep_grid.py SWEEP_SM90, SWEEP_SM80, at the grid's head dims and dtypes; with emulation on,
                          the sm80 variants' emulated twins too); or comma-separated substrings: only the variants
@@ -50,6 +53,9 @@ class Grid:
     headdims: list[int]
     dtypes: list[str]
     emulation: bool = False
+    # SINKATTN_DIAGNOSTIC: every sm90 mbarrier wait bounded, a hang printed and trapped (sm90/pipeline.cuh);
+    # a compile define only (no unit changes), off by default.
+    diagnostic: bool = False
     sweep: list[str] = field(default_factory=list)  # SINKATTN_SWEEP: [] off, [""] everything, else name substrings
     families: list[str] = field(default_factory=lambda: ["common", "sm80", "sm90"])
     # With SINKATTN_CUDA_ARCHS=native: (GPU name, (major, minor), arch) of each GPU the archs came from.
@@ -123,6 +129,9 @@ def parse_grid(env=os.environ, native=None) -> Grid:
     emu = env.get("SINKATTN_EMULATION", "0").strip().lower()
     if emu not in TRUE_WORDS + FALSE_WORDS:
         raise SystemExit(f"sinkattn build: SINKATTN_EMULATION={emu!r}; accepted: 1/true/on/yes or 0/false/off/no")
+    diag = env.get("SINKATTN_DIAGNOSTIC", "0").strip().lower()
+    if diag not in TRUE_WORDS + FALSE_WORDS:
+        raise SystemExit(f"sinkattn build: SINKATTN_DIAGNOSTIC={diag!r}; accepted: 1/true/on/yes or 0/false/off/no")
     sweep_raw = env.get("SINKATTN_SWEEP", "0").strip()
     if sweep_raw.lower() in FALSE_WORDS + ("",):
         sweep = []
@@ -131,7 +140,7 @@ def parse_grid(env=os.environ, native=None) -> Grid:
     else:
         sweep = [x.strip() for x in sweep_raw.split(",") if x.strip()]
     return Grid(archs=archs, headdims=sorted(set(headdims)), dtypes=sorted(set(dtypes)), emulation=emu in TRUE_WORDS,
-                sweep=sweep, native=found)
+                diagnostic=diag in TRUE_WORDS, sweep=sweep, native=found)
 
 
 def family_targets(family: str, archs: list[str]) -> list[tuple[str, str]]:

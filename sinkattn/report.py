@@ -31,6 +31,9 @@ def render(cap: dict) -> str:
                   f"  requested archs: {b['requested_archs']}"]
         if b.get("native_gpus"):
             lines.append(f"  built for the GPUs present (SINKATTN_CUDA_ARCHS=native): {b['native_gpus']}")
+        if b.get("diagnostic"):
+            lines.append("  DIAGNOSTIC build (SINKATTN_DIAGNOSTIC=1): every sm90 barrier wait is bounded and a hang "
+                         "traps with who waited on what; slower, for a GPU round's first run only (rebuild without it)")
         if cap.get("wider_build"):
             lines.append("  a wider build (SINKATTN_CUDA_ARCHS) would add:")
             lines += [f"    {a}: {what}" for a, what in cap["wider_build"].items()]

@@ -69,6 +69,30 @@ def test_emulation_switch():
     assert gen.parse_grid({"SINKATTN_EMULATION": "1"}).emulation is True
 
 
+def test_diagnostic_switch_off_by_default_and_units_unchanged():
+    """SINKATTN_DIAGNOSTIC is a compile define only (setup.py adds -DSINKATTN_DIAGNOSTIC=1 to the CUDA units): off by
+    default, a bad value refused, and the unit list the same either way."""
+    assert gen.parse_grid({}).diagnostic is False
+    on = gen.parse_grid({"SINKATTN_DIAGNOSTIC": "1"})
+    assert on.diagnostic is True
+    assert [u.name for u in gen.units(on)] == [u.name for u in gen.units(gen.parse_grid({}))]
+    with pytest.raises(SystemExit, match="SINKATTN_DIAGNOSTIC"):
+        gen.parse_grid({"SINKATTN_DIAGNOSTIC": "maybe"})
+
+
+def test_every_sm90_barrier_wait_goes_through_the_diagnostic_seam():
+    """The diagnostic build bounds a wait only if it calls sm90/pipeline.cuh's wait_barrier: a raw CUTLASS wait in
+    an sm90 kernel would hang a diagnostic run as it hangs a normal one."""
+    import pathlib
+    import re
+    sm90 = pathlib.Path(gen.__file__).parent / "sm90"
+    raw = [f"{p.name}:{i + 1}" for p in sorted(sm90.glob("*.cuh")) if p.name != "pipeline.cuh"
+           for i, line in enumerate(p.read_text().splitlines()) if re.search(r"Barrier::wait\(", line)]
+    assert raw == [], f"raw mbarrier waits outside wait_barrier: {raw}"
+    waits = sum(p.read_text().count("wait_barrier<") for p in sm90.glob("*_kernel.cuh"))
+    assert waits >= 14, waits
+
+
 @pytest.mark.parametrize("env,names", [
     ({"SINKATTN_CUDA_ARCHS": "90"}, ["SINKATTN_CUDA_ARCHS", "'90'", "90a"]),
     ({"SINKATTN_CUDA_ARCHS": "80;sm_86"}, ["SINKATTN_CUDA_ARCHS", "sm_86", "80, 86, 89, 90a"]),

@@ -30,6 +30,7 @@
 #include "common/tile_order.h"
 #include "params.h"
 #include "sm90/bwd_traits.h"
+#include "sm90/pipeline.cuh"
 #include "sm90/smem_utils.cuh"
 #include "sm90/wgmma_utils.cuh"
 
@@ -97,7 +98,7 @@ __device__ void produce_tma(BwdParams const& p, BwdTmaParams<Kt> const& tma, typ
   // (built once before the loop, the TMA coordinates spilled 44 bytes at hd64's 24 producer registers).
   for (int m = w.m_begin, it = 0; m < w.m_end; ++m, ++it) {
     int const st = it % kStages, phase = (it / kStages) & 1;
-    EmptyBarrier::wait(&ss.q_empty[st], phase ^ 1);
+    wait_barrier<EmptyBarrier>(&ss.q_empty[st], phase ^ 1, BarrierId::kQEmpty, st);
     bool const varlen_now = p.cu_seqlens_q != nullptr;
     int const bdim_now = varlen_now ? 1 : p.batch, b_now = varlen_now ? 0 : w.batch;
     int const rows_now = max_i(varlen_now ? p.total_q : p.seqlen_q, 1);
@@ -123,7 +124,7 @@ __device__ void produce_rows(BwdParams const& p, typename Kt::SharedStorage& ss,
   float const log2e = float(M_LOG2E);
   for (int m = w.m_begin, it = 0; m < w.m_end; ++m, ++it) {
     int const st = it % kStages, phase = (it / kStages) & 1;
-    EmptyBarrier::wait(&ss.q_empty[st], phase ^ 1);
+    wait_barrier<EmptyBarrier>(&ss.q_empty[st], phase ^ 1, BarrierId::kQEmpty, st);
     // The rows' offset is recomputed every step from w in shared memory (the fence makes the compiler reread it):
     // held across steps, it and its pointers spilled at hd64's 24 producer registers.
     compiler_fence();
@@ -211,12 +212,12 @@ __device__ void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Work
   float const log2e = float(M_LOG2E), scale_log2 = p.softmax_scale * log2e;
   int const j0 = w.n_block * kBlockN;
 
-  FullBarrier::wait(&ss.kv_full, 0);
+  wait_barrier<FullBarrier>(&ss.kv_full, 0, BarrierId::kKVFull, 0);
   if (varlen && j0 + kBlockN > w.ext.seqlen_k) zero_tail(sK, sV, w.ext.seqlen_k - j0);
   for (int m = w.m_begin, it = 0; m < w.m_end; ++m, ++it) {
     int const st = it % kStages, phase = (it / kStages) & 1, buf = it & 1;
     int const i0 = m * kBlockM;
-    FullBarrier::wait(&ss.q_full[st], phase);
+    wait_barrier<FullBarrier>(&ss.q_full[st], phase, BarrierId::kQFull, st);
     // The stage's LSE / delta rows (plain stores of warp 1, released by its arrivals on q_full) are read below:
     // no load of them may move above the wait.
     compiler_fence();

@@ -29,6 +29,7 @@
 #include "params.h"
 #include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_traits.h"
+#include "sm90/pipeline.cuh"
 #include "sm90/smem_utils.cuh"
 #include "sm90/wgmma_utils.cuh"
 
@@ -72,7 +73,7 @@ struct TileWalk {
   __device__ int64_t publish(int64_t t) {
     if constexpr (Kt::kDynamicTiles) {
       int const slot = round & 1, phase = (round >> 1) & 1;
-      EmptyBarrier::wait(&ss.tile_empty[slot], phase ^ 1);
+      wait_barrier<EmptyBarrier>(&ss.tile_empty[slot], phase ^ 1, BarrierId::kTileEmpty, slot);
       compiler_fence();
       ss.tile_index[slot] = t;
       compiler_fence();
@@ -89,7 +90,7 @@ struct TileWalk {
   __device__ int64_t consumer_next(int64_t t) {
     if constexpr (Kt::kDynamicTiles) {
       int const slot = round & 1, phase = (round >> 1) & 1;
-      EmptyBarrier::wait(&ss.tile_full[slot], phase);
+      wait_barrier<EmptyBarrier>(&ss.tile_full[slot], phase, BarrierId::kTileFull, slot);
       compiler_fence();
       t = ss.tile_index[slot];
       compiler_fence();
@@ -135,7 +136,7 @@ __device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persistent
     int const nblocks = w.range.count();
     auto load_k = [&](int i, int it) {  // block i of the range, pipeline slot it
       int const st = it % kStages, phase = (it / kStages) & 1;
-      EmptyBarrier::wait(&ss.k_empty[st], phase ^ 1);
+      wait_barrier<EmptyBarrier>(&ss.k_empty[st], phase ^ 1, BarrierId::kKEmpty, st);
       FullBarrier::arrive_and_expect_tx(&ss.k_full[st], Kt::kKVBytes);
       copy(tma.k.with(ss.k_full[st]), tKgK(_, w.range.block(i)), tKsK(_, st));
     };
@@ -143,7 +144,7 @@ __device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persistent
     // (with one buffer the previous tile's: this K load then overlaps the consumers' epilogue).
     if (nblocks > 0) load_k(0, kv_it);
     int const qb = q_round % Kt::kQBuffers;
-    EmptyBarrier::wait(&ss.q_empty[qb], ((q_round / Kt::kQBuffers) & 1) ^ 1);
+    wait_barrier<EmptyBarrier>(&ss.q_empty[qb], ((q_round / Kt::kQBuffers) & 1) ^ 1, BarrierId::kQEmpty, qb);
     FullBarrier::arrive_and_expect_tx(&ss.q_full[qb], Kt::kQBytes);
     copy(tma.q.with(ss.q_full[qb]), tQgQ, tQsQ(_, qb));
     ++q_round;
@@ -151,7 +152,7 @@ __device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persistent
     for (int i = 0; i < nblocks; ++i, ++kv_it) {
       int const n = w.range.block(i), st = kv_it % kStages, phase = (kv_it / kStages) & 1;
       if (i > 0) load_k(i, kv_it);
-      EmptyBarrier::wait(&ss.v_empty[st], phase ^ 1);
+      wait_barrier<EmptyBarrier>(&ss.v_empty[st], phase ^ 1, BarrierId::kVEmpty, st);
       FullBarrier::arrive_and_expect_tx(&ss.v_full[st], Kt::kKVBytes);
       copy(tma.v.with(ss.v_full[st]), tVgV(_, n), tVsV(_, st));
     }
@@ -250,12 +251,12 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
     };
 
     int const qb = q_round % Kt::kQBuffers;
-    FullBarrier::wait(&ss.q_full[qb], (q_round / Kt::kQBuffers) & 1);
+    wait_barrier<FullBarrier>(&ss.q_full[qb], (q_round / Kt::kQBuffers) & 1, BarrierId::kQFull, qb);
     int const nblocks = w.range.count();
     if (nblocks > 0) {
       turn.tile_start();
       int st = kv_it % kStages, phase = (kv_it / kStages) & 1;
-      FullBarrier::wait(&ss.k_full[st], phase);
+      wait_barrier<FullBarrier>(&ss.k_full[st], phase, BarrierId::kKFull, st);
       turn.begin();
       wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, st), tSrS);
       turn.end(false);
@@ -270,10 +271,10 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
         ++kv_it;
         st = kv_it % kStages;
         phase = (kv_it / kStages) & 1;
-        FullBarrier::wait(&ss.k_full[st], phase);
+        wait_barrier<FullBarrier>(&ss.k_full[st], phase, BarrierId::kKFull, st);
         turn.begin();
         wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, st), tSrS);
-        FullBarrier::wait(&ss.v_full[st_prev], phase_prev);
+        wait_barrier<FullBarrier>(&ss.v_full[st_prev], phase_prev, BarrierId::kVFull, st_prev);
         warpgroup_fence_operand(tOrP);
         wgmma<false>(mma_o, tOrP, tOrV(_, _, _, st_prev), tOrO);
         turn.end(false);
@@ -289,7 +290,7 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
         convert_p();
       }
 
-      FullBarrier::wait(&ss.v_full[st], phase);
+      wait_barrier<FullBarrier>(&ss.v_full[st], phase, BarrierId::kVFull, st);
       turn.begin();
       warpgroup_fence_operand(tOrP);
       wgmma<false>(mma_o, tOrP, tOrV(_, _, _, st), tOrO);
