@@ -11,6 +11,18 @@ import torch
 from . import timing
 
 
+def rss_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 elsewhere): the memory studies' measure."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _git_commit() -> str | None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/harness/ -> repo
     try:

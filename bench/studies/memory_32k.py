@@ -20,15 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
+from bench.harness.env import rss_bytes  # noqa: E402
+
 import sinkattn  # noqa: E402
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def main() -> int:
@@ -50,7 +44,7 @@ def main() -> int:
         tiny = q[:, :64].contiguous()
         sinkattn.flash_attn_with_sinks(tiny, tiny, tiny, sinks, causal=True)
         del tiny
-        rss0 = _rss_bytes()
+        rss0 = rss_bytes()
         t = time.perf_counter()
         out, lse = sinkattn.flash_attn_with_sinks(q, k, v, sinks, causal=True, return_lse=True)
         elapsed = time.perf_counter() - t

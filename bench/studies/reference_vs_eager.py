@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
+from bench.harness.env import rss_bytes  # noqa: E402
+
 import sinkattn  # noqa: E402
 
 
@@ -49,14 +51,6 @@ def eager_attention(q, k, v, sinks, scale, mask):
     probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)
     scores = probs[..., :-1]
     return torch.matmul(scores, value).transpose(1, 2)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _inputs(args, seqlen):
@@ -94,7 +88,7 @@ def child(args) -> dict:
         else:
             sinkattn.flash_attn_with_sinks(warm_q, warm_k, warm_v, sinks, causal=True, backend="reference")
     del warm_q, warm_k, warm_v
-    rss0 = _rss_bytes()
+    rss0 = rss_bytes()
     times = []
     with torch.no_grad():
         for _ in range(1 + args.reps):
