@@ -348,24 +348,22 @@ come back None."""
     if g == 1 and sq > 1:
         out, lse = _fused_rows(q, k, v, sink, m.scale, need_lse, None if causal else mask, causal)
     else:
-        # (b, sq, h, d) -> (b, hk, g * sq, d): a view at one query row, else a copy
+        # (b, sq, h, d) <-> (b, hk, g * sq, d): a view at one query row, else a copy each way
         qs = q.view(b, hk, g, d) if sq == 1 else q.view(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * sq, d)
         out, lse = _flash_cpu_heads(qs, k.transpose(1, 2), v.transpose(1, 2), sink, m.scale, sq, need_lse=need_lse,
                                     mask=mask)
+        if sq == 1:
+            out = out.view(b, 1, h, d)
+        else:  # (the kernel writes lse in (b, rows, hk) memory order, transposed: a copy makes it contiguous)
+            out = out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous()
+            lse = None if lse is None else lse.contiguous()
     # A masked non-finite K or V can only show as NaN in out (a NaN score, or 0 * inf in p @ v, spreads over its
     # row), never as a wrong finite value; so one reduction of out after the call replaces isfinite(k), isfinite(v)
     # before it (two full passes and four ops). A non-finite sum (that, a huge legitimate out, or a visible NaN)
     # sends the call to the exact tiled path, which keeps masked keys out (_pv) and gives the same answer otherwise.
     if mask is not None and not math.isfinite(float(out.sum())):
         return None
-    if g == 1 and sq > 1:
-        return out, lse
-    # (the kernel writes out and lse in (b, rows, hk) memory order, transposed: lse needs a copy to be contiguous)
-    if lse is not None and sq > 1:
-        lse = lse.contiguous()
-    if sq == 1:
-        return out.view(b, 1, h, d), lse
-    return out.view(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).contiguous(), lse
+    return out, lse
 
 
 def _fused_rows(q, k, v, sink, scale, need_lse, mask, is_causal):
@@ -378,13 +376,21 @@ def _fused_rows(q, k, v, sink, scale, need_lse, mask, is_causal):
                           is_causal=is_causal, scale=scale)
     out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     if sink is not None:
-        x = lse - sink  # (b, sq, h) - (h,)
-        if need_lse:  # see _flash_cpu_heads for the weight
-            log_w = torch.nn.functional.logsigmoid(x)
-            out, lse = out * log_w.exp().unsqueeze(-1), lse - log_w
-        else:
-            out = out * x.sigmoid_().unsqueeze(-1)
+        w, lse = _sink_weight(lse, sink, need_lse)  # (b, sq, h) beside (h,)
+        out = out * w.unsqueeze(-1)
     return out.contiguous(), (lse.transpose(1, 2).contiguous() if need_lse else None)
+
+
+def _sink_weight(lse, sink, need_lse: bool):
+    """The sink joining keys whose log-sum-exp is lse (elementwise, sink broadcast against it): -> (w, lse') with
+    w = e^lse / (e^lse + e^sink) = sigmoid(lse - sink), the weight the keys keep (out' = out * w), and
+    lse' = lse - log w = logaddexp(lse, sink), or None when not needed. logsigmoid is stable at every sink, -inf
+    (w = 1) and +inf (w = 0, lse' = +inf) included; without lse, sigmoid is one op fewer."""
+    x = lse - sink
+    if need_lse:
+        log_w = torch.nn.functional.logsigmoid(x)
+        return log_w.exp(), lse - log_w
+    return x.sigmoid_(), None
 
 
 def _plain_causal(m: Mask) -> bool:
@@ -395,10 +401,8 @@ def _plain_causal(m: Mask) -> bool:
 def _flash_cpu_heads(qs, k, v, sink, scale, sq, need_lse=True, mask=None, is_causal=False):
     """qs (b, hk, g * sq, d): each KV head's query heads and rows as one block over its keys k, v (b, hk, sk, d),
     every query seeing every key (or those `mask`, additive (g * sq, sk), lets it see). PyTorch's fused CPU
-    attention (the kernel SDPA runs) gives out and lse (natural log); the sink joins afterwards as the weight the
-    keys keep, w = e^lse / (e^lse + e^sink) = sigmoid(lse - sink): out' = out * w, lse' = lse - log w
-    (= logaddexp(lse, sink); logsigmoid is stable at every sink, -inf (w = 1) and +inf (w = 0, lse' = +inf)
-    included). -> (out like qs, lse (b, h, sq), or None when not needed)."""
+    attention (the kernel SDPA runs) gives out and lse (natural log); the sink joins afterwards (_sink_weight).
+    -> (out like qs, lse (b, h, sq), or None when not needed)."""
     b, hk, rows, _ = qs.shape
     if mask is not None:
         out, lse = _FLASH_CPU(qs, k, v, attn_mask=mask, scale=scale)
@@ -409,15 +413,9 @@ def _flash_cpu_heads(qs, k, v, sink, scale, sq, need_lse=True, mask=None, is_cau
     # The sink step in lse's memory order, (b, rows, hk) with row gi * sq + i of KV head hk_i holding query head
     # hk_i * g + gi: there every op runs over contiguous memory (across layouts each op cost 2-3x: measured).
     g = rows // sq
-    lt = lse.transpose(1, 2).view(b, g, sq, hk)
-    x = lt - sink.view(hk, g).t().reshape(1, g, 1, hk)
-    if need_lse:
-        log_w = torch.nn.functional.logsigmoid(x)
-        w, lse = log_w.exp(), (lt - log_w).permute(0, 3, 1, 2).reshape(b, hk * g, sq)
-    else:
-        w, lse = x.sigmoid_(), None  # (one op fewer than the log form)
-    if out.transpose(1, 2).is_contiguous():  # q came as (b, rows, hk, d) memory (g == 1): out is in lse's order too
-        return (out.transpose(1, 2) * w.view(b, rows, hk, 1)).transpose(1, 2), lse
+    w, lse = _sink_weight(lse.transpose(1, 2).view(b, g, sq, hk), sink.view(hk, g).t().reshape(1, g, 1, hk), need_lse)
+    if lse is not None:
+        lse = lse.permute(0, 3, 1, 2).reshape(b, hk * g, sq)
     return out * w.view(b, rows, hk).transpose(1, 2).unsqueeze(-1), lse
 
 
