@@ -295,3 +295,69 @@ def test_fp8_names_map_as_vllm_maps_them(vb):
     assert current_platform.fp8_dtype() == torch.float8_e4m3fn == FP8_KV_DTYPES["fp8"] == FP8_KV_DTYPES["fp8_e4m3"]
     assert FP8_KV_DTYPES["fp8_e5m2"] == torch.float8_e5m2
     assert set(vb.SinkattnBackend.supported_kv_cache_dtypes) == {"auto", "float16", "bfloat16", *FP8_KV_DTYPES}
+
+
+# ---- vLLM's own Triton attention on the same FP8 cache (bench/harness/peer_vllm.py, Triton's interpreter) -------
+TRITON_BATCHES = {
+    # vLLM's Triton kernel reads the first element of its k/v descales (per tensor only: TRITON_ATTN declares no
+    # per-head scales), so these are per-tensor, calibrated as amax / the format's largest value (peer_vllm).
+    "decode-e4m3": ("decode, window 8, odd lengths over pages that cut blocks", (37, 3, 20), (1, 1, 1), 7,
+                    "fp8_e4m3"),
+    "mixed-e5m2": ("decode + a chunk over a cached prefix (vLLM's 2D path), full", (33, 16), (1, 5), -1, "fp8_e5m2"),
+    "mixed-e4m3": ("the same over e4m3", (33, 16), (1, 5), -1, "fp8_e4m3"),
+}
+
+
+def _triton_child(src: str) -> None:
+    """In a process started with TRITON_INTERPRET=1: vLLM's kernel and sinkattn's backend forward on one FP8 cache
+    (written by the backend's writer), both against the float64 oracle on the dequantized cache."""
+    from pathlib import Path
+    from bench.harness import peer_vllm as P
+    fn = P.load(Path(src))
+    for which, (name, ctx, q, window, kv) in TRITON_BATCHES.items():
+        batch = P.Batch(name, ctx, q, window, kv)
+        x = P.make(batch, torch.device("cpu"), dtype=torch.float32, seed=1)
+        assert x["kv_cache"].dtype == torch.uint8
+        k8, v8 = (c.view(x["fp8_dtype"]) for c in x["kv_cache"].transpose(1, 2).split(P.D, dim=-1))
+        k_scale, v_scale = x["scales"]
+        starts, w = x["qsl"].tolist(), ((window, 0) if window >= 0 else (-1, -1))
+        refs = []
+        for r, s in enumerate(batch.seq):
+            pos = torch.arange(s)
+            page = x["block_table"][r].long()[pos // P.PAGE]
+            k = k8[page, pos % P.PAGE].double() * k_scale.double()
+            v = v8[page, pos % P.PAGE].double() * v_scale.double()
+            refs.append(attention_oracle(x["query"][None, starts[r]:starts[r + 1]], k[None], v[None], x["sinks"],
+                                         causal=True, window_size=w)[0][0])
+        ref = torch.cat(refs)
+        theirs = P.prep_vllm(fn, batch, x)().clone()
+        ours = P.prep_sinkattn(batch, x)().clone()
+        torch.testing.assert_close(theirs.double(), ref, rtol=0, atol=2e-5, msg=f"{which}: vLLM's kernel vs float64")
+        torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-5, msg=f"{which}: sinkattn vs float64")
+        # The scales matter here (the same cache read as if scale were 1 is far from the answer).
+        unscaled = P.prep_sinkattn(batch, dict(x, scales=(torch.ones(()), torch.ones(()))))().clone()
+        assert (unscaled.double() - ref).abs().max() > 1e-2, f"{which}: the scales change nothing; weak case"
+        print(f"ok {which}: |vllm - oracle| {(theirs.double() - ref).abs().max():.2e}, "
+              f"|sinkattn - oracle| {(ours.double() - ref).abs().max():.2e}, scales {float(k_scale):.4g} "
+              f"{float(v_scale):.4g}")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
+                    reason="triton is not installed (it ships with torch's Linux wheels)")
+def test_vllm_triton_and_sinkattn_agree_on_one_fp8_cache(vllm_src, tmp_path):  # noqa: F811
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from bench.harness import peer_vllm as P
+    if not sorted((vllm_stubs.cache_dir() / f"vllm-{P.VLLM_VERSION}").glob("vllm-*.whl")):
+        pytest.skip(vllm_stubs.fetch_hint())
+    root = Path(__file__).resolve().parent.parent
+    src = P.extract(tmp_path / "peer")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")]))
+    code = f"from tests.test_vllm_fp8 import _triton_child; _triton_child({str(src)!r})"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert all(f"ok {which}:" in r.stdout for which in TRITON_BATCHES), r.stdout
+    print(r.stdout)
