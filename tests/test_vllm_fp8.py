@@ -361,3 +361,46 @@ def test_vllm_triton_and_sinkattn_agree_on_one_fp8_cache(vllm_src, tmp_path):  #
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert all(f"ok {which}:" in r.stdout for which in TRITON_BATCHES), r.stdout
     print(r.stdout)
+
+
+# ---- bench: the decode grid's FP8 cases (issue 30 Deliver 5) -----------------------------------------------------
+def test_bench_decode_grid_holds_fp8_cases_beside_bf16():
+    from bench.harness import grids
+    from bench.harness import peer_vllm as P
+    dec = grids.get("decode")
+    fp8_cases = [c for c in dec if c.kv_dtype != "auto"]
+    assert {c.kv_dtype for c in fp8_cases} == {"fp8_e4m3", "fp8_e5m2"} and {c.paged for c in fp8_cases} == {True, False}
+    ids = {c.id for c in dec}
+    for c in fp8_cases:  # each right beside the same case over the bf16 cache
+        import dataclasses
+        assert dataclasses.replace(c, kv_dtype="auto").id in ids and c.kv_elem_bytes == 1
+    assert any(c.seqlen_k >= 32768 for c in fp8_cases)  # the issue's >= 32k target
+    pairs = P.fp8_pairs(P.grid())
+    assert "decode/full/b64/sk32768/fp8_e4m3" in pairs and "decode/full/b64/sk32768/fp8_e5m2" in pairs
+    assert all(v in {b.name for b in P.grid()} for v in pairs.values())
+    fp8_batch = next(b for b in P.grid() if b.kv_cache_dtype == "fp8_e4m3")
+    bf16_batch = next(b for b in P.grid() if b.name == P.fp8_pairs(P.grid())[fp8_batch.name])
+    assert P.kv_bytes(fp8_batch) - 2 * P.H * P.D * 2 * sum(fp8_batch.q) == \
+        (P.kv_bytes(bf16_batch) - 2 * P.H * P.D * 2 * sum(bf16_batch.q)) // 2
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("paged", [True, False])
+def test_bench_fp8_inputs_and_sinkattn_column_match_the_oracle(kv_dtype, paged):
+    """The bench's FP8 inputs: caches quantized with amax scales, x.k/x.v their dequantized copies; the sinkattn
+    column (on the CPU: the reference backend) reads the FP8 caches and matches the float64 oracle on them."""
+    import dataclasses
+    from bench.harness import comparators as C
+    from bench.harness.grids import Case
+    case = Case("t", "decode", "fwd", 2, 1, 300, 8, 2, 64, "fp32", causal=True, window_right=0, sinks=True,
+                paged=paged, page_size=64, kv_dtype=kv_dtype)
+    x = C.make_inputs(case, torch.device("cpu"), torch.Generator().manual_seed(0))
+    fmt = C.FP8_TYPES[kv_dtype]
+    assert x.k_cache.dtype == fmt and x.v_cache.dtype == fmt and x.k_scale.dim() == 0
+    assert float(x.k_cache.float().abs().max()) == torch.finfo(fmt).max  # amax calibration reaches the top
+    ref, _ = attention_oracle(x.q, x.k.double(), x.v.double(), x.sinks, causal=True)
+    prep = C.COMPARATORS["sinkattn"](case, x, torch.device("cpu"))
+    torch.testing.assert_close(prep.output().double(), ref, rtol=0, atol=2e-5)
+    plain = C.make_inputs(dataclasses.replace(case, kv_dtype="auto"), torch.device("cpu"),
+                          torch.Generator().manual_seed(0))
+    assert (x.k.double() - plain.k.double()).abs().max() > 0  # the FP8 step is in the keys the oracle sees

@@ -277,7 +277,8 @@ _PEER = {}
 
 def prep_case(case, x: Inputs, device) -> Prepared:
     """comparators.py's entry "vllm-triton": the peer on the shared grids' paged decode cases (vLLM reads
-    only its paged layout), its K/V pages being the case's own (pages, page_size, nheads_k, headdim) caches."""
+    only its paged layout), its K/V pages being the case's own (pages, page_size, nheads_k, headdim) caches; an FP8
+    case's caches with its per-tensor scales (TritonAttentionImpl's FP8_PER_TENSOR call)."""
     if case.kind != "decode" or not case.paged:
         raise Unsupported("vLLM's Triton unified attention reads vLLM's paged KV cache: paged decode only")
     if device.type != "cuda":
@@ -304,12 +305,15 @@ def prep_case(case, x: Inputs, device) -> Prepared:
                    softmax_segm_expsum=torch.empty(rows, h, SEGMENTS, dtype=torch.float32, device=device))
     one = torch.ones(1, dtype=torch.float32, device=device)
     window = (case.window_left, 0) if case.window_left >= 0 else (-1, -1)
+    quant = dict(k_descale=one.expand(b, hk), v_descale=one.expand(b, hk))
+    if getattr(case, "kv_dtype", "auto") != "auto":  # comparators.FP8Inputs: FP8 caches, per-tensor scales
+        quant = dict(k_descale=x.k_scale.expand(b, hk), v_descale=x.v_scale.expand(b, hk),
+                     kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
 
     def run():
         fn(q=q, k=x.k_cache, v=x.v_cache, out=out, cu_seqlens_q=qsl, max_seqlen_q=sq, seqused_k=x.cache_seqlens,
            max_seqlen_k=case.seqlen_k, softmax_scale=d ** -0.5, causal=True, window_size=window,
-           block_table=x.block_table, softcap=0, q_descale=None, k_descale=one.expand(b, hk),
-           v_descale=one.expand(b, hk), sinks=x.sinks, **scratch)
+           block_table=x.block_table, softcap=0, q_descale=None, sinks=x.sinks, **quant, **scratch)
         return out.view(b, sq, h, d)
     return Prepared(run, "exact (native)" if case.sinks else "none needed", "triton (vLLM 0.33)", output=run,
                     graphable=device.type == "cuda")
