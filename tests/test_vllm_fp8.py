@@ -247,7 +247,7 @@ def fake_build(monkeypatch):
 
     def install(features):
         reg = tuple(dict(name=f"{op}_sm80_hdim64_bf16", family="sm80", op=op, headdim=64, dtype="bf16",
-                         features=features, archs="sm_80,sm_90,compute_80", smem_bytes=0) for op in ("fwd", "kvcache"))
+                         features=features, archs="sm_80,sm_90,compute_80", smem_bytes=0) for op in ("fwd",))
         monkeypatch.setattr(_ext, "registry", lambda: reg)
     monkeypatch.setattr(_ext, "loaded", lambda: True)
     monkeypatch.setattr(_ext, "build_info", lambda: {})
@@ -276,13 +276,24 @@ def test_fp8_selection_needs_a_kernel_that_reads_fp8(platform, fake_build, kv_ca
         assert path == "sinkattn.integrations.vllm_backend.SinkattnBackend"
 
 
-def test_fp8_selection_without_the_extension(platform):
-    from sinkattn import _ext
+def test_fp8_selection_with_this_build(platform):
+    """This build's answer, whatever it holds: no extension, or kernels without fp8_kv -> refused with dispatch's
+    reason; a build whose sm80 decode kernels read FP8 (cc 8.0 runs sm_80 code) -> selected."""
+    from sinkattn import _ext, registry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    if _ext.loaded():
-        pytest.skip("the extension is built here; test_fp8_selection_needs_a_kernel_that_reads_fp8 covers it")
-    with pytest.raises(ValueError, match="over an FP8 KV cache.*compiled extension is not available"):
-        platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(kv_cache_dtype="fp8"), num_heads=64)
+    get = lambda: platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(kv_cache_dtype="fp8"),
+                                                num_heads=64)
+    if not _ext.loaded():
+        with pytest.raises(ValueError, match="over an FP8 KV cache.*compiled extension is not available"):
+            get()
+        return
+    kv = [k for k in registry.kernels("sm80", "fwd")  # decode runs on the forward kernels
+          if k["headdim"] == 64 and k["dtype"] == "bf16"]
+    if kv and "fp8_kv" in registry.features(kv[0]):
+        assert get().endswith("SinkattnBackend")
+    else:
+        with pytest.raises(ValueError, match="over an FP8 KV cache.*do not serve FP8 KV caches"):
+            get()
 
 
 def test_fp8_names_map_as_vllm_maps_them(vb):

@@ -27,7 +27,8 @@ CPU) against the same bf16-cache answer, which adds the bf16 arithmetic of the c
 A second profile, "gaussian" (i.i.d. N(0, 1) K/V, q N(0, 2.5^2): no channel structure, no RoPE), is the benign
 bound: the gap between the two rows is what the channel structure costs.
 
-Reported per layer and cache (with the bf16 logits' std and largest magnitude, which set the FP8 score error): max and mean |out_fp8 - out_bf16|, the relative error ||out_fp8 - out_bf16|| /
+Reported per layer and cache (with the bf16 logits' std and largest magnitude, which set the FP8 score error):
+max and mean |out_fp8 - out_bf16|, the relative error ||out_fp8 - out_bf16|| /
 ||out_bf16|| (Frobenius, over all heads and rows), and the softmax's total variation 0.5 * sum |p_fp8 - p_bf16| per
 (head, query) row (the sink's column included), mean and max; plus the fraction of cache values that saturated.
 """
@@ -186,7 +187,8 @@ def table(rows) -> str:
     lines = [head]
     for r in rows:
         tv = ("-", "-") if math.isnan(r["tv_mean"]) else (f"{r['tv_mean']:.2e}", f"{r['tv_max']:.2e}")
-        lines.append(f"| {r['profile']} | {r['context']} | {r['layer']} ({r['logit_std']:.1f} / {r['logit_absmax']:.0f}) | "
+        layer = f"{r['layer']} ({r['logit_std']:.1f} / {r['logit_absmax']:.0f})"
+        lines.append(f"| {r['profile']} | {r['context']} | {layer} | "
                      f"{r['cache']} | {r['max_abs']:.2e} | {r['mean_abs']:.2e} | {r['rel']:.2e} | {tv[0]} | {tv[1]} | "
                      f"{r['sat']:.1e} |")
     return "\n".join(lines)
