@@ -415,3 +415,31 @@ def test_bench_fp8_inputs_and_sinkattn_column_match_the_oracle(kv_dtype, paged):
     plain = C.make_inputs(dataclasses.replace(case, kv_dtype="auto"), torch.device("cpu"),
                           torch.Generator().manual_seed(0))
     assert (x.k.double() - plain.k.double()).abs().max() > 0  # the FP8 step is in the keys the oracle sees
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_peer_fp8_cache_is_the_bf16_cache_quantized(kv):
+    """bench/harness/peer_vllm.make: the FP8 cache (written in chunks by the backend's writer) holds the same random
+    K/V as the bf16 case's cache, x / (amax / format max), in vLLM's uint8 allocation and physical order."""
+    from bench.harness import peer_vllm as P
+    bf = P.Batch("t", (37, 3), (1, 1), 7)
+    f8 = P.Batch("t", (37, 3), (1, 1), 7, kv)
+    torch.manual_seed(5)
+    x_bf = P.make(bf, torch.device("cpu"), dtype=torch.bfloat16, seed=1)
+    torch.manual_seed(5)
+    x_f8 = P.make(f8, torch.device("cpu"), dtype=torch.bfloat16, seed=1)
+    fmt = FORMATS[kv]
+    assert x_f8["kv_cache"].dtype == torch.uint8 and x_f8["kv_cache"].stride() == x_bf["kv_cache"].stride()
+    big = torch.finfo(fmt).max
+    ks, vs = x_f8["scales"]
+    k_bf, v_bf = x_bf["kv_cache"].transpose(1, 2).split(P.D, dim=-1)
+    assert ks == k_bf.abs().max().float() / big and ks.dim() == 0
+    k8, v8 = (c.view(fmt) for c in x_f8["kv_cache"].transpose(1, 2).split(P.D, dim=-1))
+    want_k = (k_bf.float() / ks).clamp(-big, big).to(fmt)
+    want_v = (v_bf.float() / vs).clamp(-big, big).to(fmt)
+    assert torch.equal(k8.contiguous().view(torch.uint8), want_k.contiguous().view(torch.uint8))
+    assert torch.equal(v8.contiguous().view(torch.uint8), want_v.contiguous().view(torch.uint8))
+    assert P._to_fp8.__defaults__ == (4096,)  # the chunked path; one more with tiny chunks must agree
+    x2 = dict(x_bf)
+    P._to_fp8(x2, kv, chunk_blocks=1)
+    assert torch.equal(x2["kv_cache"], x_f8["kv_cache"])
