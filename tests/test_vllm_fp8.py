@@ -306,6 +306,9 @@ def test_fp8_names_map_as_vllm_maps_them(vb):
     assert current_platform.fp8_dtype() == torch.float8_e4m3fn == FP8_KV_DTYPES["fp8"] == FP8_KV_DTYPES["fp8_e4m3"]
     assert FP8_KV_DTYPES["fp8_e5m2"] == torch.float8_e5m2
     assert set(vb.SinkattnBackend.supported_kv_cache_dtypes) == {"auto", "float16", "bfloat16", *FP8_KV_DTYPES}
+    # vLLM's Attention layer quantizes the query to FP8 only for impls that ask (AttentionImpl's default False):
+    # sinkattn takes q in the model dtype over an FP8 cache.
+    assert vb.SinkattnImpl.supports_quant_query_input is False
 
 
 # ---- vLLM's own Triton attention on the same FP8 cache (bench/harness/peer_vllm.py, Triton's interpreter) -------
