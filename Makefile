@@ -118,10 +118,22 @@ gpu-check: ## on a GPU machine: build for its GPU, report, GPU tests, sanitizers
 # .prebuilt/, and
 #   SINKATTN_PREBUILT_KERNELS=$$PWD/.prebuilt SINKATTN_CUDA_ARCHS="80;90a" SINKATTN_EMULATION=0 bash bench/gpu/check.sh
 # compiles only api.cpp against that machine's torch (about 50 s on an H200 machine instead of minutes).
-gpu-prebuilt: install ## pack this build's kernel objects into .prebuilt.tar.xz for a GPU machine (see above)
+# It also packs the diagnostic build of the same grid into .prebuilt/diagnostic/ (SINKATTN_DIAGNOSTIC=1: bounded sm90
+# barrier waits; only the sm90 units recompile, then the normal build is reinstalled from ccache), which
+# bench/gpu/check.sh runs the never-run sm90 kernels' tests on before anything else, so a hang costs seconds;
+# GPU_PREBUILT_DIAGNOSTIC=0 leaves it out (the sweep's pack never has it).
+GPU_PREBUILT_DIAGNOSTIC ?= 1
+KERNEL_OBJECTS = $$(sed -n 's/^build \([^:]*\):.*/\1/p' build/kernels/build.ninja) build/kernels/cutlass_version.txt
+gpu-prebuilt: install ## pack this build's kernel objects (and its diagnostic build's) into .prebuilt.tar.xz for a GPU machine
 	rm -rf .prebuilt .prebuilt.tar.xz && mkdir -p .prebuilt
-	cp $$(sed -n 's/^build \([^:]*\):.*/\1/p' build/kernels/build.ninja) build/kernels/cutlass_version.txt .prebuilt/
+	cp $(KERNEL_OBJECTS) .prebuilt/
 	@if [ -n "$(PREBUILT_SWEEP)" ]; then echo "$(PREBUILT_SWEEP)" > .prebuilt/sweep.txt; fi
+	@if [ "$(GPU_PREBUILT_DIAGNOSTIC)" != "0" ] && [ -z "$(PREBUILT_SWEEP)" ] && [ "$(SINKATTN_DIAGNOSTIC)" != "1" ]; then \
+	  echo "gpu-prebuilt: the diagnostic build of the same grid into .prebuilt/diagnostic/ (only the sm90 units recompile)"; \
+	  SINKATTN_DIAGNOSTIC=1 $(MAKE) --no-print-directory install && mkdir -p .prebuilt/diagnostic && \
+	  cp $(KERNEL_OBJECTS) .prebuilt/diagnostic/ && \
+	  echo "gpu-prebuilt: reinstalling the normal build" && \
+	  SINKATTN_DIAGNOSTIC="$(SINKATTN_DIAGNOSTIC)" $(MAKE) --no-print-directory install; fi
 	tar -C .prebuilt -cJf .prebuilt.tar.xz .
 	@echo "gpu-prebuilt: $$(ls .prebuilt | wc -l) files in .prebuilt/ ($$(du -sh .prebuilt | cut -f1)), packed into .prebuilt.tar.xz ($$(du -sh .prebuilt.tar.xz | cut -f1)); carry that"
 

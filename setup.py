@@ -141,7 +141,11 @@ def write_ninja(build_dir, units, cuda_home, cutlass_inc, grid, cxx_flags_extra)
                       "-MMD -MF $out.d -c $in -o $out",
                       "  description = $unit", "  depfile = $out.d", "  deps = gcc", ""]
         else:
-            flags = " ".join(gen.gencode_flags(fam, grid.archs)) + (" -DSINKATTN_DIAGNOSTIC=1" if grid.diagnostic else "")
+            # The diagnostic define reaches the sm90 units only (the only code it changes), so their sm80 neighbours
+            # keep their command lines: a diagnostic build of the same grid recompiles only the sm90 units (ccache
+            # serves the rest), and make gpu-prebuilt packs both builds for one GPU round.
+            diag = grid.diagnostic and fam.startswith("sm90")
+            flags = " ".join(gen.gencode_flags(fam, grid.archs)) + (" -DSINKATTN_DIAGNOSTIC=1" if diag else "")
             archs = gen.arch_list_string(fam, grid.archs)
             lines += [f"rule cc_{fam}",
                       f"  command = touch $out.start && {pre}{nvcc} {nvcc_common} {flags} "

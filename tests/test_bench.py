@@ -361,3 +361,25 @@ def test_comparators_on_gpu_agree_with_sinkattn(tmp_path):
     assert all(r["method"] == "cuda-events+graph" for r in graphs)
     report.write_all(rows, {"device": {"type": "cuda"}, "ceilings": {}}, str(tmp_path))
     assert (tmp_path / "results.md").exists()
+
+
+def test_gpu_round_runs_the_diagnostic_build_first():
+    """make gpu-prebuilt packs the diagnostic build beside the normal one and gpu-check runs the never-run sm90
+    kernels' tests on it before its other test steps (docs/DESIGN.md section 8). A GPU-less check of the wiring:
+    the pack step, the diagnostic run ahead of the sm90 steps, and the define reaching the sm90 units only."""
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        make = f.read()
+    recipe = make[make.index("\ngpu-prebuilt:"):make.index("\n# The tuning sweep of a GPU round")]
+    assert "SINKATTN_DIAGNOSTIC=1 $(MAKE) --no-print-directory install" in recipe
+    assert recipe.index("SINKATTN_DIAGNOSTIC=1 $(MAKE)") < recipe.index("cp $(KERNEL_OBJECTS) .prebuilt/diagnostic/") \
+        < recipe.index("tar -C")
+    assert "reinstalling the normal build" in recipe
+    with open(os.path.join(ROOT, "bench", "gpu", "check.sh")) as f:
+        check = f.read()
+    diag = check.index("step diagnostic-sm90")
+    assert diag < check.index("step sm90-tests") < check.index("step sm90-bwd-tests") < check.index("step tests ")
+    assert 'SINKATTN_PREBUILT_KERNELS/diagnostic' in check and "SINKATTN_DIAGNOSTIC=1" in check
+    assert check.index('"$SKIP_SM90_STEPS" = "0"') > diag
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        setup = f.read()
+    assert 'diag = grid.diagnostic and fam.startswith("sm90")' in setup

@@ -4,6 +4,9 @@
 #   1. build only what this GPU needs, with every core (SINKATTN_CUDA_ARCHS from the GPU's compute
 #      capability: 90a on cc 9.0, which holds the sm90 kernels and the sm80 kernels as sm_90 SASS;
 #      no host-emulated kernels), in place: python setup.py build_ext --inplace
+#   1b. with the diagnostic build beside the objects (make gpu-prebuilt packs it into .prebuilt/diagnostic/), on cc
+#      9.0: the never-run sm90 kernels' tests on it first (bounded barrier waits: a hang traps in seconds, naming the
+#      barrier); a hang there routes the rest of the run to the sm80 kernels (SINKATTN_DISABLE_SM90=1)
 #   2. the capability report, then pytest -m gpu (incl. the GPU fuzz mode: tests/test_fuzz.py, SINKATTN_FUZZ_SCALE),
 #      then compute-sanitizer's four tools over bench/gpu/sanitize.py's cases (GPU_CHECK_SANITIZE=0 skips; cap
 #      GPU_CHECK_SANITIZE_CAP, default 120 s; verdicts PASS / FAIL / NOT RUN in the summary)
@@ -23,7 +26,8 @@
 # Knobs (environment): SINKATTN_CUDA_ARCHS / SINKATTN_HEADDIMS / SINKATTN_DTYPES / SINKATTN_EMULATION
 # (build grid; defaults: by GPU, all head dims, bf16+fp16, no emulation), GPU_CHECK_JOBS (default: nproc;
 # the Makefile's MAX_JOBS=2 is for the shared dev box and is ignored here), GPU_CHECK_GRID (check),
-# GPU_CHECK_TOTAL, GPU_CHECK_BUILD_CAP (300), GPU_CHECK_SM90_CAP (100: the sm90 tests, first), GPU_CHECK_SM90_BWD_CAP
+# GPU_CHECK_TOTAL, GPU_CHECK_BUILD_CAP (300), GPU_CHECK_DIAGNOSTIC (1; 0 skips step 1b), GPU_CHECK_DIAG_CAP (90: step
+# 1b's time box), GPU_CHECK_SM90_CAP (100: the sm90 tests, first), GPU_CHECK_SM90_BWD_CAP
 # (120: the sm90 backward's tests, second), GPU_CHECK_TEST_CAP (200),
 # GPU_CHECK_BENCH_CAP (150), GPU_CHECK_SANITIZE (1; 0 skips the sanitizers), GPU_CHECK_SANITIZE_CAP (120), GPU_CHECK_TESTS (the test paths of the second test step; default: tests),
 # GPU_CHECK_BENCH_ARGS (extra bench arguments; default "--budget-ms 300 --max-reps 100"),
@@ -128,9 +132,59 @@ else
     say "build: CUTLASS headers missing at third_party/cutlass/include (git-ignored; there is no network here):"
     say "       take third_party/cutlass/include along to this machine, or set SINKATTN_CUTLASS_DIR"
   fi
+  # The diagnostic build (make gpu-prebuilt packs it into diagnostic/): linked in a copy of the tree, beside the
+  # normal build and at the same time, so the never-run sm90 kernels run on it first (step 1b).
+  DIAG_DIR=""
+  if [ -n "${SINKATTN_PREBUILT_KERNELS:-}" ] && [ -f "$SINKATTN_PREBUILT_KERNELS/diagnostic/cutlass_version.txt" ] \
+      && [ "$GPU_CC" = "9.0" ] && [ "${GPU_CHECK_DIAGNOSTIC:-1}" != "0" ]; then
+    DIAG_DIR=$REPO/build/diagnostic-tree
+    rm -rf "$DIAG_DIR" && mkdir -p "$DIAG_DIR"
+    tar -C "$REPO" --exclude='sinkattn/_C*' --exclude='__pycache__' -cf - setup.py pyproject.toml csrc sinkattn tools tests \
+      | tar -C "$DIAG_DIR" -xf -
+    say "diagnostic build: linking the diagnostic kernels in $DIAG_DIR (in the background; log: build.log)"
+    (cd "$DIAG_DIR" && SINKATTN_PREBUILT_KERNELS="$SINKATTN_PREBUILT_KERNELS/diagnostic" SINKATTN_DIAGNOSTIC=1 \
+      timeout -k 15 "$BUILD_CAP" "$PY" setup.py build_ext --inplace >"$OUT/diag-build.tmp" 2>&1; echo $? >"$OUT/diag-build.rc") &
+    DIAG_PID=$!
+  fi
   step build "$OUT/build.log" "$(min "$BUILD_CAP" $(($(left) - TEST_MIN - BENCH_MIN)))" \
     "$PY" setup.py build_ext --inplace || FAILED=1
   grep -E "error|warning: .*spill|Error" "$OUT/build.log" | head -20 >>"$SUMMARY"
+fi
+
+# ---------------------------------------------------------------------------------------------- 1b. diagnostic run
+# The never-run sm90 kernels' tests on the diagnostic build first (docs/DESIGN.md section 8): every mbarrier wait
+# there is bounded, so a protocol hang traps in seconds and prints block, warp, barrier and phase ("sinkattn
+# diagnostic:" lines, copied into the summary). A hang found here sets SINKATTN_DISABLE_SM90=1 and skips the normal
+# build's sm90 steps (they would hang until their time boxes end); a failure without a hang is reported and the
+# normal steps still run (the diagnostic build serializes wgmma, so its results should be the normal build's).
+SKIP_SM90_STEPS=0
+if [ -n "${DIAG_DIR:-}" ]; then
+  wait "$DIAG_PID"
+  { echo "== diagnostic build (exit $(cat "$OUT/diag-build.rc" 2>/dev/null)):"; cat "$OUT/diag-build.tmp"; } >>"$OUT/build.log"
+  rm -f "$OUT/diag-build.tmp"
+  if [ "$(cat "$OUT/diag-build.rc" 2>/dev/null)" = "0" ]; then
+    echo "== diagnostic run" >>"$OUT/tests.log"
+    (cd "$DIAG_DIR" && export PYTHONPATH="$DIAG_DIR" && step diagnostic-sm90 "$OUT/tests.log" \
+      "$(min "${GPU_CHECK_DIAG_CAP:-90}" $(($(left) - TEST_MIN - SAN_MIN - BENCH_MIN)))" \
+      "$PY" -m pytest -m gpu -x -q -rs -p no:cacheprovider tests/test_gpu_sm90.py tests/test_gpu_sm90_backward.py)
+    rc=$?
+    # (step ran in a subshell: record its verdict here)
+    STEPS+=("diagnostic-sm90: exit $rc (the never-run sm90 kernels on the diagnostic build)")
+    grep -m 20 "sinkattn diagnostic:" "$OUT/tests.log" >>"$SUMMARY"
+    if grep -q "sinkattn diagnostic:" "$OUT/tests.log"; then
+      FAILED=1
+      SKIP_SM90_STEPS=1
+      export SINKATTN_DISABLE_SM90=1
+      say "diagnostic-sm90: an sm90 kernel HUNG (see the lines above): SINKATTN_DISABLE_SM90=1, the sm90 steps skipped"
+    elif [ "$rc" -ne 0 ]; then
+      FAILED=1
+      say "diagnostic-sm90: failed without a hang (exit $rc; tests.log): the normal build's sm90 steps still run"
+    fi
+  else
+    FAILED=1
+    say "diagnostic build: FAILED (exit $(cat "$OUT/diag-build.rc" 2>/dev/null); build.log): the diagnostic run skipped"
+    STEPS+=("diagnostic-sm90: not run (its build failed)")
+  fi
 fi
 
 # ---------------------------------------------------------------------------------------------- 2. report + GPU tests
@@ -147,7 +201,7 @@ PYTEST_EXTRA=()
 # The sm90 kernel first, in its own short time box: if it fails or hangs, SINKATTN_DISABLE_SM90=1 routes
 # the remaining tests and the bench to the sm80 kernels, so the run still measures something.
 HAS_SM90=$("$PY" -c "from sinkattn import _ext; print(int(any(k['family'] == 'sm90' for k in _ext.registry())))" 2>/dev/null)
-if [ "$GPU_CC" = "9.0" ] && [ "$HAS_SM90" = "1" ]; then
+if [ "$GPU_CC" = "9.0" ] && [ "$HAS_SM90" = "1" ] && [ "$SKIP_SM90_STEPS" = "0" ]; then
   step sm90-tests "$OUT/tests.log" "$(min "${GPU_CHECK_SM90_CAP:-100}" $(($(left) - TEST_MIN - SAN_MIN - BENCH_MIN)))" \
     "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" tests/test_gpu_sm90.py
   rc=$?
@@ -162,7 +216,7 @@ fi
 # in its own time box too; on failure the bench leaves out its sinkattn-sm90 column.
 HAS_SM90_BWD=$("$PY" -c "from sinkattn import _ext; print(int(any(k['family'] == 'sm90' and k['op'] == 'bwd' for k in _ext.registry())))" 2>/dev/null)
 SM90_BWD_OK=0
-if [ "$GPU_CC" = "9.0" ] && [ "$HAS_SM90_BWD" = "1" ]; then
+if [ "$GPU_CC" = "9.0" ] && [ "$HAS_SM90_BWD" = "1" ] && [ "$SKIP_SM90_STEPS" = "0" ]; then
   step sm90-bwd-tests "$OUT/tests.log" "$(min "${GPU_CHECK_SM90_BWD_CAP:-120}" $(($(left) - TEST_MIN - SAN_MIN - BENCH_MIN)))" \
     "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" tests/test_gpu_sm90_backward.py
   rc=$?
