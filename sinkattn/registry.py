@@ -5,7 +5,7 @@ Every "can this kernel serve this call" fact that belongs to a kernel is read he
 tile configuration needs, and the archs it was compiled for. An entry is a dict:
 
     name, family ("sm80", "sm90", "sm80-emulated", "common"; a tuning-grid variant's "<family>-sweep", which
-    dispatch never reads), op ("fwd", "bwd", "merge"), headdim (0: any),
+    dispatch never reads), op ("fwd", "bwd", "merge", "fwd_fp8": decode over FP8 KV caches), headdim (0: any),
     dtype ("bf16", "fp16", "fp32"), features (comma list: sinks, sink_tokens, causal, window, softcap, gqa,
     varlen, kvcache, paged, split_kv, deterministic; and what the bridge must know to launch it:
     tile_counter (api.cpp hands it a zeroed tile counter), broadcast_strides (it reads inputs with zero
@@ -35,8 +35,11 @@ def dtype_name(dtype) -> str | None:
 
 
 def op_of(problem: Problem) -> str:
-    """The registry op that serves a problem: KV-cache decode runs on the forward kernels."""
-    return "bwd" if problem.kind == "bwd" else "fwd"
+    """The registry op that serves a problem: KV-cache decode runs on the forward kernels, over an FP8 cache on the
+    FP8-cache decode kernels ("fwd_fp8": csrc/sm80/fp8_kv.h)."""
+    if problem.kind == "bwd":
+        return "bwd"
+    return "fwd_fp8" if problem.kv_fp8 else "fwd"
 
 
 def needed_features(problem: Problem) -> list[str]:

@@ -253,7 +253,7 @@ def test_registry_matches_generator():
         fam = fam_of[k["name"]]
         want = "host" if fam == "emu" else gen.arch_list_string(fam, grid.archs)
         assert k["archs"] == want, f"{k['name']}: registered archs {k['archs']!r}, the build rule gives {want!r}"
-        assert k["op"] in ("merge", "fwd", "bwd") and k["dtype"] in ("bf16", "fp16", "fp32")
+        assert k["op"] in ("merge", "fwd", "bwd", "fwd_fp8") and k["dtype"] in ("bf16", "fp16", "fp32")
     # __CUDA_ARCH_LIST__ of the common family's translation unit (90a reads 900)
     want_list = ",".join(str(int(re.sub(r"\D", "", r)) * 10) for _, r in gen.family_targets("common", grid.archs))
     assert build["cuda_arch_list"] == want_list
