@@ -111,7 +111,8 @@ def _kb(nbytes: int) -> str:
 def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | None) -> str | None:
     """Whether the registry holds a kernel of `backend` that serves `problem` and runs on `capability` (None:
     host emulation, no device)."""
-    family, op, what = registry.BACKEND_FAMILY[backend], registry.op_of(problem), _WHAT.get(problem.kind)
+    family = registry.BACKEND_FAMILY[backend]
+    op, what = registry.op_of(problem, family), _WHAT.get(problem.kind)
     if what is None:
         return f"no {problem.kind} kernel is built yet for backend {backend!r}; the reference backend serves it"
     siblings = registry.kernels(family, op)
@@ -150,8 +151,6 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
         if hd not in FP8_KV_HEADDIMS:
             return (f"the {backend} FP8-cache decode kernels exist for head dims "
                     f"{', '.join(map(str, FP8_KV_HEADDIMS))} only (got head dim {hd}); the reference backend serves it")
-        if backend == "sm80-emulated" and not siblings and not registry.kernels(family, "fwd"):
-            return "this build has no emulated kernels (it was built with SINKATTN_EMULATION=0)"
         return (f"no {backend} FP8-cache decode kernel for head dim {hd} {dtype} in this build (compiled: "
                 f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
                 f"including {dtype}")
