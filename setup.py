@@ -2,8 +2,8 @@
 
 The kernels (.cu, no torch headers) and the host-emulated kernels (.cpp, no torch headers) are
 compiled by a ninja file of our own, so each kernel family gets exactly its own gencode flags and
-ccache can serve rebuilds; api.cpp (the only file that sees torch) is compiled by torch's
-BuildExtension and linked with those objects into sinkattn._C.
+ccache can serve rebuilds; api.cpp and cpu_front.cpp (the only files that see torch) are compiled by
+torch's BuildExtension and linked with those objects into sinkattn._C.
 
 Environment:
     SINKATTN_CUDA_ARCHS   default "80;90a"; "native": the archs of the GPUs torch sees at build time
@@ -186,8 +186,8 @@ def cuda_extension():
              f"{torch_cuda}; the extension would not load. Point CUDA_HOME at a CUDA {torch_cuda.split('.')[0]}.x "
              f"toolkit or install a torch built for CUDA {major}.")
     # Kernel objects hold no torch and no Python, so a machine whose time is scarce (the borrowed GPU) can
-    # link objects compiled elsewhere for the same grid and compile only api.cpp against its own torch. api.cpp
-    # includes no CUTLASS header, so the headers (27 MB) need not travel with the objects:
+    # link objects compiled elsewhere for the same grid and compile only api.cpp (and cpu_front.cpp) against its own
+    # torch. They include no CUTLASS header, so the headers (27 MB) need not travel with the objects:
     # the CUTLASS version they were built with comes from cutlass_version.txt beside them.
     prebuilt = os.environ.get("SINKATTN_PREBUILT_KERNELS")
     cutlass_inc = find_cutlass()
@@ -237,7 +237,7 @@ def cuda_extension():
                f"-DSINKATTN_DIAGNOSTIC_BUILT={int(grid.diagnostic)}"]
     ext = CUDAExtension(
         name="sinkattn._C",
-        sources=["csrc/api.cpp"],
+        sources=["csrc/api.cpp", "csrc/cpu_front.cpp"],
         include_dirs=[CSRC],
         extra_objects=objects,
         extra_compile_args={"cxx": ["-std=c++20", "-O2"] + defines},

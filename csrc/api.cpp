@@ -1,4 +1,5 @@
-// api.cpp: the only translation unit that sees torch. Argument checks that protect the kernels (the
+// api.cpp: the kernels' side of the extension module (cpu_front.cpp, the other file that sees torch, is the CPU
+// good case of flash_attn_with_sinks). Argument checks that protect the kernels (the
 // Python layer has already given the user a clear error), params filling, dispatch through the kernel
 // registry, and host entry points to the shared mask/softmax/merge logic for the CPU tests.
 #include <torch/extension.h>
@@ -8,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "build_info.h"
+#include "cpu_front.h"
 #include "common/bwd_prepost.h"
 #include "common/fp8.h"
 #include "common/mask.h"
@@ -787,4 +789,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("codes"), py::arg("format"));
   m.def("finalize_rows", &finalize_rows, "host entry: the softmax finalize with the sink");
   m.def("merge_weights", &merge_weights_host, "host entry: merge weights of two partial states with the sink");
+  cpu_front::register_functions(m);
 }

@@ -32,8 +32,14 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, fp8, ops  # noqa: F401  (ops registers torch.ops.sinkattn.*)
+from . import _checks, _ext, fp8, ops  # noqa: F401  (ops registers torch.ops.sinkattn.*)
 from .errors import SinkattnValueError
+
+# The C++ front end of flash_attn_with_sinks's CPU good case (csrc/cpu_front.cpp: float32, no GQA, at most 16 query
+# rows, all keys visible or square causal, no softcap), None in the pure-Python build. It serves exactly what the
+# Python path below would serve with the same fused kernel and answers None for anything else, so errors keep
+# their one owner (_checks). At a tiny call it is most of the difference to SDPA (bench/studies/cpu_overhead.py).
+_CPU_FRONT = getattr(_ext._C, "cpu_fwd", None)
 
 _CONVENTIONS = (__doc__ or "").partition("(appended at import, so help() shows them).\n")[2]
 
@@ -66,6 +72,11 @@ def flash_attn_with_sinks(q, k, v, sinks=None, *, softmax_scale=None, causal=Fal
     Returns out (like q), or (out, lse) with return_lse=True, lse float32 (batch, nheads, seqlen_q),
     natural log, including the sink. See the module docstring for masks and conventions.
     """
+    if _CPU_FRONT is not None and not torch.compiler.is_compiling():
+        served = _CPU_FRONT(q, k, v, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap,
+                            return_lse, deterministic, backend)
+        if served is not None:
+            return served
     _checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     sinks, (scale, left, right, n, cap) = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size,
                                                     sink_tokens, softcap, backend, return_lse=return_lse,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sinkattn
-from sinkattn import SinkattnTypeError, SinkattnValueError, ops, reference
+from sinkattn import SinkattnTypeError, SinkattnValueError, interface, ops, reference
 from oracle import attention_oracle
 from oracle import single_thread  # noqa: F401  (autouse: one torch thread per test)
 
@@ -23,10 +23,20 @@ SINKS = {None: None, "randn": lambda h, g: torch.randn(h, generator=g) * 2,
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Counts the fused CPU kernel's calls (every fused path goes through reference._FLASH_CPU)."""
+    """Counts the fused CPU kernel's calls: every Python fused path goes through reference._FLASH_CPU, and
+    flash_attn_with_sinks's C++ front end (interface._CPU_FRONT, csrc/cpu_front.cpp) runs the same kernel where it
+    serves the call (tests/test_cpu_front.py tests it on its own)."""
     calls = []
     real = reference._FLASH_CPU
     monkeypatch.setattr(reference, "_FLASH_CPU", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    front = interface._CPU_FRONT
+    if front is not None:
+        def counting_front(*args):
+            served = front(*args)
+            if served is not None:
+                calls.append(1)
+            return served
+        monkeypatch.setattr(interface, "_CPU_FRONT", counting_front)
     return calls
 
 

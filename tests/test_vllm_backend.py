@@ -355,8 +355,8 @@ def test_profiling_run_and_refusals(vb):
     impl = _layer(vb, None, None, torch.float32)
     out = torch.full((3, H, D), 7.0)
     assert impl.forward(None, out, None, None, None, None, out) is out and (out == 0).all()
-    with pytest.raises(SinkattnValueError, match="kv_cache_dtype='fp8'"):
-        vb.SinkattnImpl(H, D, 0.1, HK, None, None, "fp8", None, AttentionType.DECODER, None)
+    with pytest.raises(SinkattnValueError, match="kv_cache_dtype='int8_per_token_head'"):  # FP8: test_vllm_fp8.py
+        vb.SinkattnImpl(H, D, 0.1, HK, None, None, "int8_per_token_head", None, AttentionType.DECODER, None)
     with pytest.raises(SinkattnValueError, match="attn_type"):
         vb.SinkattnImpl(H, D, 0.1, HK, None, None, "auto", None, AttentionType.ENCODER_DECODER, None)
     with pytest.raises(SinkattnValueError, match=r"sinks has shape \(4,\)"):
@@ -408,7 +408,9 @@ def test_selection_needs_a_compiled_kernel(platform):
 @pytest.mark.parametrize("kw, text", [
     (dict(dtype=torch.float32), "dtype=torch.float32"),
     (dict(use_dcp=True), "decode context parallelism"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
+    (dict(kv_cache_dtype="fp8_per_token_head"), "kv_cache_dtype='fp8_per_token_head' is not served"),
+    # no FP8-cache kernel has head dim 256 (csrc/sm80/fwd_tiles.h FwdFp8TilesOf; test_vllm_fp8.py: the served ones)
+    (dict(kv_cache_dtype="fp8", head_size=256), "over an FP8 KV cache"),
     (dict(attn_type="encoder_decoder"), "encoder or cross attention"),
     (dict(attn_type="encoder_only"), "encoder or cross attention"),
     (dict(use_adaptive_verification=True), "device-cpu query lens mismatch"),

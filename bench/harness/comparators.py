@@ -27,6 +27,11 @@
                     sinks with off Hopper), source from the vllm wheel at run time (peer_vllm.py here).
                     Paged decode on a GPU only; n/a elsewhere and when the source was not extracted.
 
+FP8 decode cases (Case.kv_dtype "fp8_e4m3" / "fp8_e5m2", issue 30): the caches hold the random bf16 K/V quantized with
+per-tensor scales calibrated as amax / the format's largest value (FP8Inputs); sinkattn and vllm-triton read the FP8
+caches with those scales, SDPA and flex run on the dequantized K/V (x.k, x.v), the same math, so their error column
+checks sinkattn's FP8 path.
+
 Timed callables do nothing but the call (no per-call warning filters: run.py silences the one-time
 fallback and FlexAttention warnings around the whole grid). Every prepared comparator returns a callable
 that is timed, the sink handling ("exact (native)",
@@ -44,11 +49,38 @@ from . import flops as _flops
 from .grids import Case
 from .peer_vllm import prep_case as prep_vllm_triton
 from .prepared import Inputs, Prepared, Unsupported  # noqa: F401  (C.Unsupported etc. for run.py and the tests)
+from dataclasses import dataclass
 
 REF_MAX_FLOPS = 5e11  # the reference backend on a GPU loops over tiles in Python; time it only below this
 
 
 # ---------------------------------------------------------------------------------------------- inputs
+
+FP8_TYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@dataclass
+class FP8Inputs(Inputs):
+    """A decode case over an FP8 cache: k_cache/v_cache are FP8, k/v their dequantized (q-dtype) copies."""
+    k_scale: torch.Tensor | None = None     # float32 0-dim, as vLLM's layer._k_scale
+    v_scale: torch.Tensor | None = None
+
+
+def _to_fp8(x: Inputs, kv_dtype: str) -> FP8Inputs:
+    fmt, dt = FP8_TYPES[kv_dtype], x.q.dtype
+    big = torch.finfo(fmt).max
+    ks, vs = x.k_cache.abs().amax().float() / big, x.v_cache.abs().amax().float() / big
+    k8 = (x.k_cache.float() / ks).clamp_(-big, big).to(fmt)
+    v8 = (x.v_cache.float() / vs).clamp_(-big, big).to(fmt)
+    if x.block_table is not None:
+        idx = x.block_table.long()
+        b, per = idx.shape
+        k = k8[idx].reshape(b, per * k8.shape[1], *k8.shape[2:])[:, :x.k.shape[1]]
+        v = v8[idx].reshape(b, per * v8.shape[1], *v8.shape[2:])[:, :x.v.shape[1]]
+    else:
+        k, v = k8, v8
+    return FP8Inputs(x.q, (k.float() * ks).to(dt), (v.float() * vs).to(dt), x.sinks, x.dout, k8, v8, x.block_table,
+                     x.cache_seqlens, ks, vs)
 
 def make_inputs(case: Case, device: torch.device, generator: torch.Generator | None = None) -> Inputs:
     """Random inputs (never zeros: they hide unwritten outputs and run faster than real data)."""
@@ -78,7 +110,8 @@ def make_inputs(case: Case, device: torch.device, generator: torch.Generator | N
             k_cache, v_cache, block_table = rnd(b, sk, hk, d), rnd(b, sk, hk, d), None
             k, v = k_cache, v_cache
         seqlens = torch.full((b,), sk, dtype=torch.int32, device=device)
-        return Inputs(q, k, v, sinks, None, k_cache, v_cache, block_table, seqlens)
+        x = Inputs(q, k, v, sinks, None, k_cache, v_cache, block_table, seqlens)
+        return _to_fp8(x, case.kv_dtype) if case.kv_dtype != "auto" else x
     k, v = rnd(b, sk, hk, d), rnd(b, sk, hk, d)
     dout = rnd(b, sq, h, d) if case.mode == "bwd" else None
     return Inputs(q, k, v, sinks, dout)
@@ -123,7 +156,8 @@ def _resolve(case: Case, device: torch.device, requested: str) -> tuple[str, str
                 sink_tokens=case.sink_tokens)
     problem = Problem(kind=kind, device_type=device.type, dtype=case.torch_dtype, headdim=case.headdim,
                       nheads=case.nheads, nheads_k=case.nheads_k, mask=mask, has_sinks=case.sinks, paged=case.paged,
-                      deterministic=case.deterministic, device_index=device.index if device.type == "cuda" else None)
+                      deterministic=case.deterministic, device_index=device.index if device.type == "cuda" else None,
+                      kv_fp8=case.kv_dtype != "auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -152,11 +186,15 @@ def _sinkattn(case: Case, x: Inputs, device: torch.device, backend: str) -> Prep
     if case.deterministic:
         kw["deterministic"] = True
     note = f"kernels declined: {why}" if why else ""
+    if case.kv_dtype != "auto":
+        note = "; ".join(n for n in (_fp8_bytes_note(case), note) if n)
     graphable = device.type == "cuda" and chosen != "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if case.kind == "decode":
             fkw = dict(kw, cache_seqlens=x.cache_seqlens, block_table=x.block_table)
+            if isinstance(x, FP8Inputs):
+                fkw.update(k_scale=x.k_scale, v_scale=x.v_scale)
 
             def run():
                 return sinkattn.flash_attn_with_kvcache(x.q, x.k_cache, x.v_cache, x.sinks, **fkw)
@@ -177,6 +215,18 @@ def _sinkattn(case: Case, x: Inputs, device: torch.device, backend: str) -> Prep
     run = _bwd_callable(out, leaves, x.dout)
     return Prepared(run, "exact (native)" if case.sinks else "none needed", chosen, output=lambda: run()[0],
                     graphable=False, note=note, keep=[out])
+
+
+def _fp8_bytes_note(case: Case) -> str:
+    """'' when run.py's byte count reads the FP8 cache at 1 byte per element; else a warning for the row."""
+    from . import run as _run
+    want = _flops.decode_bytes(case.batch, case.nheads, case.nheads_k, case.headdim, case.seqlen_k, elem_bytes=1,
+                               seqlen_q=case.seqlen_q, causal=case.causal, window_size=case.window_size,
+                               sink_tokens=case.sink_tokens)
+    qo = 2 * case.batch * case.seqlen_q * case.nheads * case.headdim * (case.torch_dtype.itemsize - 1)
+    if _run.case_counts(case)[1] == want + qo:
+        return ""
+    return "bytes/gbps count the FP8 cache at the query dtype's size (run.case_counts): halve the K/V part"
 
 
 def prep_sinkattn(case, x, device):

@@ -13,11 +13,14 @@ Each grid is a list of `Case`s; a case is one attention call shape. Every case i
     streaming    StreamingLLM: sink_tokens 4 and 16, window 128 / 1k / 4k (window_size = (w - 1, 0)),
                  Llama-like heads (32 q, 8 kv, head dim 128), seqlen 4k..64k, forward
     decode       gpt-oss heads with sinks, one new token, batch 1..256, seqlen_k 1k..128k, contiguous
-                 and paged (page size 256) caches; cases whose K/V exceed DECODE_KV_BYTES are left out
+                 and paged (page size 256) caches; cases whose K/V exceed DECODE_KV_BYTES are left out;
+                 FP8 caches (issue 30, FP8_DECODE): paged and contiguous e4m3 at batch 1/16/64, seqlen_k
+                 16k..128k, and e5m2 at b64/sk64k, each right after the same case over the bf16 cache
     all          replication + gptoss + streaming + decode
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -46,6 +49,7 @@ class Case:
     paged: bool = False
     page_size: int = 256
     deterministic: bool = False  # the backward's deterministic mode (sinkattn's columns; the others: n/a)
+    kv_dtype: str = "auto"  # decode: the cache's type, "auto" (dtype) or vLLM's "fp8_e4m3" / "fp8_e5m2"
     skip: tuple = field(default=())  # comparator names not to run on this case (e.g. to bound compile time)
 
     @property
@@ -55,6 +59,11 @@ class Case:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_elem_bytes(self) -> int:
+        """Bytes per cached K/V element: 1 for an FP8 cache, else the dtype's."""
+        return 1 if self.kv_dtype != "auto" else torch.empty((), dtype=self.torch_dtype).element_size()
 
     @property
     def mask_name(self) -> str:
@@ -76,6 +85,7 @@ class Case:
         s += "/sinks" if self.sinks else ""
         s += "/paged" if self.paged else ""
         s += "/det" if self.deterministic else ""
+        s += f"/{self.kv_dtype}" if self.kv_dtype != "auto" else ""
         return s
 
     @property
@@ -147,6 +157,11 @@ def streaming() -> list[Case]:
     return cases
 
 
+# FP8 caches (issue 30): which decode cases also run over each FP8 cache ((batch, seqlen_k) pairs).
+FP8_DECODE = {"fp8_e4m3": [(b, sk) for b in (1, 16, 64) for sk in (16384, 65536, 131072)],
+              "fp8_e5m2": [(64, 65536)]}
+
+
 def decode() -> list[Case]:
     cases = []
     for paged in (False, True):
@@ -155,8 +170,10 @@ def decode() -> list[Case]:
                 kv_bytes = 2 * b * sk * 8 * 64 * 2
                 if kv_bytes > DECODE_KV_BYTES:
                     continue
-                cases.append(Case("decode", "decode", "fwd", b, 1, sk, 64, 8, 64, "bf16", causal=True,
-                                  window_right=0, sinks=True, paged=paged, page_size=256))
+                case = Case("decode", "decode", "fwd", b, 1, sk, 64, 8, 64, "bf16", causal=True,
+                            window_right=0, sinks=True, paged=paged, page_size=256)
+                cases.append(case)
+                cases += [dataclasses.replace(case, kv_dtype=kv) for kv, at in FP8_DECODE.items() if (b, sk) in at]
     return cases
 
 

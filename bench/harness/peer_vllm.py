@@ -20,6 +20,14 @@ TritonAttentionImpl.forward calls it, with the split-K scratch TritonAttentionMe
 max_model_len: 8192 columns, whatever the batch's lengths). sinkattn runs `vllm_paged.attend`, the backend's
 forward, on "auto" and (cc 9.0) forced "sm80". Both are timed as CUDA graph replays where they capture
 (vLLM runs decode in full CUDA graphs), else eagerly (the `method` column says which).
+
+FP8 caches (`Batch.kv_cache_dtype` "fp8_e4m3" / "fp8_e5m2", issue 30 Deliver 5): the same random K/V quantized
+once into vLLM's uint8 allocation with per-tensor scales calibrated as vLLM's would be (amax / the format's largest
+value), written by the backend's own writer (`vllm_paged.write_kv`). The peer is called as TritonAttentionImpl
+calls it on such a cache: the cache viewed as the FP8 type, kv_quant_mode FP8_PER_TENSOR and the layer's scales
+expanded to (num_seqs, num_kv_heads) (its kernel reads their first element: per tensor only). The decode grid holds
+each FP8 case beside the same case over the bf16 cache; `run` measures the copy ceiling (ceilings.py) first and
+gives every row GB/s (bytes at the cache's element size) and its fraction of that ceiling.
 """
 from __future__ import annotations
 
@@ -154,6 +162,7 @@ class Batch:
     ctx: tuple            # cached tokens per request before this step
     q: tuple              # query tokens per request this step
     window: int = -1      # left window (127 for gpt-oss's sliding layers), -1 full
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: "auto" (bf16) or an FP8 name (vllm_paged.FP8_KV_DTYPES)
 
     @property
     def seq(self):
@@ -176,21 +185,53 @@ def make(batch: Batch, device, dtype=torch.bfloat16, seed=0):
     qsl = torch.tensor([0, *torch.tensor(batch.q).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(qsl[-1]), H, D, device=device, dtype=dtype)
     sinks = (torch.randn(H, generator=g) + 1.0).to(device)
-    return dict(query=query, kv_cache=kv_cache, qsl=qsl, qsl_dev=qsl.to(device),
-                seq_lens=torch.tensor(seq, dtype=torch.int32, device=device), block_table=bt.to(device), sinks=sinks)
+    x = dict(query=query, kv_cache=kv_cache, qsl=qsl, qsl_dev=qsl.to(device),
+             seq_lens=torch.tensor(seq, dtype=torch.int32, device=device), block_table=bt.to(device), sinks=sinks)
+    if batch.kv_cache_dtype != "auto":
+        _to_fp8(x, batch.kv_cache_dtype)
+    return x
+
+
+def fp8_scales(k: torch.Tensor, v: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor scales as a calibration would choose them: amax / the format's largest finite value (float32 0-dim
+    tensors on the cache's device, as vLLM's layer._k_scale)."""
+    big = torch.finfo(fmt).max
+    return (k.abs().amax().float() / big), (v.abs().amax().float() / big)
+
+
+def _to_fp8(x: dict, kv_cache_dtype: str, chunk_blocks: int = 4096) -> None:
+    """Replace x's bf16 cache by vLLM's uint8 allocation (same physical order) holding it quantized by the backend's
+    writer, a chunk of blocks at a time (a 17 GB bf16 cache needs no fp32 copy of itself)."""
+    from sinkattn.integrations import vllm_paged
+    fmt = vllm_paged.FP8_KV_DTYPES[kv_cache_dtype]
+    bf = x["kv_cache"]  # logical (blocks, HK, PAGE, 2D) over NHD (blocks, PAGE, HK, 2D)
+    k_bf, v_bf = vllm_paged.cache_views(bf, D)
+    scales = fp8_scales(k_bf, v_bf, fmt)
+    raw = torch.empty(bf.permute(0, 2, 1, 3).shape, dtype=torch.uint8, device=bf.device).permute(0, 2, 1, 3)
+    k8, v8 = vllm_paged.cache_views(raw, D, fmt)
+    for b0 in range(0, bf.shape[0], chunk_blocks):
+        b1 = min(bf.shape[0], b0 + chunk_blocks)
+        slots = torch.arange(b0 * PAGE, b1 * PAGE, device=bf.device)
+        vllm_paged.write_kv(k8, v8, k_bf[b0:b1].reshape(-1, HK, D), v_bf[b0:b1].reshape(-1, HK, D), slots, scales)
+    x.update(kv_cache=raw, kv_cache_dtype=kv_cache_dtype, fp8_dtype=fmt, scales=scales)
 
 
 def prep_vllm(unified_attention, batch: Batch, x):
     """The call TritonAttentionImpl.forward makes, with TritonAttentionMetadataBuilder's scratch."""
     key_cache, value_cache = x["kv_cache"].transpose(1, 2).split(D, dim=-1)
     dev, num_seqs = x["query"].device, len(batch.q)
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    quant = dict(k_descale=one.expand(num_seqs, HK), v_descale=one.expand(num_seqs, HK))
+    if "fp8_dtype" in x:  # TritonAttentionImpl.forward on an FP8 cache: the FP8 view, per-tensor mode, layer scales
+        key_cache, value_cache = key_cache.view(x["fp8_dtype"]), value_cache.view(x["fp8_dtype"])
+        quant = dict(k_descale=x["scales"][0].expand(num_seqs, HK), v_descale=x["scales"][1].expand(num_seqs, HK),
+                     kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
     threshold = 128 // HK
     rows = threshold * min(max(batch.q), 8)  # scratch rows: 3D-eligible sequences x query tokens
     scratch = dict(seq_threshold_3D=threshold, num_par_softmax_segments=SEGMENTS,
                    softmax_segm_output=torch.empty(rows, H, SEGMENTS, triton_pow2(D), dtype=torch.float32, device=dev),
                    softmax_segm_max=torch.empty(rows, H, SEGMENTS, dtype=torch.float32, device=dev),
                    softmax_segm_expsum=torch.empty(rows, H, SEGMENTS, dtype=torch.float32, device=dev))
-    one = torch.ones(1, dtype=torch.float32, device=dev)
     out = torch.empty_like(x["query"])
     sinks = x["sinks"].to(x["query"].dtype)  # vLLM keeps sinks in the model dtype (make_attention_sink)
     window = (batch.window, 0) if batch.window >= 0 else (-1, -1)  # TritonAttentionImpl's sliding_window
@@ -199,8 +240,7 @@ def prep_vllm(unified_attention, batch: Batch, x):
         unified_attention(q=x["query"], k=key_cache, v=value_cache, out=out, cu_seqlens_q=x["qsl_dev"],
                           max_seqlen_q=max(batch.q), seqused_k=x["seq_lens"], max_seqlen_k=max(batch.seq),
                           softmax_scale=D ** -0.5, causal=True, window_size=window,
-                          block_table=x["block_table"], softcap=0, q_descale=None,
-                          k_descale=one.expand(num_seqs, HK), v_descale=one.expand(num_seqs, HK), sinks=sinks,
+                          block_table=x["block_table"], softcap=0, q_descale=None, sinks=sinks, **quant,
                           **scratch)
         return out
     return run
@@ -209,7 +249,8 @@ def prep_vllm(unified_attention, batch: Batch, x):
 def prep_sinkattn(batch: Batch, x, backend="auto"):
     """sinkattn's vLLM backend forward (vllm_paged.attend) on the same cache and metadata."""
     from sinkattn.integrations import vllm_paged
-    k_cache, v_cache = vllm_paged.cache_views(x["kv_cache"], D)
+    k_cache, v_cache = vllm_paged.cache_views(x["kv_cache"], D, x.get("fp8_dtype"))
+    scales = x.get("scales")  # an FP8 cache's layer scales, passed as the backend's forward passes them
     runs = vllm_paged.plan_runs(x["qsl"], len(batch.q))
     out = torch.empty_like(x["query"])
     sinks = x["sinks"].to(x["query"].dtype)
@@ -221,11 +262,12 @@ def prep_sinkattn(batch: Batch, x, backend="auto"):
                               Mask(scale=D ** -0.5, window_left=window[0], window_right=0), paged=True)
     served = dispatch.choose(problem, backend)
     if served == "reference" and x["query"].is_cuda:  # not worth a GPU lease's seconds
-        raise RuntimeError("sinkattn would run its PyTorch reference here (is the extension built?)")
+        why = dispatch.declined_text(dispatch.plan(problem)[1]) if backend == "auto" else "forced"
+        raise RuntimeError(f"sinkattn would run its PyTorch reference here ({why})")
 
     def run():
         return vllm_paged.attend(x["query"], k_cache, v_cache, x["seq_lens"], x["block_table"], runs, out, sinks,
-                                 softmax_scale=D ** -0.5, window_size=window, backend=backend)
+                                 softmax_scale=D ** -0.5, window_size=window, backend=backend, scales=scales)
     run.served_by = served
     return run
 
@@ -235,7 +277,8 @@ _PEER = {}
 
 def prep_case(case, x: Inputs, device) -> Prepared:
     """comparators.py's entry "vllm-triton": the peer on the shared grids' paged decode cases (vLLM reads
-    only its paged layout), its K/V pages being the case's own (pages, page_size, nheads_k, headdim) caches."""
+    only its paged layout), its K/V pages being the case's own (pages, page_size, nheads_k, headdim) caches; an FP8
+    case's caches with its per-tensor scales (TritonAttentionImpl's FP8_PER_TENSOR call)."""
     if case.kind != "decode" or not case.paged:
         raise Unsupported("vLLM's Triton unified attention reads vLLM's paged KV cache: paged decode only")
     if device.type != "cuda":
@@ -262,12 +305,15 @@ def prep_case(case, x: Inputs, device) -> Prepared:
                    softmax_segm_expsum=torch.empty(rows, h, SEGMENTS, dtype=torch.float32, device=device))
     one = torch.ones(1, dtype=torch.float32, device=device)
     window = (case.window_left, 0) if case.window_left >= 0 else (-1, -1)
+    quant = dict(k_descale=one.expand(b, hk), v_descale=one.expand(b, hk))
+    if getattr(case, "kv_dtype", "auto") != "auto":  # comparators.FP8Inputs: FP8 caches, per-tensor scales
+        quant = dict(k_descale=x.k_scale.expand(b, hk), v_descale=x.v_scale.expand(b, hk),
+                     kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
 
     def run():
         fn(q=q, k=x.k_cache, v=x.v_cache, out=out, cu_seqlens_q=qsl, max_seqlen_q=sq, seqused_k=x.cache_seqlens,
            max_seqlen_k=case.seqlen_k, softmax_scale=d ** -0.5, causal=True, window_size=window,
-           block_table=x.block_table, softcap=0, q_descale=None, k_descale=one.expand(b, hk),
-           v_descale=one.expand(b, hk), sinks=x.sinks, **scratch)
+           block_table=x.block_table, softcap=0, q_descale=None, sinks=x.sinks, **quant, **scratch)
         return out.view(b, sq, h, d)
     return Prepared(run, "exact (native)" if case.sinks else "none needed", "triton (vLLM 0.33)", output=run,
                     graphable=device.type == "cuda")
@@ -278,15 +324,23 @@ def triton_pow2(n: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- grid
+FP8_DECODE = {"fp8_e4m3": "all", "fp8_e5m2": ((64, 32768),)}  # which decode cases also run over each FP8 cache
+
+
 def grid(quick: bool = False) -> list[Batch]:
     """Decode batches 1..256 at 8k..32k tokens of context, speculative (1 + 3) decode, and mixed batches
-    (decodes plus chunked-prefill chunks, one over a cached prefix), each with window 128 and full."""
+    (decodes plus chunked-prefill chunks, one over a cached prefix), each with window 128 and full. Each decode
+    case is followed by the same case over an e4m3 cache (and b64/sk32768 over e5m2), named with the FP8 suffix
+    (`fp8_pairs` pairs them)."""
     out = []
     for window in (127, -1):
         tag = "win128" if window >= 0 else "full"
         for b in ((1, 64, 256) if quick else (1, 4, 16, 64, 256)):
             for sk in ((8192, 32768) if quick else (8192, 16384, 32768)):
                 out.append(Batch(f"decode/{tag}/b{b}/sk{sk}", (sk - 1,) * b, (1,) * b, window))
+                for kv, which in FP8_DECODE.items():
+                    if which == "all" or (b, sk) in which:
+                        out.append(Batch(f"decode/{tag}/b{b}/sk{sk}/{kv}", (sk - 1,) * b, (1,) * b, window, kv))
         for b in ((64,) if quick else (16, 64)):
             out.append(Batch(f"spec4/{tag}/b{b}/sk32768", (32768 - 4,) * b, (4,) * b, window))
         for b, sk in (((64, 16384),) if quick else ((16, 8192), (64, 16384), (256, 8192))):
@@ -295,9 +349,15 @@ def grid(quick: bool = False) -> list[Batch]:
     return out
 
 
+def fp8_pairs(batches) -> dict[str, str]:
+    """FP8 case name -> the name of the same case over the bf16 cache."""
+    return {b.name: b.name.rsplit("/", 1)[0] for b in batches if b.kv_cache_dtype != "auto"}
+
+
 def kv_bytes(batch: Batch) -> int:
-    """K + V bytes one call must read at least (visible keys only), plus q and out."""
-    per_tok = 2 * HK * D * 2
+    """K + V bytes one call must read at least (visible keys only, at the cache's element size: 1 for FP8), plus
+    q and out (bf16)."""
+    per_tok = 2 * HK * D * (1 if batch.kv_cache_dtype != "auto" else 2)
     keys = sum(min(s, batch.window + n) if batch.window >= 0 else s for s, n in zip(batch.seq, batch.q))
     return keys * per_tok + 2 * sum(batch.q) * H * D * 2
 
@@ -310,12 +370,16 @@ def run(args) -> list[dict]:
                    "sinkattn": lambda b, x: prep_sinkattn(b, x, "auto")}
     if cc == (9, 0):
         comparators["sinkattn-sm80"] = lambda b, x: prep_sinkattn(b, x, "sm80")
+    from . import ceilings
+    copy = ceilings.measure_copy(device)  # GB/s of a large device copy (read + write), this run's ceiling
+    print(f"copy ceiling: {copy['copy_GBps']:.1f} GB/s", flush=True)
     rows = []
     for batch in grid(args.quick):
         x = make(batch, device)
         ref = None
         for name, prep in comparators.items():
-            row = dict(case=batch.name, comparator=name, tokens=sum(batch.q), bytes=kv_bytes(batch))
+            row = dict(case=batch.name, comparator=name, kv_cache_dtype=batch.kv_cache_dtype, tokens=sum(batch.q),
+                       bytes=kv_bytes(batch), copy_GBps=copy["copy_GBps"])
             try:
                 fn = prep(batch, x)
                 row["served_by"] = getattr(fn, "served_by", "triton")
@@ -326,6 +390,7 @@ def run(args) -> list[dict]:
                     row["max_abs_diff_vs_vllm"] = (out - ref).abs().max().item()
                 t = timing.bench(fn, device, use_graph=True, budget_ms=args.budget_ms)
                 row.update(t.as_dict(), status="ok", gbps=row["bytes"] / t.median_ms / 1e6)
+                row["frac_copy_ceiling"] = row["gbps"] / copy["copy_GBps"]
             except Exception as e:  # noqa: BLE001 - one failure must not stop the grid
                 row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             rows.append(row)
@@ -336,17 +401,25 @@ def run(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """One line per case: each comparator's median and sinkattn's speedup over vLLM's Triton kernel."""
+    """One line per case: each comparator's median and sinkattn's speedup over vLLM's Triton kernel, sinkattn's
+    fraction of the copy ceiling, and, for an FP8 case, sinkattn's speedup over itself on the bf16 cache."""
     by = {}
     for r in rows:
         by.setdefault(r["case"], {})[r["comparator"]] = r
-    lines = [f"{'case':38s} {'vllm-triton ms':>14s} {'sinkattn ms':>12s} {'x':>6s} {'sm80 ms':>9s} {'x':>6s}"]
+    lines = [f"{'case':47s} {'vllm-triton ms':>14s} {'sinkattn ms':>12s} {'x':>6s} {'sm80 ms':>9s} {'x':>6s} "
+             f"{'copy':>5s} {'vs bf16':>7s}"]
     for case, d in by.items():
         v = d.get("vllm-triton", {}).get("median_ms")
-        cells = [f"{case:38s}", f"{v:14.4f}" if v else f"{'-':>14s}"]
+        cells = [f"{case:47s}", f"{v:14.4f}" if v else f"{'-':>14s}"]
         for n, w in (("sinkattn", 12), ("sinkattn-sm80", 9)):
             t = d.get(n, {}).get("median_ms")
             cells += [f"{t:{w}.4f}" if t else f"{'-':>{w}s}", f"{v / t:6.2f}" if (t and v) else f"{'-':>6s}"]
+        frac = d.get("sinkattn", {}).get("frac_copy_ceiling")
+        cells.append(f"{frac:5.2f}" if frac else f"{'-':>5s}")
+        t, bf = d.get("sinkattn", {}).get("median_ms"), None
+        if "/fp8_" in case:
+            bf = by.get(case.rsplit("/", 1)[0], {}).get("sinkattn", {}).get("median_ms")
+        cells.append(f"{bf / t:7.2f}" if (t and bf) else f"{'-':>7s}")
         lines.append(" ".join(cells))
     return "\n".join(lines)
 

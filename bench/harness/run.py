@@ -30,10 +30,13 @@ def case_counts(case: Case) -> tuple[int, int]:
     if case.kind == "decode":
         fl = F.attention_flops(case.batch, case.nheads, case.headdim, case.seqlen_q, case.seqlen_k,
                                causal=case.causal, window_size=case.window_size, sink_tokens=case.sink_tokens)
-        by = F.decode_bytes(case.batch, case.nheads, case.nheads_k, case.headdim, case.seqlen_k, elem_bytes=eb,
-                            seqlen_q=case.seqlen_q, causal=case.causal, window_size=case.window_size,
-                            sink_tokens=case.sink_tokens)
-        return fl, by
+        kw = dict(seqlen_q=case.seqlen_q, causal=case.causal, window_size=case.window_size,
+                  sink_tokens=case.sink_tokens)
+        # K/V at the cache's element size (1 byte for an FP8 cache), q and out at the query dtype's.
+        kv = F.decode_bytes(case.batch, case.nheads, case.nheads_k, case.headdim, case.seqlen_k,
+                            elem_bytes=case.kv_elem_bytes, **kw)
+        qo_elems = 2 * case.batch * case.seqlen_q * case.nheads * case.headdim
+        return fl, kv + qo_elems * (eb - case.kv_elem_bytes)
     fl = F.attention_flops(case.batch, case.nheads, case.headdim, case.seqlen_q, case.seqlen_k, causal=case.causal,
                            window_size=case.window_size, sink_tokens=case.sink_tokens, mode=case.mode)
     by = F.attention_bytes(case.batch, case.nheads, case.nheads_k, case.headdim, case.seqlen_q, case.seqlen_k,

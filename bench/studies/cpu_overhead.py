@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import sinkattn
+from sinkattn import interface
 
 _FLASH = torch._scaled_dot_product_flash_attention_for_cpu  # the aten kernel SDPA and sinkattn's CPU path run
 
@@ -37,6 +38,18 @@ def _per_call(fn, calls: int) -> tuple[float, float]:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - t0) / calls * 1e6, (time.thread_time() - c0) / calls * 1e6
+
+
+def _python_path(fn):
+    """fn with flash_attn_with_sinks's C++ front end (csrc/cpu_front.cpp) switched off: the Python path the pure-Python
+    build takes (the switch costs two attribute writes, about 0.1 us)."""
+    def call():
+        front, interface._CPU_FRONT = interface._CPU_FRONT, None
+        try:
+            return fn()
+        finally:
+            interface._CPU_FRONT = front
+    return call
 
 
 def cases(context: int):
@@ -67,6 +80,13 @@ def cases(context: int):
         ("sinkattn tiny causal+sinks+lse", "sdpa tiny causal",
          lambda: sinkattn.flash_attn_with_sinks(q, k, v, sinks4, causal=True, return_lse=True)),
     ]
+    if interface._CPU_FRONT is not None:  # the same calls without the C++ front end: what the pure-Python build pays
+        rows += [
+            ("sinkattn tiny, Python path", "sdpa tiny (1,16,4,64)",
+             _python_path(lambda: sinkattn.flash_attn_with_sinks(q, k, v))),
+            ("sinkattn tiny causal+sinks, Python path", "sdpa tiny causal",
+             _python_path(lambda: sinkattn.flash_attn_with_sinks(q, k, v, sinks4, causal=True))),
+        ]
     # decode over a KV cache: gpt-oss 20b's heads
     h, hk, d, cap = 64, 8, 64, context + 64
     kc, vc = rnd(1, cap, hk, d), rnd(1, cap, hk, d)
@@ -156,7 +176,8 @@ def main(argv=None):
     cpu = {name: statistics.median(t[1] for t in r) for name, r in got.items()}
     print(f"CPU per-call time, median over {a.rounds} interleaved rounds of {a.calls} calls, {torch.get_num_threads()} "
           f"torch thread(s), torch {torch.__version__}, sinkattn {sinkattn.__version__}, fp32, torch.no_grad; "
-          f"us per call: wall, and CPU time of the calling thread")
+          f"us per call: wall, and CPU time of the calling thread; flash_attn_with_sinks's C++ front end: "
+          f"{'on' if interface._CPU_FRONT is not None else 'absent (pure-Python build)'}")
     print(f"  {'case':44s} {'wall':>8s} {'cpu':>8s} {'cpu/base':>8s}  baseline")
     for name, base, _ in rows:
         ratio = f"{cpu[name] / cpu[base]:7.2f}x" if base else ""

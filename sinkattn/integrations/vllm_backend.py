@@ -6,7 +6,9 @@ installing sinkattn changes nothing until `--attention-backend CUSTOM` is given.
 
 What it serves (gpt-oss and models like it): learnable sinks, sliding-window and full layers, GQA,
 vLLM's paged KV cache (any page size), chunked prefill mixed with decode, prefix caching,
-speculative decoding (query length 1 + k), full CUDA graphs for uniform batches.
+speculative decoding (query length 1 + k), full CUDA graphs for uniform batches, and FP8 KV caches
+(`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`, with the layer's per-tensor or per-KV-head scales; vllm_paged
+says how), selected only where a compiled kernel reads FP8.
 
 The mapping of vLLM's batch onto `sinkattn.flash_attn_with_kvcache` lives in `vllm_paged` (no vLLM
 import there, so the benchmark times the same code): one call per run of consecutive requests with the
@@ -33,9 +35,9 @@ from vllm.v1.attention.backend import (
 
 from ..errors import SinkattnValueError
 from ..layout import HEADDIM_MAX, HEADDIM_MULTIPLE, headdim_supported
-from .vllm_paged import Run, attend, cache_views, kernel_gap, plan_runs, write_kv
+from .vllm_paged import FP8_KV_DTYPES, Run, attend, cache_views, kernel_gap, layer_scales, plan_runs, write_kv
 
-_KV_DTYPES = ["auto", "float16", "bfloat16"]
+_KV_DTYPES = ["auto", "float16", "bfloat16", *FP8_KV_DTYPES]
 
 
 @dataclass
@@ -82,12 +84,13 @@ class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
                                      f"{AttentionType.DECODER.value!r} (decoder self-attention)")
         if kv_cache_dtype not in _KV_DTYPES:
             raise SinkattnValueError(f"sinkattn vLLM backend: kv_cache_dtype={kv_cache_dtype!r}; accepted: "
-                                     f"{_KV_DTYPES} (vLLM: --kv-cache-dtype auto)")
+                                     f"{_KV_DTYPES} (vLLM: --kv-cache-dtype auto, or fp8 for an e4m3 cache)")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.cache_dtype = FP8_KV_DTYPES.get(kv_cache_dtype)  # the FP8 element type, None for a bf16/fp16 cache
         # vLLM's sliding_window counts the query's own key: window w sees keys i-w+1 .. i, i.e. (w - 1, 0).
         self.window_size = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
         self.softcap = float(logits_soft_cap or 0.0)
@@ -98,11 +101,15 @@ class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
             raise SinkattnValueError(f"sinkattn vLLM backend: sinks has shape {tuple(sinks.shape)}; accepted: "
                                      f"({num_heads},), one logit per query head of this rank")
 
+    def _scales(self, layer):
+        """An FP8 cache's (k, v) scales, the layer's _k_scale/_v_scale tensors; None for other caches."""
+        return None if self.cache_dtype is None else layer_scales(layer, self.num_kv_heads)
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         """Write this step's K/V into the cache at slot_mapping (vllm_paged.write_kv: padding tokens write
-        zeros into vLLM's null block, so no host read)."""
-        k_cache, v_cache = cache_views(kv_cache, self.head_size)
-        write_kv(k_cache, v_cache, key, value, slot_mapping)
+        zeros into vLLM's null block, so no host read; an FP8 cache gets x / scale)."""
+        k_cache, v_cache = cache_views(kv_cache, self.head_size, self.cache_dtype)
+        write_kv(k_cache, v_cache, key, value, slot_mapping, self._scales(layer))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -111,11 +118,11 @@ class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
                                      "supported; accepted: None")
         if attn_metadata is None:  # vLLM's profiling run
             return output.fill_(0)
-        k_cache, v_cache = cache_views(kv_cache, self.head_size)
+        k_cache, v_cache = cache_views(kv_cache, self.head_size, self.cache_dtype)
         m = attn_metadata
         attend(query, k_cache, v_cache, m.seq_lens, m.block_table, m.runs,
                output.view(-1, self.num_heads, self.head_size), self.sinks, softmax_scale=self.scale,
-               window_size=self.window_size, softcap=self.softcap)
+               window_size=self.window_size, softcap=self.softcap, scales=self._scales(layer))
         return output
 
 
@@ -150,16 +157,25 @@ class SinkattnBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_per_head_quant_scales(cls) -> bool:
+        return True  # compressed-tensors' attn_head scales: one per KV head, passed as (batch, nheads_k) descales
+
+    @classmethod
     def supports_compute_capability(cls, capability) -> bool:
         return capability is not None and (capability.major, capability.minor) >= (8, 0)
 
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability):
-        # Only a compiled kernel is worth selecting: the reference fallback is slow and cannot be graphed.
-        reason = kernel_gap(head_size, dtype, device_capability) if device_capability is not None else None
-        return None if reason is None else f"no compiled sinkattn kernel serves head_size={head_size} {dtype} " \
-                                           f"here ({reason})"
+        # Only a compiled kernel is worth selecting: the reference fallback is slow and cannot be graphed. An FP8
+        # cache needs a kernel that reads FP8 (registry feature fp8_kv); dispatch.plan says which declined and why.
+        if device_capability is None:
+            return None
+        kv_fp8 = kv_cache_dtype in FP8_KV_DTYPES
+        reason = kernel_gap(head_size, dtype, device_capability, kv_fp8)
+        cache = f" over an FP8 KV cache (kv_cache_dtype={kv_cache_dtype!r})" if kv_fp8 else ""
+        return None if reason is None else (f"no compiled sinkattn kernel serves head_size={head_size} {dtype}"
+                                            f"{cache} here ({reason})")
 
     @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
@@ -174,7 +190,8 @@ class SinkattnBackend(AttentionBackend):
                                  "by sinkattn's backend (vLLM's DCP path would drop the sinks); run without it",
             "PCP not supported": "prefill context parallelism is not served by sinkattn's backend",
             "kv_cache_dtype not supported": f"kv_cache_dtype={kw.get('kv_cache_dtype')!r} is not served by sinkattn "
-                                            f"(accepted: {_KV_DTYPES}; vLLM: --kv-cache-dtype auto)",
+                                            f"(accepted: {_KV_DTYPES}; vLLM: --kv-cache-dtype auto, or fp8 for "
+                                            f"an e4m3 cache with per-tensor or per-KV-head scales)",
             "compute capability not supported": "sinkattn's kernels need compute capability 8.0 or newer",
             "head_size not supported": f"head_size={kw.get('head_size')} (accepted: multiples of {HEADDIM_MULTIPLE} "
                                        f"up to {HEADDIM_MAX})",
