@@ -11,6 +11,7 @@
 #include "build_info.h"
 #include "cpu_front.h"
 #include "common/bwd_prepost.h"
+#include "common/fp8.h"
 #include "common/mask.h"
 #include "common/merge.h"
 #include "common/online_softmax.h"
@@ -511,22 +512,46 @@ static at::Tensor bwd_lse_host(at::Tensor lse) {
 static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                         std::optional<at::Tensor> sinks, at::Tensor out, at::Tensor lse, at::Tensor seqused_k,
                         std::optional<at::Tensor> block_table, double softmax_scale, int64_t window_left,
-                        int64_t window_right, int64_t sink_tokens, double softcap, int64_t num_splits, int64_t max_smem) {
+                        int64_t window_right, int64_t sink_tokens, double softcap, int64_t num_splits, int64_t max_smem,
+                        std::optional<at::Tensor> k_descale, std::optional<at::Tensor> v_descale) {
   bool const emulated = backend == "sm80-emulated";
   TORCH_CHECK(emulated || backend == "sm80", "sinkattn fwd_kvcache: unknown backend '", backend, "'");
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "sinkattn fwd_kvcache: q and the caches must be rank 4, k_cache and v_cache alike");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+  // FP8 caches (sm80/fp8_kv.h): q and out bf16/fp16, both caches of one FP8 dtype, run on the "fwd_fp8" kernels.
+  auto const cache_type = k_cache.scalar_type();
+  int const kv_fp8 = cache_type == at::kFloat8_e4m3fn ? kFp8E4M3 : cache_type == at::kFloat8_e5m2 ? kFp8E5M2 : kFp8None;
+  TORCH_CHECK((kv_fp8 ? v_cache.scalar_type() == cache_type : q.scalar_type() == cache_type &&
+                                                                  v_cache.scalar_type() == cache_type) &&
                   out.scalar_type() == q.scalar_type() && lse.scalar_type() == at::kFloat,
-              "sinkattn fwd_kvcache: q, caches and out share a dtype; lse is float32");
+              "sinkattn fwd_kvcache: q, caches and out share a dtype (or the caches share an FP8 dtype); lse is float32");
   check_kernel_tensors({&q, &k_cache, &v_cache, &out}, emulated, backend);
   int const d = q.size(-1);
   TORCH_CHECK(k_cache.size(-1) == d, "sinkattn fwd_kvcache: q and cache head dims must match");
-  auto const* info = fwd_kernel_for(backend, q);
+  TORCH_CHECK(!kv_fp8 || !k_descale == !v_descale, "sinkattn fwd_kvcache: k_descale and v_descale go together");
+  TORCH_CHECK(kv_fp8 || (!k_descale && !v_descale), "sinkattn fwd_kvcache: descales apply to FP8 caches only");
+  if (kv_fp8) {
+    // 16 codes per 16-byte vector: head dim and cache strides in multiples of 16.
+    TORCH_CHECK(d % 16 == 0, "sinkattn fwd_kvcache: FP8 caches need a head dim that is a multiple of 16 (got ", d, ")");
+    for (auto const* t : {&k_cache, &v_cache})
+      for (int i = 0; i < t->dim() - 1; ++i)
+        TORCH_CHECK(t->stride(i) % 16 == 0 || t->size(i) == 1,
+                    "sinkattn fwd_kvcache: FP8 cache strides must be multiples of 16 elements");
+  }
+  KernelInfo const* info = nullptr;
+  if (kv_fp8) {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+                "sinkattn fwd_kvcache: over an FP8 cache the kernels take bf16 or fp16 q");
+    info = find_kernel(backend, "fwd_fp8", served_headdim(d), dtype_name(q.scalar_type()));
+    TORCH_CHECK(info, "sinkattn fwd_kvcache: no ", backend, " FP8-cache kernel for head dim ", served_headdim(d), " ",
+                dtype_name(q.scalar_type()), " in this build");
+  } else {
+    info = fwd_kernel_for(backend, q);
+  }
   TORCH_CHECK(seqused_k.scalar_type() == at::kInt && seqused_k.is_contiguous() && seqused_k.numel() == q.size(0),
               "sinkattn fwd_kvcache: seqused_k must be contiguous int32 (batch,)");
 
-  FwdParams p;
+  FwdFp8Params p;  // the FP8 fields stay unset (and unread) for a cache in q's dtype
   // Page pools fill the batch strides with the page strides.
   at::Tensor const sinks_f = fill_attn_params(p, q, k_cache, v_cache, out, lse, std::nullopt, std::nullopt, 0, 0, sinks,
                                               {softmax_scale, window_left, window_right, sink_tokens, softcap},
@@ -547,13 +572,27 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
   }
   p.seqlen_k = int(capacity);
   p.pack_gqa = p.nheads > p.nheads_k;
+  p.kv_fp8 = kv_fp8;
+  auto descale = [&](std::optional<at::Tensor> const& t, char const* name, const float*& ptr, int64_t& sb, int64_t& sh) {
+    if (!t) return;
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == p.batch && t->size(1) == p.nheads_k &&
+                    t->device() == q.device(),
+                "sinkattn fwd_kvcache: ", name, " must be float32 (batch, nheads_k) on q's device");
+    ptr = t->data_ptr<float>();
+    sb = t->stride(0);
+    sh = t->stride(1);
+  };
+  descale(k_descale, "k_descale", p.k_descale, p.k_descale_batch_stride, p.k_descale_head_stride);
+  descale(v_descale, "v_descale", p.v_descale, p.v_descale_batch_stride, p.v_descale_head_stride);
 
   // Split-KV: decode launches one CTA per (sequence, KV head); splitting the keys fills the SMs. The tiles come
   // from the table the launcher reads (sm80/fwd_tiles.h): CTAs are counted with the unsplit tile's rows, and
   // key blocks with the split tile's keys, so no split count exceeds the blocks there are.
   int64_t const rows = int64_t(p.seqlen_q) * (p.nheads / p.nheads_k);
-  sm80::FwdTile const whole = sm80::choose_fwd_tile(p.headdim_rounded, {rows, false}, p.max_smem_per_block);
-  sm80::FwdTile const split = sm80::choose_fwd_tile(p.headdim_rounded, {rows, true}, p.max_smem_per_block);
+  sm80::FwdTile const whole = kv_fp8 ? sm80::choose_fwd_fp8_tile(p.headdim_rounded, rows, p.max_smem_per_block)
+                                     : sm80::choose_fwd_tile(p.headdim_rounded, {rows, false}, p.max_smem_per_block);
+  sm80::FwdTile const split = kv_fp8 ? whole
+                                     : sm80::choose_fwd_tile(p.headdim_rounded, {rows, true}, p.max_smem_per_block);
   int64_t const ctas = (rows + whole.block_m - 1) / whole.block_m * (p.pack_gqa ? p.nheads_k : p.nheads) * p.batch;
   int sms = 108;  // the emulation pretends to be an A100
   if (!emulated) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
@@ -568,7 +607,8 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
     p.out_accum = out_accum.data_ptr<float>();
     p.lse_accum = lse_accum.data_ptr<float>();
   }
-  launch_kernel(info, p, emulated, q.device());
+  if (kv_fp8) launch_kernel<FwdFp8Params>(info, p, emulated, q.device());
+  else launch_kernel<FwdParams>(info, p, emulated, q.device());
 }
 
 static int64_t num_splits_heuristic(int64_t ctas, int64_t num_sms, int64_t n_blocks, int64_t max_splits) {
@@ -685,6 +725,16 @@ static std::vector<at::Tensor> finalize_rows(at::Tensor row_max, at::Tensor row_
   return {scale, lse};
 }
 
+// common/fp8.h's decode of FP8 codes (uint8) as the FP8 kernels convert them: format 1 e4m3fn, 2 e5m2; float32 out.
+static at::Tensor fp8_decode_host(at::Tensor codes, int64_t format) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && format >= kFp8E4M3 && format <= kFp8E5M2,
+              "fp8_decode: uint8 codes and format 1 (e4m3fn) or 2 (e5m2)");
+  auto c = codes.contiguous();
+  auto out = at::empty(c.sizes(), at::kFloat);
+  for (int64_t i = 0; i < c.numel(); ++i) out.data_ptr<float>()[i] = fp8_to_float(c.data_ptr<uint8_t>()[i], int(format));
+  return out;
+}
+
 static std::vector<at::Tensor> merge_weights_host(at::Tensor lse_a, at::Tensor lse_b, at::Tensor sink) {
   auto a = lse_a.to(at::kFloat).contiguous(), b = lse_b.to(at::kFloat).contiguous();
   auto s = sink.to(at::kFloat).expand_as(a).contiguous();
@@ -735,6 +785,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("headdim"), py::arg("rows"), py::arg("split_kv"), py::arg("max_smem"));
   m.def("bwd_tile", &bwd_tile, "host entry: the sm80 backward tile for a head dim and smem limit",
         py::arg("headdim"), py::arg("max_smem"));
+  m.def("fp8_decode", &fp8_decode_host, "host entry: FP8 codes decoded as the FP8-cache kernels do (common/fp8.h)",
+        py::arg("codes"), py::arg("format"));
   m.def("finalize_rows", &finalize_rows, "host entry: the softmax finalize with the sink");
   m.def("merge_weights", &merge_weights_host, "host entry: merge weights of two partial states with the sink");
   cpu_front::register_functions(m);

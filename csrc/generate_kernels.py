@@ -293,18 +293,27 @@ class Kind:
     table: str
     parts: Parts | None = None
     variant_launcher: str | None = None  # the launcher template a tuning variant's tile instantiates (sweep_grid.py)
+    # A kind that serves a subset of its op's calls with params of its own (the FP8-cache decode: registry op
+    # "fwd_fp8", FwdFp8Params, its table's smallest FP8 tile): the registry op, the params type, the smem function.
+    registry_op: str | None = None
+    params_type: str | None = None
+    min_smem: str | None = None
 
     @property
     def op(self) -> str:
         return self.name.split("_")[0]
 
     @property
+    def reg_op(self) -> str:
+        return self.registry_op or self.op
+
+    @property
     def params(self) -> str:
-        return f"{self.op.capitalize()}Params"
+        return self.params_type or f"{self.op.capitalize()}Params"
 
     def smem_bytes(self, hdim: int) -> str:
         """The registry's smem_bytes: the smallest tile of the head dim's table, read from the table itself."""
-        return f"{self.ns}::{self.op}_min_smem<{hdim}>()"
+        return f"{self.ns}::{self.min_smem or self.op + '_min_smem'}<{hdim}>()"
 
 
 _FWD_PARTS = dict(enum="FwdUnit", declared="sm80/fwd_config.h", array="kFwdParts")
@@ -322,6 +331,14 @@ KINDS = (
     Kind("fwd_emu", "emu", "sm80", "emu/fwd_sm80_emu.h", "run_fwd_sm80_emulated", "EmuLaunch const&", "sm80-emulated",
          "SINKATTN_FWD_FEATURES", "sm80/fwd_tiles.h", "FwdTilesOf",
          Parts("sm80::launch_fwd_part_emulated", **_FWD_PARTS), "sm80::launch_fwd_variant_emulated"),
+    # Decode over FP8 KV caches (sm80/fp8_kv.h): the decode tiles only, one unit per (head dim, dtype), head dims
+    # from FwdFp8TilesOf (64, 128).
+    Kind("fwd_fp8_sm80", "sm80", "sm80", "sm80/fwd_launch.cuh", "run_fwd_fp8_sm80", "cudaStream_t", "sm80",
+         "SINKATTN_FWD_FP8_FEATURES", "sm80/fwd_tiles.h", "FwdFp8TilesOf", registry_op="fwd_fp8",
+         params_type="FwdFp8Params", min_smem="fwd_fp8_min_smem"),
+    Kind("fwd_fp8_emu", "emu", "sm80", "emu/fwd_sm80_emu.h", "run_fwd_fp8_sm80_emulated", "EmuLaunch const&",
+         "sm80-emulated", "SINKATTN_FWD_FP8_FEATURES", "sm80/fwd_tiles.h", "FwdFp8TilesOf", registry_op="fwd_fp8",
+         params_type="FwdFp8Params", min_smem="fwd_fp8_min_smem"),
     # The emulated backward is one unit per (head dim, dtype): its host compile is short.
     Kind("bwd_emu", "emu", "sm80", "emu/bwd_sm80_emu.h", "run_bwd_sm80_emulated", "EmuLaunch const&", "sm80-emulated",
          "SINKATTN_BWD_FEATURES", "sm80/bwd_tiles.h", "BwdTilesOf"),
@@ -383,7 +400,7 @@ def _kernel_unit(kind: Kind, hdim: int, dtype: str) -> Unit:
 #include "{kind.header}"
 namespace sinkattn {{
 {elsewhere}template void {fn}({kind.params} const&, {kind.launch_arg});
-SINKATTN_REGISTER_KERNEL({name}, "{kind.registry_family}", "{kind.op}", {hdim}, "{dtype}", {kind.features},
+SINKATTN_REGISTER_KERNEL({name}, "{kind.registry_family}", "{kind.reg_op}", {hdim}, "{dtype}", {kind.features},
                          {kind.smem_bytes(hdim)}, ({fn}))
 }}  // namespace sinkattn
 """

@@ -64,6 +64,19 @@ struct FwdParams : AttnParams {
   float* lse_accum = nullptr;
 };
 
+// The forward over FP8 KV caches (float8_e4m3fn / float8_e5m2; sm80/fp8_kv.h, docs/DESIGN.md sections 1 and 4):
+// k/v point at the FP8 caches (strides in elements, i.e. bytes), q and out stay bf16/fp16. A struct of its own so
+// the kernels over caches in q's dtype keep their parameter block as it is.
+struct FwdFp8Params : FwdParams {
+  int kv_fp8 = 0;  // common/fp8.h Fp8Format: kFp8E4M3 or kFp8E5M2
+  // Dequantization scales per (batch, KV head) (a per-tensor scale is one with zero strides); null = 1.
+  // k_descale folds into the softmax scale of its (batch, KV head), v_descale into the output's 1 / row sum.
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  int64_t k_descale_batch_stride = 0, k_descale_head_stride = 0;
+  int64_t v_descale_batch_stride = 0, v_descale_head_stride = 0;
+};
+
 // Backward (docs/DESIGN.md section 1; sm80 kernels in sm80/bwd_*.h). Three steps:
 //   preprocess (common/bwd_prepost.h): per row, delta_i = rowsum(dO_i * O_i) - dlse_i, and the row's dsinks
 //     term -exp(sink - lse_i) * delta_i into dsink_rows (same layout as lse);

@@ -22,6 +22,8 @@ FEATURES = {
     "sink_tokens": dict(kind="fwd", mask=Mask(0.125, 1023, 0, 4)),
     "backward": dict(kind="bwd", has_sinks=True, mask=Mask(0.125, -1, 0)),
     "decode": dict(kind="kvcache", has_sinks=True, mask=Mask(0.125, 127, 0)),
+    # decode over an FP8 (e4m3 / e5m2) KV cache: the sm80 FP8-cache kernels (csrc/sm80/fp8_kv.h)
+    "fp8_decode": dict(kind="kvcache", has_sinks=True, mask=Mask(0.125, 127, 0), kv_fp8=True),
 }
 
 

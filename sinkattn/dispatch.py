@@ -51,7 +51,10 @@ _FEATURE_WORDS = {"sinks": "learnable sinks", "sink_tokens": "sink tokens", "cau
                   "varlen": "variable-length (varlen) batches", "kvcache": "decode over a KV cache",
                   "paged": "a paged KV cache", "deterministic": "a deterministic backward",
                   "fp8_kv": "FP8 KV caches (float8_e4m3fn / float8_e5m2)"}
-_WHAT = {"fwd": "forward", "bwd": "backward", "kvcache": "decode (KV-cache)"}
+_WHAT = {"fwd": "forward", "bwd": "backward", "kvcache": "decode (KV-cache)", "fwd_fp8": "FP8-cache decode"}
+# The head dims the FP8-cache decode kernels exist for (csrc/sm80/fwd_tiles.h FwdFp8TilesOf; a build holds those of
+# them SINKATTN_HEADDIMS names).
+FP8_KV_HEADDIMS = (64, 128)
 
 
 class ReferenceFallbackWarning(UserWarning):
@@ -108,7 +111,8 @@ def _kb(nbytes: int) -> str:
 def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | None) -> str | None:
     """Whether the registry holds a kernel of `backend` that serves `problem` and runs on `capability` (None:
     host emulation, no device)."""
-    family, op, what = registry.BACKEND_FAMILY[backend], registry.op_of(problem), _WHAT.get(problem.kind)
+    family = registry.BACKEND_FAMILY[backend]
+    op, what = registry.op_of(problem, family), _WHAT.get(problem.kind)
     if what is None:
         return f"no {problem.kind} kernel is built yet for backend {backend!r}; the reference backend serves it"
     siblings = registry.kernels(family, op)
@@ -129,6 +133,9 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
     if hd is None or problem.headdim % 8 != 0:
         return (f"kernels serve head dims that are multiples of 8 up to {KERNEL_HEADDIMS[-1]} "
                 f"(got {problem.headdim})")
+    if op == "fwd_fp8" and problem.headdim % 16 != 0:
+        return (f"the FP8-cache kernels read 16 codes per vector and need a head dim that is a multiple of 16 (got "
+                f"{problem.headdim}); the reference backend serves it")
     kernel = registry.find(family, op, hd, dtype)
     # Features are the family's (one list per family and op): a sibling answers when this head dim is missing.
     described = kernel or (siblings[0] if siblings else None)
@@ -139,6 +146,14 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
             return (f"the {backend} {_WHAT[op]} kernels do not serve "
                     + " or ".join(_FEATURE_WORDS.get(f, f) for f in missing)
                     + f" (registry features of {described['name']}: {described['features']})")
+    if kernel is None and op == "fwd_fp8" and backend != "sm90":
+        compiled = sorted({(k["headdim"], k["dtype"]) for k in siblings})
+        if hd not in FP8_KV_HEADDIMS:
+            return (f"the {backend} FP8-cache decode kernels exist for head dims "
+                    f"{', '.join(map(str, FP8_KV_HEADDIMS))} only (got head dim {hd}); the reference backend serves it")
+        return (f"no {backend} FP8-cache decode kernel for head dim {hd} {dtype} in this build (compiled: "
+                f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
+                f"including {dtype}")
     if kernel is None:
         if str(hd) in registry.requested("requested_headdims") and dtype in registry.requested("requested_dtypes"):
             if backend == "sm80-emulated":
@@ -390,5 +405,6 @@ def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, ro
     kernels.launch_kvcache(chosen, q.contiguous(), k_cache, v_cache, sinks, out, lse, cache_seqlens=seqlens_k,
                            block_table=block_table, softmax_scale=softmax_scale, window_left=window_left,
                            window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
-                           num_splits=num_splits, max_smem=_device.sm80_max_smem(chosen))
+                           num_splits=num_splits, max_smem=_device.sm80_max_smem(chosen),
+                           k_descale=k_descale, v_descale=v_descale)
     return out, lse

@@ -69,15 +69,17 @@ def launch_bwd(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, d
 
 def launch_kvcache(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_seqlens, block_table,
                    softmax_scale: float, window_left: int, window_right: int, sink_tokens: int, softcap: float,
-                   num_splits: int = 0, max_smem: int = 0) -> None:
+                   num_splits: int = 0, max_smem: int = 0, k_descale=None, v_descale=None) -> None:
     """Attention of q (b, sq, h, d) over a KV cache that already holds the new keys, writing out and lse (b, h, sq).
 
     cache_seqlens (b,) int32 counts the keys of each sequence; block_table (b, max_pages) int32 for a paged
     cache. The query heads of a KV head share a tile (K/V read once per group); num_splits 0 picks split-KV
-    from the SM count and the work, and the combine adds the sink once."""
+    from the SM count and the work, and the combine adds the sink once. FP8 caches (float8_e4m3fn / float8_e5m2)
+    take their (batch, nheads_k) float32 descales (sinkattn.fp8.descales) and need 16-byte aligned rows too, which
+    for 1-byte codes is strides in multiples of 16."""
     C = _ext.require()
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not _aligned(t):
+        if not _aligned(t) or (t.element_size() == 1 and not _aligned_bytes(t)):
             raise SinkattnRuntimeError(f"backend {backend!r}: {name} must have 16-byte aligned rows (strides multiple "
                                        f"of 8 elements, last dim contiguous) to be read in place; got strides "
                                        f"{tuple(t.stride())}. Use backend='reference' for this cache layout.")
@@ -85,7 +87,8 @@ def launch_kvcache(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_
     target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     C.fwd_kvcache(backend, q, k_cache, v_cache, sinks, target, lse, cache_seqlens.to(torch.int32).contiguous(),
                   _dense_index(block_table), float(softmax_scale),
-                  int(window_left), int(window_right), int(sink_tokens), float(softcap), int(num_splits), int(max_smem))
+                  int(window_left), int(window_right), int(sink_tokens), float(softcap), int(num_splits), int(max_smem),
+                  k_descale, v_descale)
     if target is not out:
         out.copy_(target)
 
@@ -109,6 +112,11 @@ def _dense_index(t):
 
 def _broadcast(t) -> bool:
     return any(t.stride(i) == 0 and t.size(i) > 1 for i in range(t.dim()))
+
+
+def _aligned_bytes(t) -> bool:
+    """Every outer stride a multiple of 16 bytes (what _aligned checks for 2-byte elements)."""
+    return all((t.stride(i) * t.element_size()) % 16 == 0 or t.size(i) == 1 for i in range(t.dim() - 1))
 
 
 def _aligned(t) -> bool:

@@ -5,7 +5,7 @@ Every "can this kernel serve this call" fact that belongs to a kernel is read he
 tile configuration needs, and the archs it was compiled for. An entry is a dict:
 
     name, family ("sm80", "sm90", "sm80-emulated", "common"; a tuning-grid variant's "<family>-sweep", which
-    dispatch never reads), op ("fwd", "bwd", "merge"), headdim (0: any),
+    dispatch never reads), op ("fwd", "bwd", "merge", "fwd_fp8": decode over FP8 KV caches), headdim (0: any),
     dtype ("bf16", "fp16", "fp32"), features (comma list: sinks, sink_tokens, causal, window, softcap, gqa,
     varlen, kvcache, paged, split_kv, deterministic; and what the bridge must know to launch it:
     tile_counter (api.cpp hands it a zeroed tile counter), broadcast_strides (it reads inputs with zero
@@ -34,9 +34,15 @@ def dtype_name(dtype) -> str | None:
     return _DTYPE_NAMES.get(str(dtype))
 
 
-def op_of(problem: Problem) -> str:
-    """The registry op that serves a problem: KV-cache decode runs on the forward kernels."""
-    return "bwd" if problem.kind == "bwd" else "fwd"
+def op_of(problem: Problem, family: str | None = None) -> str:
+    """The registry op that serves a problem: KV-cache decode runs on the forward kernels; over an FP8 cache on the
+    FP8-cache decode kernels ("fwd_fp8": csrc/sm80/fp8_kv.h) where `family` has any (None: assume it does), else on
+    the forward kernels, which serve it only if they list the feature fp8_kv."""
+    if problem.kind == "bwd":
+        return "bwd"
+    if problem.kv_fp8 and (family is None or kernels(family, "fwd_fp8")):
+        return "fwd_fp8"
+    return "fwd"
 
 
 def needed_features(problem: Problem) -> list[str]:
@@ -99,7 +105,8 @@ def reads_broadcast_strides(kernel: dict | None) -> bool:
 
 def kernel_for(backend: str, problem: Problem) -> dict | None:
     """The entry of the kernel `backend` would run for `problem` (None: not compiled)."""
-    return find(BACKEND_FAMILY[backend], op_of(problem), kernel_headdim(problem.headdim) or 0,
+    family = BACKEND_FAMILY[backend]
+    return find(family, op_of(problem, family), kernel_headdim(problem.headdim) or 0,
                 dtype_name(problem.dtype))
 
 

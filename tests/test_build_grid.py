@@ -225,6 +225,8 @@ def test_units_full_grid_with_fwd(with_fwd):
     want |= {f"bwd_sm80_hdim{h}_{d}_softcap" for h in (64, 128, 256) for d in ("bf16", "fp16")}
     # the emulation build's one tuning variant (the CPU tests run bench/sweep/runner.py's variant path through it)
     want |= {"sweep_fwd_emu_hdim128_bf16_m128n64w4"}
+    # the FP8-cache decode units (sm80/fwd_tiles.h FwdFp8TilesOf: head dims 64 and 128), GPU and emulated
+    want |= {f"fwd_fp8_{f}_hdim{h}_{d}" for f in ("sm80", "emu") for h in (64, 128) for d in ("bf16", "fp16")}
     assert set(names) == want and len(names) == len(want)
     assert {u.name for u in gen.units(g) if not u.registers} == {n for n in want
                                                                   if n.endswith(("_keys", "_small", "_softcap"))}
@@ -250,6 +252,7 @@ def test_units_narrowed_with_fwd(with_fwd):
     g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "86", "SINKATTN_HEADDIMS": "128", "SINKATTN_DTYPES": "fp16",
                         "SINKATTN_EMULATION": "0"})
     assert _names(g) == ["bwd_sm80_hdim128_fp16", "bwd_sm80_hdim128_fp16_small", "bwd_sm80_hdim128_fp16_softcap",
+                         "fwd_fp8_sm80_hdim128_fp16",
                          "fwd_sm80_hdim128_fp16", "fwd_sm80_hdim128_fp16_keys", "fwd_sm80_hdim128_fp16_softcap",
                          "merge_fp16", "merge_fp32"]
     g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "90a", "SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "bf16",
@@ -257,7 +260,7 @@ def test_units_narrowed_with_fwd(with_fwd):
     # 90a builds the sm90 forward and backward, and still the sm80 family (as sm_90) and the emulated kernel
     assert _names(g) == ["bwd_emu_hdim64_bf16", "bwd_sm80_hdim64_bf16", "bwd_sm80_hdim64_bf16_softcap",
                          "bwd_sm90_hdim64_bf16", "fwd_emu_hdim64_bf16", "fwd_emu_hdim64_bf16_keys", "fwd_emu_hdim64_bf16_softcap",
-                         "fwd_sm80_hdim64_bf16", "fwd_sm80_hdim64_bf16_keys", "fwd_sm80_hdim64_bf16_softcap",
+                         "fwd_fp8_emu_hdim64_bf16", "fwd_fp8_sm80_hdim64_bf16", "fwd_sm80_hdim64_bf16", "fwd_sm80_hdim64_bf16_keys", "fwd_sm80_hdim64_bf16_softcap",
                          "fwd_sm90_hdim64_bf16", "merge_bf16", "merge_fp32"]
     bwd = next(u for u in gen.units(g) if u.name == "bwd_sm80_hdim64_bf16")
     assert "run_bwd_sm80<64, cutlass::bfloat16_t>" in bwd.text and '"sm80", "bwd", 64, "bf16"' in bwd.text

@@ -20,7 +20,9 @@ CUDA_PROBLEM = Problem(kind="fwd", device_type="cuda", dtype=torch.bfloat16, hea
 FEATURES = {("sm80", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv,broadcast_strides",
             ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen",
             ("sm80", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic,broadcast_strides",
-            ("sm90", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic"}
+            ("sm90", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic",
+            ("sm80", "fwd_fp8"): "sinks,sink_tokens,causal,window,softcap,gqa,kvcache,paged,split_kv,fp8_kv,"
+                                 "broadcast_strides"}
 ARCHS = {"sm80": "sm_80,sm_90,compute_80", "sm90": "sm_90a", "sm80-emulated": "host"}
 
 
@@ -183,6 +185,30 @@ def test_kvcache_needs_the_kvcache_feature(gpu, fake_registry):
     assert dispatch.why_not("sm90", KVCACHE_PROBLEM) is None
     assert "decode over a KV cache" in dispatch.why_not("sm80", KVCACHE_PROBLEM)
     assert dispatch.choose(KVCACHE_PROBLEM, "auto") == "sm90"
+
+
+def test_fp8_cache_runs_on_the_fwd_fp8_kernels(gpu, fake_registry):
+    """An FP8-cache decode is served by the family's "fwd_fp8" kernels (csrc/sm80/fp8_kv.h) where the build has them:
+    "auto" picks sm80 on cc 8.x and 9.0 (the sm90 kernels read no FP8), a head dim with no FP8 tile or not a multiple
+    of 16 is refused with the reason; without fwd_fp8 kernels the forward kernels serve it only if they list fp8_kv."""
+    fp8 = dataclasses.replace(KVCACHE_PROBLEM, kv_fp8=True)
+    fp8_entries = tuple(entry("sm80", "fwd_fp8", h, "bf16") for h in (64, 128))
+    fake_registry(build("sm90", "sm80") + fp8_entries)
+    for cap in ((8, 0), (8, 6), (9, 0)):
+        gpu["cap"] = cap
+        assert dispatch.why_not("sm80", fp8) is None
+        assert dispatch.choose(fp8, "auto") == "sm80"
+    assert "decode over a KV cache" in dispatch.why_not("sm90", fp8) and "FP8 KV caches" in dispatch.why_not("sm90", fp8)
+    assert "head dims 64, 128 only" in dispatch.why_not("sm80", dataclasses.replace(fp8, headdim=256, headdim_v=256))
+    assert "multiple of 16" in dispatch.why_not("sm80", dataclasses.replace(fp8, headdim=120, headdim_v=120))
+    assert "bf16 or fp16" in dispatch.why_not("sm80", dataclasses.replace(fp8, dtype=torch.float32))
+    # the build without the dtype's FP8 kernel says which to rebuild
+    assert "SINKATTN_DTYPES including fp16" in dispatch.why_not("sm80", dataclasses.replace(fp8, dtype=torch.float16))
+    # no fwd_fp8 kernels: the forward kernels decide by their features
+    fake_registry(build("sm90", "sm80"))
+    assert "FP8 KV caches" in dispatch.why_not("sm80", fp8)
+    fake_registry((entry("sm80", "fwd", features=FEATURES[("sm80", "fwd")] + ",fp8_kv"),))
+    assert dispatch.why_not("sm80", fp8) is None
 
 
 def test_kvcache_refusal_without_the_head_dim_names_the_feature(gpu, fake_registry):

@@ -4,8 +4,8 @@ The oracle runs on the dequantized cache (fp8 * scale in float64), so what is me
 error, apart from the quantization's. Both formats, both scale forms (per tensor as a float and as a 1-element
 tensor, per (batch, KV head)), contiguous and paged caches with pages that cut the keys, appends with and without
 rotary, windows, sink tokens, learnable sinks, GQA, decode and chunked prefill, fp32 and bf16 queries. The append
-quantizes saturating (beyond the range, +-inf) and keeps NaN. The kernels do not read FP8 yet: a forced kernel
-backend refuses and says so.
+quantizes saturating (beyond the range, +-inf) and keeps NaN. These run on the reference backend; the sm80 kernels
+that read FP8 caches are tested in tests/test_emulated_fp8.py (and tests/test_gpu_decode.py).
 """
 import pytest
 import torch
@@ -164,13 +164,13 @@ def test_fp8_argument_errors(kw, err, words):
 
 
 @pytest.mark.needs_ext
-def test_kernels_refuse_fp8_caches_and_say_why():
-    """No kernel reads FP8 yet: a forced kernel backend refuses, naming FP8 caches (auto on CUDA runs the reference
-    with the one-time warning, as for every feature no kernel serves)."""
+def test_forced_kernel_backend_refuses_an_fp8_cache_it_has_no_tile_for():
+    """The FP8-cache kernels (csrc/sm80/fp8_kv.h; tests/test_emulated_fp8.py runs them) exist for head dims 64 and 128:
+    a forced kernel backend refuses head dim 256 over an FP8 cache and says why (auto runs the reference there)."""
     with pytest.raises(SinkattnRuntimeError) as e:
-        _call(q=torch.randn(1, 1, 2, 64, dtype=torch.bfloat16), kc=torch.zeros(1, 4, 1, 64, dtype=torch.float8_e4m3fn),
-              vc=torch.zeros(1, 4, 1, 64, dtype=torch.float8_e4m3fn), backend="sm80-emulated")
-    assert "FP8 KV caches" in str(e.value), str(e.value)
+        _call(q=torch.randn(1, 1, 2, 256, dtype=torch.bfloat16), kc=torch.zeros(1, 4, 1, 256, dtype=torch.float8_e4m3fn),
+              vc=torch.zeros(1, 4, 1, 256, dtype=torch.float8_e4m3fn), backend="sm80-emulated")
+    assert "FP8-cache decode kernels exist for head dims 64, 128 only" in str(e.value), str(e.value)
 
 
 def test_a_scale_that_requires_grad_is_refused():

@@ -50,7 +50,7 @@ FAKE_DEVICES = [
     DeviceInfo(5, "NVIDIA GeForce RTX 5090", (12, 0), 170, 101376),
 ]
 FWD_FEATURES = ("learnable_sinks", "sink_tokens")
-ALL_FEATURES = ("learnable_sinks", "sink_tokens", "backward", "decode")
+ALL_FEATURES = ("learnable_sinks", "sink_tokens", "backward", "decode", "fp8_decode")
 
 
 # ---- an independent model of what should serve ---------------------------------------------------------
@@ -84,14 +84,21 @@ def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
     # a GPU run: dispatch.SM90_BWD_VALIDATED).
     # The learnable-sinks problem is gpt-oss's window (127, 0), which "auto" gives to sm80 first on cc 9.0
     # (dispatch.SM90_MIN_WINDOW).
+    # An FP8 cache's decode runs on the family's fwd_fp8 kernels (csrc/sm80/fp8_kv.h), or, in a build without any,
+    # on forward kernels that list fp8_kv.
     op = "bwd" if feature == "backward" else "fwd"
-    order = ["sm90", "sm80"] if cc == (9, 0) and feature != "decode" else (["sm80"] if cc[0] >= 8 else [])
+    decode = feature in ("decode", "fp8_decode")
+    order = ["sm90", "sm80"] if cc == (9, 0) and not decode else (["sm80"] if cc[0] >= 8 else [])
     if cc == (9, 0) and (feature == "learnable_sinks" or (feature == "backward" and not dispatch.SM90_BWD_VALIDATED)):
         order = ["sm80", "sm90"]
     for b in order:
+        fam_op = op
+        if feature == "fp8_decode":
+            fam_op = "fwd_fp8" if any(k["family"] == b and k["op"] == "fwd_fp8" for k in registry) else "fwd"
         for k in registry:
-            if (k["family"], k["op"], k["headdim"], k["dtype"]) == (b, op, 64, "bf16") and any(
-                    runs_on(a, cc) for a in k["archs"].split(",")):
+            if (k["family"], k["op"], k["headdim"], k["dtype"]) == (b, fam_op, 64, "bf16") and any(
+                    runs_on(a, cc) for a in k["archs"].split(",")) and (
+                    feature != "fp8_decode" or "fp8_kv" in k["features"].split(",")):
                 return b
     return "reference"
 
@@ -253,7 +260,7 @@ def test_registry_matches_generator():
         fam = fam_of[k["name"]]
         want = "host" if fam == "emu" else gen.arch_list_string(fam, grid.archs)
         assert k["archs"] == want, f"{k['name']}: registered archs {k['archs']!r}, the build rule gives {want!r}"
-        assert k["op"] in ("merge", "fwd", "bwd") and k["dtype"] in ("bf16", "fp16", "fp32")
+        assert k["op"] in ("merge", "fwd", "bwd", "fwd_fp8") and k["dtype"] in ("bf16", "fp16", "fp32")
     # __CUDA_ARCH_LIST__ of the common family's translation unit (90a reads 900)
     want_list = ",".join(str(int(re.sub(r"\D", "", r)) * 10) for _, r in gen.family_targets("common", grid.archs))
     assert build["cuda_arch_list"] == want_list

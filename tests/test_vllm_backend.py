@@ -409,7 +409,8 @@ def test_selection_needs_a_compiled_kernel(platform):
     (dict(dtype=torch.float32), "dtype=torch.float32"),
     (dict(use_dcp=True), "decode context parallelism"),
     (dict(kv_cache_dtype="fp8_per_token_head"), "kv_cache_dtype='fp8_per_token_head' is not served"),
-    (dict(kv_cache_dtype="fp8"), "over an FP8 KV cache"),  # no kernel reads FP8 here (test_vllm_fp8.py)
+    # no FP8-cache kernel has head dim 256 (csrc/sm80/fwd_tiles.h FwdFp8TilesOf; test_vllm_fp8.py: the served ones)
+    (dict(kv_cache_dtype="fp8", head_size=256), "over an FP8 KV cache"),
     (dict(attn_type="encoder_decoder"), "encoder or cross attention"),
     (dict(attn_type="encoder_only"), "encoder or cross attention"),
     (dict(use_adaptive_verification=True), "device-cpu query lens mismatch"),

@@ -103,6 +103,16 @@ struct EmuPrims {
     on_smem_read(p, sizeof(float));
     return *p;
   }
+  template <class V>
+  static void smem_store_vec(V* p, V const& x) {
+    on_smem_write(p, sizeof(V));
+    *p = x;
+  }
+  template <class V>
+  static V smem_load_vec(V const* p) {
+    on_smem_read(p, sizeof(V));
+    return *p;
+  }
   static void cp_async_fence() { emu::cp_async_fence(); }
   template <int N>
   static void cp_async_wait() { emu::cp_async_wait(N); }

@@ -7,7 +7,8 @@
 // then sink-token blocks), kStages-buffered through shared memory with cp.async; S = Q K^T and O += P V on
 // mma.sync m16n8k16 with fp32 accumulation; the online softmax in exp2 units (common/online_softmax.h); the
 // learnable sink joins once per row in the finalize; then the epilogue (fwd_epilogue.h, or
-// split_epilogue.h under split-KV).
+// split_epilogue.h under split-KV). Over an FP8 cache (Kt::kFp8, sm80/fp8_kv.h) K/V blocks arrive as FP8 codes and
+// are converted in shared memory before the MMAs; everything else is the same code.
 #pragma once
 #include <cmath>
 #include <cute/tensor.hpp>
@@ -18,6 +19,7 @@
 #include "common/seq_extent.h"
 #include "common/split.h"
 #include "params.h"
+#include "sm80/fp8_kv.h"
 #include "sm80/fwd_epilogue.h"
 #include "sm80/fwd_traits.h"
 #include "sm80/gemm.h"
@@ -32,7 +34,7 @@ using namespace cute;
 
 // One CTA: M tile m_block of sequence bidb, query head bidh (or KV head bidh when GQA-packed), split `split`.
 template <class Kt>
-SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, int bidb, int bidh, int split) {
+SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int m_block, int bidb, int bidh, int split) {
   using Element = typename Kt::Element;
   using Prims = typename Kt::Prims;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
@@ -82,6 +84,12 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   Element* smem_q = reinterpret_cast<Element*>(smem);
   Element* smem_k = smem_q + cosize_v<typename Kt::SmemLayoutQ>;
   Element* smem_v = smem_k + Kt::kStages * cosize_v<typename Kt::SmemLayoutKV>;
+  // FP8: the FP8 K stages, the FP8 V stages, then the one K and one V block of Element the MMAs read.
+  uint8_t* const smem_f8 = reinterpret_cast<uint8_t*>(smem_k);
+  if constexpr (Kt::kFp8) {
+    smem_k = reinterpret_cast<Element*>(smem_f8 + 2 * Kt::kStages * Kt::kFp8StageBytes);
+    smem_v = smem_k + cosize_v<typename Kt::SmemLayoutKV>;
+  }
   Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
   // Stage s of K or V (base smem_k or smem_v) from key row0 on (whole 8-row swizzle atoms), seen in `layout`.
   auto stage = [&](Element* base, int s, int row0, auto layout) {
@@ -102,8 +110,46 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   // bounds and zero-fill.
   int const whole_blocks = p.headdim == kHeadDim ? ext.seqlen_k / kBlockN : 0;  // blocks n < whole_blocks
   bool const block_in_page = !pages || p.page_size % kBlockN == 0;
+  // FP8: the same three paths over 16-code vectors into the row-major FP8 stages (k/v offsets in elements are
+  // bytes).
+  auto load_kv_fp8 = [&](int n, int s) {
+    if constexpr (Kt::kFp8) {
+      using L = typename Kt::Fp8Load;
+      typename L::GmemTiledCopyLoad f8_copy;
+      auto f8_thr = f8_copy.get_thread_slice(tid);
+      Tensor tcKV = f8_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+      auto const vec8 = gmem_vector<uint8_t, kBlockN, kHeadDim>(f8_thr);
+      typename Kt::SmemLayoutFp8 const f8_layout;
+      auto tKsK = f8_thr.partition_D(make_tensor(make_smem_ptr(smem_f8 + s * Kt::kFp8StageBytes), f8_layout));
+      auto tVsV = f8_thr.partition_D(
+          make_tensor(make_smem_ptr(smem_f8 + (Kt::kStages + s) * Kt::kFp8StageBytes), f8_layout));
+      uint8_t const* k8 = static_cast<uint8_t const*>(p.k) + int64_t(bidh_k) * p.k_head_stride +
+                          (p.block_table ? int64_t(0) : bidb * p.k_batch_stride);
+      uint8_t const* v8 = static_cast<uint8_t const*>(p.v) + int64_t(bidh_k) * p.v_head_stride +
+                          (p.block_table ? int64_t(0) : bidb * p.v_batch_stride);
+      int const j0 = n * kBlockN;
+      if (n < whole_blocks && block_in_page) {
+        load_tile<L>(tKsK, tcKV, vec8, k8 + kv_offset(p.k_batch_stride, p.k_row_stride, j0), p.k_row_stride);
+        load_tile<L>(tVsV, tcKV, vec8, v8 + kv_offset(p.v_batch_stride, p.v_row_stride, j0), p.v_row_stride);
+      } else if (n < whole_blocks) {
+        load_rows<L, true>(tKsK, tcKV, vec8, kBlockN, kHeadDim,
+                           [&](int r) { return k8 + kv_offset(p.k_batch_stride, p.k_row_stride, j0 + r); });
+        load_rows<L, true>(tVsV, tcKV, vec8, kBlockN, kHeadDim,
+                           [&](int r) { return v8 + kv_offset(p.v_batch_stride, p.v_row_stride, j0 + r); });
+      } else {
+        load_rows<L>(tKsK, tcKV, vec8, ext.seqlen_k - j0, p.headdim,
+                     [&](int r) { return k8 + kv_offset(p.k_batch_stride, p.k_row_stride, j0 + r); });
+        load_rows<L>(tVsV, tcKV, vec8, ext.seqlen_k - j0, p.headdim,
+                     [&](int r) { return v8 + kv_offset(p.v_batch_stride, p.v_row_stride, j0 + r); });
+      }
+    }
+  };
   auto load_kv = [&](int t) {
     int const n = range.block(t), s = int(unsigned(t - t_begin) % Kt::kStages), j0 = n * kBlockN;
+    if constexpr (Kt::kFp8) {
+      load_kv_fp8(n, s);
+      return;
+    }
     typename Kt::SmemLayoutKV const whole;
     auto tKsK = gmem_thr.partition_D(stage(smem_k, s, 0, whole));
     auto tVsV = gmem_thr.partition_D(stage(smem_v, s, 0, whole));
@@ -165,7 +211,13 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
   // keys hands an empty state to the merge). Decode tiles (GQA-packed: seqlen_q * group real rows) leave some
   // warps so. Uniform per warp.
   bool const warp_active = m0 + get<0>(tScS(0, 0)) / 16 * 16 < rows;
-  ScoreScale<Kt::kCap> const score{p.softmax_scale, p.softcap};
+  float softmax_scale = p.softmax_scale;
+  [[maybe_unused]] float v_descale = 1.f;
+  if constexpr (Kt::kFp8) {  // the dequantization scales of this (sequence, KV head), out of the loop
+    if (p.k_descale) softmax_scale *= p.k_descale[bidb * p.k_descale_batch_stride + bidh_k * p.k_descale_head_stride];
+    if (p.v_descale) v_descale = p.v_descale[bidb * p.v_descale_batch_stride + bidh_k * p.v_descale_head_stride];
+  }
+  ScoreScale<Kt::kCap> const score{softmax_scale, p.softcap};
   OnlineSoftmax<kRows, Prims> softmax;
 
   // ---- the key blocks ----------------------------------------------------------------------------------------
@@ -192,15 +244,23 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
       if (t + Kt::kStages - 1 < t_end) load_kv(t + Kt::kStages - 1);
       Prims::cp_async_fence();
     }
+    if constexpr (Kt::kFp8) {
+      // FP8 stage s (landed: the wait and barrier above) -> the Element K and V blocks, which every MMA read of
+      // block t - 1 is done with (same barrier); a barrier before the MMAs read them. FP8 stage s is then free
+      // for the loads issued after the next iteration's barrier, so no end-of-iteration barrier is needed.
+      convert_fp8_stage<Kt>(smem_f8, smem_f8 + Kt::kStages * Kt::kFp8StageBytes, s, smem_k, smem_v, tid, p.kv_fp8);
+      Prims::sync_threads();
+    }
     if (!warp_active) {
-      if constexpr (Kt::kStages == 2) Prims::sync_threads();  // the end-of-iteration barrier every warp takes
+      // the end-of-iteration barrier every warp takes
+      if constexpr (Kt::kStages == 2 && !Kt::kFp8) Prims::sync_threads();
       continue;
     }
 
     // S = Q K^T, bounded (softcap) and masked.
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockNMma>>{});
     clear(acc_s);
-    Tensor tSsK = smem_copy_k.get_thread_slice(mma_tid).partition_S(sK_mma(s));
+    Tensor tSsK = smem_copy_k.get_thread_slice(mma_tid).partition_S(sK_mma(Kt::kFp8 ? 0 : s));
     gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, mma_tid);
     Tensor scores = rowcol_view(acc_s);
     static_assert(decltype(size<0>(scores))::value == kRows);
@@ -216,9 +276,10 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     softmax.rescale_rows(out_rows, correction);
     Tensor rP = convert<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
-    Tensor tOsVt = smem_copy_v.get_thread_slice(mma_tid).partition_S(sVt_mma(s));
+    Tensor tOsVt = smem_copy_v.get_thread_slice(mma_tid).partition_S(sVt_mma(Kt::kFp8 ? 0 : s));
     gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, mma_tid);
-    if constexpr (Kt::kStages == 2) Prims::sync_threads();  // every read of stage s done before t + 2 refills it
+    // every read of stage s done before t + 2 refills it
+    if constexpr (Kt::kStages == 2 && !Kt::kFp8) Prims::sync_threads();
   }
   Prims::template cp_async_wait<0>();  // the trailing empty groups (or the Q copy, when no key block was visited)
 
@@ -232,7 +293,7 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     int tile_rows[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) tile_rows[r] = get<0>(tOcO(r, 0));
-    holds_rows = merge_key_groups<Kt>(reinterpret_cast<char*>(smem_k), tid, score.log2, tile_rows, softmax.row_max,
+    holds_rows = merge_key_groups<Kt>(reinterpret_cast<char*>(smem_f8), tid, score.log2, tile_rows, softmax.row_max,
                                       softmax.row_sum, acc_o);
   }
   bool const split_kv = p.num_splits > 1;
@@ -243,8 +304,19 @@ SA_DEVICE void fwd_block(FwdParams const& p, char* smem, int tid, int m_block, i
     float const sink = split_kv ? -INFINITY : p.sinks ? p.sinks[at.head_of(get<0>(tOcO(r, 0)))] : -INFINITY;
     RowFinal const f = softmax.finalize(r, sink, score.natural);
     lse[r] = f.lse;
+    float out_scale = f.out_scale;
+    if constexpr (Kt::kFp8) {
+      out_scale *= v_descale;
+      // A NaN code in a key the row sees makes its sum NaN, which finalize_row takes for "no visible key" (out 0);
+      // the reference gives NaN there (docs/DESIGN.md section 1), and so does this kernel over an FP8 cache. A split's
+      // partial lse is +inf then: the combine's max skips NaN but not +inf, and gives NaN out and lse.
+      if (float_is_nan(softmax.row_sum[r])) {
+        out_scale = NAN;
+        lse[r] = split_kv ? INFINITY : NAN;
+      }
+    }
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
+    for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= out_scale;
   }
 
   // ---- epilogue ------------------------------------------------------------------------------------------

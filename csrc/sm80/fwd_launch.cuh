@@ -33,6 +33,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kSplitKeys ? 1 : 0) fwd_ker
   grid.decode(blockIdx.x, m_block, split, head, batch);
   fwd_block<Kt>(p, smem, threadIdx.x, m_block, batch, head, split);
 }
+// The decode tiles over FP8 caches (sm80/fp8_kv.h), with their own params (a kernel of its own, so the kernels above
+// keep their names and parameter block).
+template <class Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kSplitKeys ? 1 : 0) fwd_fp8_kernel(__grid_constant__ const FwdFp8Params p, FwdTileOrder const grid) {
+  extern __shared__ __align__(128) char smem[];
+  int m_block, split, head, batch;
+  grid.decode(blockIdx.x, m_block, split, head, batch);
+  fwd_block<Kt>(p, smem, threadIdx.x, m_block, batch, head, split);
+}
 
 // One warp per output row (batch, head, query).
 template <class Element>
@@ -47,9 +56,13 @@ __global__ void combine_kernel(__grid_constant__ const FwdParams p) {
 
 // One tile configuration's launch.
 template <class Kt>
-void launch_fwd_tile(FwdParams const& p, cudaStream_t stream) {
+void launch_fwd_tile(typename Kt::Params const& p, cudaStream_t stream) {
   FwdTileOrder const grid = fwd_tile_order<Kt::kBlockM>(p);
-  launch_tile_kernel("fwd", fwd_kernel<Kt>, grid.count(), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
+  if constexpr (Kt::kFp8) {
+    launch_tile_kernel("fwd", fwd_fp8_kernel<Kt>, grid.count(), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
+  } else {
+    launch_tile_kernel("fwd", fwd_kernel<Kt>, grid.count(), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
+  }
 }
 
 template <class Element>
@@ -82,6 +95,17 @@ void run_fwd_sm80(FwdParams const& p, cudaStream_t stream) {
   sm80::with_fwd_config<kHeadDim, Element, sm80::GpuPrims>(p, p.max_smem_per_block, [&]<class Kt>() {
     sm80::launch_fwd_part<kHeadDim, Element, sm80::fwd_unit_of<Kt>>(p, stream);
   });
+  if (p.num_splits > 1) sm80::launch_fwd_combine<Element>(p, stream);
+}
+
+// Decode over FP8 KV caches (sm80/fp8_kv.h): one unit per head dim and dtype (fwd_fp8_sm80_hdim*_*), every FP8 tile
+// of the head dim in it, both formats in each kernel.
+template <int kHeadDim, class Element>
+void run_fwd_fp8_sm80(FwdFp8Params const& p, cudaStream_t stream) {
+  sm80::with_fwd_fp8_tile<kHeadDim>(sm80::choose_fwd_fp8_tile(kHeadDim, sm80::fwd_shape(p).rows, p.max_smem_per_block),
+                                    [&]<class Tile>() {
+                                      sm80::launch_fwd_tile<sm80::FwdFp8Traits<Tile, Element, sm80::GpuPrims>>(p, stream);
+                                    });
   if (p.num_splits > 1) sm80::launch_fwd_combine<Element>(p, stream);
 }
 

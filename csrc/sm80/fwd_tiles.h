@@ -133,6 +133,53 @@ static_assert(fwd_tiles::Hd64Keys4::tile.smem_bytes() <= 99 * 1024, "fits every 
 static_assert(fwd_tiles::Hd128Rows::tile.smem_bytes() <= 99 * 1024, "fits sm86 / sm89");
 static_assert(fwd_tiles::Hd256RowsSmall::tile.smem_bytes() <= 99 * 1024, "fits sm86 / sm89");
 
+// ---- FP8 KV caches (sm80/fp8_kv.h): the decode tiles read K/V caches of FP8 codes -----------------------------
+// Shared memory of such a tile: Q, `stages` FP8 K and V blocks (1-byte codes, as cp.async brings them), and one K
+// and one V block in the kernel's Element, which a pass converts each FP8 block into before the MMAs read it. Never
+// more than the same tile over a bf16 cache (equal at 2 stages).
+constexpr int fwd_fp8_smem_bytes(FwdTile t) {
+  return t.block_m * t.head_dim * 2 + 2 * t.stages * t.block_n * t.head_dim + 2 * t.block_n * t.head_dim * 2;
+}
+// The FP8 tiles of a head dim: the few-row (decode, split-KV) tiles only, compiled once per (head dim, dtype), both
+// formats in one kernel (the format is a run-time value, one uniform branch per key block). Head dims 64 and 128;
+// 256 and the prefill row tiles stay on the reference backend (dispatch says so). csrc/generate_kernels.py reads
+// these specializations as it reads FwdTilesOf's.
+template <int kHeadDim> struct FwdFp8TilesOf;
+template <> struct FwdFp8TilesOf<64> {
+  using type = TileList<fwd_tiles::Hd64Keys4, fwd_tiles::Hd64Keys2, fwd_tiles::Hd64Keys2Small, fwd_tiles::Hd64Few,
+                        fwd_tiles::Hd64FewSmall>;
+};
+template <> struct FwdFp8TilesOf<128> {
+  using type = TileList<fwd_tiles::Hd128Keys4, fwd_tiles::Hd128Keys4Small, fwd_tiles::Hd128Keys2,
+                        fwd_tiles::Hd128Keys2Small, fwd_tiles::Hd128Few, fwd_tiles::Hd128FewSmall>;
+};
+
+template <class... Tiles>
+constexpr int min_fp8_smem(TileList<Tiles...>) {
+  int m = 1 << 30;
+  ((m = fwd_fp8_smem_bytes(Tiles::tile) < m ? fwd_fp8_smem_bytes(Tiles::tile) : m), ...);
+  return m;
+}
+template <int kHeadDim>
+constexpr int fwd_fp8_min_smem() { return min_fp8_smem(typename FwdFp8TilesOf<kHeadDim>::type{}); }
+
+// The FP8 tile: choose_fwd_tile's key-group and few-row rule at any number of rows (a chunked prefill over an FP8
+// cache runs on the 64-row few-row tile, not the prefill row tile), with the FP8 sizes deciding what fits.
+constexpr FwdTile choose_fwd_fp8_tile(int head_dim, int64_t rows, int max_smem) {
+  using namespace fwd_tiles;
+  int const key_groups = rows <= 16 ? 4 : rows <= 32 ? 2 : 1;
+  auto fit = [&](FwdTile big, FwdTile small) { return max_smem >= fwd_fp8_smem_bytes(big) ? big : small; };
+  if (head_dim == 64) {
+    if (key_groups == 4) return Hd64Keys4::tile;
+    if (key_groups == 2) return fit(Hd64Keys2::tile, Hd64Keys2Small::tile);
+    return fit(Hd64Few::tile, Hd64FewSmall::tile);
+  }
+  if (key_groups == 4) return fit(Hd128Keys4::tile, Hd128Keys4Small::tile);
+  if (key_groups == 2) return fit(Hd128Keys2::tile, Hd128Keys2Small::tile);
+  return fit(Hd128Few::tile, Hd128FewSmall::tile);
+}
+static_assert(fwd_fp8_smem_bytes(fwd_tiles::Hd128Few::tile) <= 99 * 1024, "every FP8 tile fits sm86 / sm89");
+
 // Calls f.template operator()<Tile>() with the type among `tiles` whose tile is `t` (the table's value ->
 // the kernels' template argument), for the forward's and the backward's tables alike.
 template <class Value, class F, class... Tiles>
@@ -142,6 +189,10 @@ void with_tile_in(Value const& t, F&& f, TileList<Tiles...>) {
 template <int kHeadDim, class F>
 void with_fwd_tile(FwdTile t, F&& f) {
   with_tile_in(t, f, typename FwdTilesOf<kHeadDim>::type{});
+}
+template <int kHeadDim, class F>
+void with_fwd_fp8_tile(FwdTile t, F&& f) {
+  with_tile_in(t, f, typename FwdFp8TilesOf<kHeadDim>::type{});
 }
 
 }  // namespace sinkattn::sm80

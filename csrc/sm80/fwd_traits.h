@@ -25,6 +25,9 @@ struct FwdTraits {
   using Element = Element_;
   using Prims = Prims_;
   static constexpr Softcap kCap = kCap_;
+  // Caches in q's dtype; FwdFp8Traits (sm80/fp8_kv.h) reads FP8 caches, with its own params.
+  static constexpr bool kFp8 = false;
+  using Params = FwdParams;
   static constexpr FwdTile kTile = Tile_::tile;
   static constexpr int kHeadDim = kTile.head_dim;
   static constexpr int kBlockM = kTile.block_m;

@@ -25,6 +25,11 @@ struct GpuPrims {
   // Scalar shared-memory traffic outside the tiled copies (the split-keys merge of fwd_kernel.h).
   static __device__ __forceinline__ void smem_store(float* p, float x) { *p = x; }
   static __device__ __forceinline__ float smem_load(float const* p) { return *p; }
+  // 16-byte shared-memory traffic of the FP8 conversion pass (sm80/fp8_kv.h).
+  template <class V>
+  static __device__ __forceinline__ void smem_store_vec(V* p, V const& x) { *p = x; }
+  template <class V>
+  static __device__ __forceinline__ V smem_load_vec(V const* p) { return *p; }
   static __device__ __forceinline__ void cp_async_fence() { cute::cp_async_fence(); }
   template <int N>
   static __device__ __forceinline__ void cp_async_wait() { cute::cp_async_wait<N>(); }
