@@ -374,10 +374,11 @@ def _rotate_at_cache_start(fn, q, k, cos, sin, cache_seqlens, interleaved, batch
 # ----------------------------------------------------------------------------------------------- paged varlen
 
 def _paged(fn, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal,
-           window_size, softcap, sinks, sink_tokens, num_splits, backend, out):
+           window_size, softcap, sinks, sink_tokens, num_splits, backend, out, k_descale=None, v_descale=None):
     """Varlen queries over a KV cache (paged with block_table, else contiguous (batch, capacity, hk, d)):
     -> (out (total_q, nheads, headdim_v), lse (nheads, total_q)). Requests of equal query length run as one
-    sinkattn.flash_attn_with_kvcache call; rows past cu_seqlens_q[-1] get out 0 and lse -inf."""
+    sinkattn.flash_attn_with_kvcache call; rows past cu_seqlens_q[-1] get out 0 and lse -inf. k_descale,
+    v_descale: an FP8 cache's (batch, nheads_k) descales (FlashAttention-3's form), each run takes its rows."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise SinkattnValueError(f"{_WHO}.{fn}: q must be (total_q, nheads, headdim); got "
                                  f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
@@ -425,11 +426,20 @@ def _paged(fn, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_se
         o, l = interface.flash_attn_with_kvcache(
             q[rows].view(n, run.L, h, d), kc, vc, sinks, cache_seqlens=seqused_k[run.r0:run.r1], block_table=bt,
             softmax_scale=softmax_scale, causal=causal, window_size=window, sink_tokens=sink_tokens,
-            softcap=softcap, return_lse=True, num_splits=num_splits, backend=backend)
+            softcap=softcap, return_lse=True, num_splits=num_splits, backend=backend,
+            k_descale=_rows_of(k_descale, run.r0, run.r1), v_descale=_rows_of(v_descale, run.r0, run.r1))
         out[rows].copy_(o.reshape(n * run.L, h, dv))
         lse[:, rows] = l.permute(1, 0, 2).reshape(h, n * run.L)
     # Empty requests between runs own no rows; a zero-length run leaves nothing unwritten below `end`.
     return out, lse
+
+
+def _rows_of(descale, r0: int, r1: int):
+    """Requests r0..r1's rows of a (batch, nheads_k) descale; None stays None, and a tensor of another shape goes
+    to flash_attn_with_kvcache as it is, whose check words what is wrong with it."""
+    if isinstance(descale, torch.Tensor) and descale.dim() == 2:
+        return descale[r0:r1]
+    return descale
 
 
 # ------------------------------------------------------------------------------------------- vllm-flash-attn
@@ -454,9 +464,13 @@ def vllm_flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_
     returned. Returns out, or (out, softmax_lse (nheads, total_q) float32) with return_softmax_lse=True.
 
     Accepted and ignored: scheduler_metadata, fa_version (any version's semantics above), cp_rank,
-    return_attn_probs (vLLM returns no probabilities either), q/k/v_descale for non-FP8 inputs. Refused with a
-    sinkattn error: dropout_p > 0, alibi_slopes, FP8 inputs, q_v, output_scale, cp_world_size > 1,
-    cp_tot_seqused_k, mask_mod, block_sparse_tensors, aux_tensors, dynamic_causal, gather_kv_*."""
+    return_attn_probs (vLLM returns no probabilities either), q/k/v_descale for non-FP8 inputs. An FP8 KV cache
+    (k/v float8_e4m3fn or float8_e5m2 with seqused_k, q in float16/bfloat16/float32; the cache holds x / scale)
+    takes k_descale/v_descale as FlashAttention-3 does, (batch, nheads_k) float32 (vLLM passes its layer scales
+    expanded to that shape), None meaning 1 (sinkattn.flash_attn_with_kvcache's FP8 caches; q_descale then must
+    be None or ones: q is not quantized). Refused with a sinkattn error: dropout_p > 0, alibi_slopes, FP8 q, FP8
+    packed keys (cu_seqlens_k), q_v, output_scale, cp_world_size > 1, cp_tot_seqused_k, mask_mod,
+    block_sparse_tensors, aux_tensors, dynamic_causal, gather_kv_*."""
     fn = "vllm_flash_attn_varlen_func"
     sinks = _sinks(fn, sinks, s_aux, learnable_sink)
     _refuse_dropout_alibi(fn, dropout_p, alibi_slopes)
@@ -467,7 +481,12 @@ def vllm_flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_
                         block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors,
                         aux_tensor_leading_dims=aux_tensor_leading_dims, dynamic_causal=dynamic_causal,
                         gather_kv_indices=gather_kv_indices, gather_kv_valid_length=gather_kv_valid_length,
-                        descales=(q_descale, k_descale, v_descale))
+                        cache=seqused_k is not None and cu_seqlens_k is None)
+    kv_fp8 = isinstance(k, torch.Tensor) and k.dtype in _FP8
+    if kv_fp8:
+        _check_q_descale(fn, q_descale)
+    else:  # the descales of non-FP8 inputs mean nothing (vLLM's FA3/FA4 ignore them too), whatever they hold
+        k_descale = v_descale = None
     if (cu_seqlens_k is None) == (seqused_k is None):
         raise SinkattnValueError(
             f"{_WHO}.{fn}: give exactly one of cu_seqlens_k (packed keys) and seqused_k (keys per sequence in a "
@@ -481,7 +500,8 @@ def vllm_flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_
         _check_int32(fn, "seqused_k", seqused_k)
         _check_int32(fn, "cu_seqlens_q", cu_seqlens_q)
         res, lse = _paged(fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal,
-                          window_size, softcap, sinks, sink_tokens, num_splits, backend, out)
+                          window_size, softcap, sinks, sink_tokens, num_splits, backend, out,
+                          k_descale=k_descale, v_descale=v_descale)
     else:
         if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
             raise SinkattnValueError(f"{_WHO}.{fn}: num_splits must be an int >= 0 (0 = heuristic); got "
@@ -495,7 +515,8 @@ def vllm_flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_
     return (res, lse) if want_lse else res
 
 
-def _refuse_vllm_extras(fn, q, k, v, *, descales, cp_world_size, **features) -> None:
+def _refuse_vllm_extras(fn, q, k, v, *, cache, cp_world_size, **features) -> None:
+    """cache: k/v are a KV cache (seqused_k), where FP8 k/v are served (flash_attn_with_kvcache's FP8 caches)."""
     what = {
         "q_v": "the fused q_v value input (FA3/FA4, MLA)", "output_scale": "fused FP8 output (FA4)",
         "cp_tot_seqused_k": "context parallelism (see sinkattn.distributed)", "mask_mod": "a custom mask_mod (FA4)",
@@ -513,15 +534,24 @@ def _refuse_vllm_extras(fn, q, k, v, *, descales, cp_world_size, **features) -> 
             f"parallelism attend each shard with return_softmax_lse=True and merge the partial results with "
             f"sinkattn.merge_attn_states (sinkattn.distributed)")
     fp8 = [f"{name} {t.dtype}" for name, t in (("q", q), ("k", k), ("v", v))
-           if isinstance(t, torch.Tensor) and t.dtype in _FP8]
+           if isinstance(t, torch.Tensor) and t.dtype in _FP8 and (name == "q" or not cache)]
     if fp8:
         raise SinkattnTypeError(
-            f"{_WHO}.{fn}: FP8 inputs ({', '.join(fp8)}) are not supported: sinkattn does not run FP8 attention "
-            f"yet, so q_descale/k_descale/v_descale cannot be applied; accepted: float16, bfloat16, float32. "
-            f"Dequantize first (x.to(torch.bfloat16) * x_descale) or use an unquantized KV cache "
-            f"(vLLM: kv_cache_dtype='auto')")
-    # Non-FP8 inputs: the descales mean nothing (vLLM's FA3/FA4 ignore them too), whatever they hold.
-    del descales
+            f"{_WHO}.{fn}: FP8 inputs ({', '.join(fp8)}) are not supported here: sinkattn reads FP8 only as a KV "
+            f"cache (k/v with seqused_k, and block_table for pages), with q in float16, bfloat16 or float32; "
+            f"accepted otherwise: float16, bfloat16, float32. Dequantize first (x.to(torch.bfloat16) * x_descale), "
+            f"pass the keys as a cache, or use an unquantized KV cache (vLLM: kv_cache_dtype='auto')")
+
+
+def _check_q_descale(fn, q_descale) -> None:
+    """Over an FP8 cache q is not quantized: a q_descale other than ones would be a scale sinkattn does not apply."""
+    if q_descale is None:
+        return
+    if not isinstance(q_descale, torch.Tensor) or not bool((q_descale == 1).all()):
+        raise SinkattnValueError(
+            f"{_WHO}.{fn}: q_descale other than ones over an FP8 KV cache: q is not quantized here (it must be "
+            f"float16, bfloat16 or float32), so a query scale would be dropped; pass q_descale=None, or run with "
+            f"the query unquantized (vLLM: no FP8 query quantization)")
 
 
 def _check_out(fn, out, q, v) -> None:

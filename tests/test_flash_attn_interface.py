@@ -461,14 +461,69 @@ def test_vllm_argument_combinations_raise():
         fai.vllm_flash_attn_varlen_func(q, k, k, 3, cu([3]), 3, seqused_k=torch.tensor([3], dtype=torch.int32))
 
 
+FP8_BACKENDS = [
+    pytest.param("auto", torch.float32, id="reference-fp32"),
+    pytest.param("sm80-emulated", torch.bfloat16, id="sm80-emulated-bf16",
+                 marks=pytest.mark.skipif(not any(k["op"] == "fwd_fp8" and k["family"] == "sm80-emulated"
+                                                  and k["headdim"] == 64 for k in _ext.registry()),
+                                          reason="no emulated FP8-cache decode kernel in this build")),
+]
+
+
+@pytest.mark.parametrize("backend,dtype", FP8_BACKENDS)
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_vllm_paged_over_an_fp8_cache_with_fa3_descales(fmt, backend, dtype, rng_seed):
+    """The call vLLM's FlashAttention backend makes over an FP8 KV cache: k/v are the FP8 pages (x / scale), the
+    descales (batch, nheads_k) as FA3 takes them (vLLM expands its layer scales to that shape), q unquantized with
+    q_descale ones. Against the oracle on the dequantized cache, request by request."""
+    fp8 = getattr(torch, fmt)
+    lq, lk, page_size = [1, 3, 1, 0, 2], [9, 40, 1, 0, 17], 16
+    (h, hk), d = heads(backend, 8, 2), 64
+    cache = PagedCache(lk, hk, d, page_size, torch.float32)
+    k_desc = torch.rand(len(lq), hk) * 0.02 + 0.01
+    v_desc = torch.rand(len(lq), hk) * 0.02 + 0.01
+    # every request writes its own pages, so each page's FP8 values hold its request's scale
+    kq, vq = cache.k.to(fp8), cache.v.to(fp8)
+    for b, n in enumerate(lk):
+        pages = cache.block_table[b, :max(1, -(-n // page_size))].long()
+        kq[pages] = (cache.k[pages] / k_desc[b][None, None, :, None]).to(fp8)
+        vq[pages] = (cache.v[pages] / v_desc[b][None, None, :, None]).to(fp8)
+    deq = PagedCache.__new__(PagedCache)
+    deq.lens, deq.page_size, deq.block_table = cache.lens, page_size, cache.block_table
+    deq.k, deq.v = kq.to(torch.float32), vq.to(torch.float32)
+    for b, n in enumerate(lk):  # the oracle's keys: the FP8 values times their request's descale
+        pages = cache.block_table[b, :max(1, -(-n // page_size))].long()
+        deq.k[pages] = kq[pages].to(torch.float32) * k_desc[b][None, None, :, None]
+        deq.v[pages] = vq[pages].to(torch.float32) * v_desc[b][None, None, :, None]
+    deq.k, deq.v = deq.k.to(dtype), deq.v.to(dtype)
+    q = rand(sum(lq) + 2, h, d, dtype=dtype)
+    sinks = torch.randn(h)
+    output = torch.full_like(q, float("nan"))
+    out, lse = fai.vllm_flash_attn_varlen_func(
+        q=q, k=kq, v=vq, out=output, cu_seqlens_q=cu(lq), max_seqlen_q=max(lq), seqused_k=torch.tensor(lk, dtype=torch.int32),
+        max_seqlen_k=max(lk), softmax_scale=d ** -0.5, causal=True, window_size=[-1, -1],
+        block_table=cache.block_table, softcap=0, fa_version=3, q_descale=torch.ones(len(lq), hk), k_descale=k_desc,
+        v_descale=v_desc, num_splits=0, s_aux=sinks, return_softmax_lse=True, **extra(backend))
+    assert out is output
+    check_paged("vllm paged fp8", out, lse, q, deq, lq, sinks, dict(causal=True), dtype, rng_seed)
+    # the descales are applied: the same cache read as scale 1 is far off
+    wrong = fai.vllm_flash_attn_varlen_func(q, kq, vq, max(lq), cu(lq), max(lk), seqused_k=torch.tensor(lk, dtype=torch.int32),
+                                            block_table=cache.block_table, causal=True, s_aux=sinks, **extra(backend))
+    assert (wrong[:sum(lq)].float() - out[:sum(lq)].float()).abs().max() > 1e-2
+
+
 @pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch without float8")
-def test_vllm_fp8_inputs_raise_naming_the_fix():
+def test_vllm_fp8_inputs_outside_a_cache_raise_naming_the_fix():
     q = torch.randn(3, 4, 32)
     kc = torch.randn(2, 4, 4, 32).to(torch.float8_e4m3fn)
-    with pytest.raises(SinkattnTypeError, match="Dequantize first"):
-        fai.vllm_flash_attn_varlen_func(q, kc, kc.clone(), 3, cu([3]), 5, seqused_k=torch.tensor([5], dtype=torch.int32),
-                                        block_table=torch.tensor([[0, 1]], dtype=torch.int32),
-                                        k_descale=torch.ones(1, 4), v_descale=torch.ones(1, 4))
+    paged = dict(seqused_k=torch.tensor([5], dtype=torch.int32), block_table=torch.tensor([[0, 1]], dtype=torch.int32))
+    with pytest.raises(SinkattnTypeError, match="FP8 inputs \\(q torch.float8_e4m3fn\\)"):  # FP8 q: not even over a cache
+        fai.vllm_flash_attn_varlen_func(q.to(torch.float8_e4m3fn), kc, kc.clone(), 3, cu([3]), 5, **paged)
+    kp = torch.randn(5, 4, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(SinkattnTypeError, match="Dequantize first"):  # packed FP8 keys
+        fai.vllm_flash_attn_varlen_func(q, kp, kp.clone(), 3, cu([3]), 5, cu_seqlens_k=cu([5]))
+    with pytest.raises(SinkattnValueError, match="q_descale other than ones"):
+        fai.vllm_flash_attn_varlen_func(q, kc, kc.clone(), 3, cu([3]), 5, q_descale=torch.full((1, 4), 0.5), **paged)
 
 
 # ---------------------------------------------------------------------------------------- flash_attn_with_kvcache
