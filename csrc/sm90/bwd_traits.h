@@ -42,7 +42,7 @@ struct Work {
   TileMask mask;
 
   template <class Kt>
-  static __device__ Work make(BwdParams const& p, BwdTileOrder const& grid, int block) {
+  static __device__ Work make(BwdParams const& p, BwdTileOrder const& grid, unsigned block) {
     Work w;
     int split;
     grid.decode(block, w.n_block, split, w.head, w.batch);

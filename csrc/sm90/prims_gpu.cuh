@@ -59,8 +59,10 @@ struct GpuPrims {
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
     return t;
   }
-  static __device__ __forceinline__ int block_index() { return blockIdx.x; }
-  static __device__ __forceinline__ int grid_size() { return gridDim.x; }
+  // Unsigned, as the hardware's registers: the tile walks widen them to 64 bits, and a signed int there would cost
+  // sign extensions the kernels never had.
+  static __device__ __forceinline__ unsigned block_index() { return blockIdx.x; }
+  static __device__ __forceinline__ unsigned grid_size() { return gridDim.x; }
 
   // ---- whole-CTA and warp ----------------------------------------------------------------------------------------
   // Before the role split only: every thread of the CTA (the barrier inits visible to all).
