@@ -20,7 +20,7 @@ Environment knobs (read by setup.py and passed in as `Grid`):
                          the kernels' logic through them); `make test` builds them with "1". An emulation build
                          also holds SWEEP_EMU_SMOKE, the one emulated tuning variant the CPU tests run the sweep with.
     SINKATTN_DIAGNOSTIC  "0" (default). "1": the diagnostic GPU build: every sm90 mbarrier wait bounded, a hang
-                         printed (block, warp, barrier, phase) and trapped (sm90/pipeline.cuh); slower (a printf
+                         printed (block, warp, barrier, phase) and trapped (sm90/prims_gpu.cuh); slower (a printf
                          call serializes wgmma), for a GPU round's never-run kernels only.
     SINKATTN_SWEEP       "0" (default): no tuning variants. "1": the whole tuning grid of `make gpu-sweep`
                          (sweep_grid.py SWEEP_SM90, SWEEP_SM80, at the grid's head dims and dtypes; with emulation on,
@@ -53,7 +53,7 @@ class Grid:
     headdims: list[int]
     dtypes: list[str]
     emulation: bool = False
-    # SINKATTN_DIAGNOSTIC: every sm90 mbarrier wait bounded, a hang printed and trapped (sm90/pipeline.cuh);
+    # SINKATTN_DIAGNOSTIC: every sm90 mbarrier wait bounded, a hang printed and trapped (sm90/prims_gpu.cuh);
     # a compile define only (no unit changes), off by default.
     diagnostic: bool = False
     sweep: list[str] = field(default_factory=list)  # SINKATTN_SWEEP: [] off, [""] everything, else name substrings

@@ -80,16 +80,88 @@ def test_diagnostic_switch_off_by_default_and_units_unchanged():
         gen.parse_grid({"SINKATTN_DIAGNOSTIC": "maybe"})
 
 
-def test_every_sm90_barrier_wait_goes_through_the_diagnostic_seam():
-    """The diagnostic build bounds a wait only if it calls sm90/pipeline.cuh's wait_barrier: a raw CUTLASS wait in
-    an sm90 kernel would hang a diagnostic run as it hangs a normal one."""
-    import pathlib
+# The sm90 seam (csrc/sm90/pipeline.cuh: the protocol vocabulary; sm90/prims_gpu.cuh: GpuPrims, the hardware): the
+# kernel bodies reach TMA, mbarriers, named barriers, wgmma, setmaxnreg, the thread and block indices, atomics and
+# inline asm only through their `Hw` parameter, so that a host implementation (issue 28, Deliver 4) can run the same
+# bodies, and the diagnostic build bounds every mbarrier wait (GpuPrims::wait). What counts as raw, by kind:
+SM90_RAW = {
+    "inline asm": r"\basm\b",
+    "CUTLASS arch (mbarriers, named barriers, proxy fences, setmaxnreg)":
+        r"cutlass::arch::|\bCluster(Transaction)?Barrier\b|\bNamedBarrier::(sync|arrive)|\bwarpgroup_reg_(alloc|dealloc)\b",
+    "TMA": r"\bSM90_TMA_\w+|\bmake_tma_copy\b|\bprefetch_tma_descriptor\b|\.with\(",
+    "wgmma": r"\bwarpgroup_(arrive|commit_batch|wait|fence_operand)\b|(?<![\w:.])gemm\s*\(",
+    "thread and block indices": r"\b(threadIdx|blockIdx|gridDim|blockDim)\b",
+    "CUDA intrinsics": r"\b(__syncthreads|__syncwarp|__shfl\w*|__nanosleep|__threadfence\w*|atomic[A-Z]\w*|__trap|clock64)\b",
+    "shared-window addresses": r"\bcast_smem_ptr_to_uint\b|\b__cvta_generic_to_shared\b",
+}
+SM90_SEAM_IMPL = "prims_gpu.cuh"
+
+
+def _code_lines(text: str):
+    """(line number, code) with // and /* */ comments removed (string literals are kept as they are: none of the
+    sm90 files outside the seam has one with a comment marker)."""
     import re
+    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    for i, line in enumerate(text.splitlines()):
+        yield i + 1, line.split("//", 1)[0]
+
+
+def _raw_uses(name: str, text: str):
+    import re
+    return [(f"{name}:{n}", kind) for n, code in _code_lines(text)
+            for kind, pat in SM90_RAW.items() if re.search(pat, code)]
+
+
+def _sm90_files():
     sm90 = pathlib.Path(gen.__file__).parent / "sm90"
-    raw = [f"{p.name}:{i + 1}" for p in sorted(sm90.glob("*.cuh")) if p.name != "pipeline.cuh"
-           for i, line in enumerate(p.read_text().splitlines()) if re.search(r"Barrier::wait\(", line)]
-    assert raw == [], f"raw mbarrier waits outside wait_barrier: {raw}"
-    waits = sum(p.read_text().count("wait_barrier<") for p in sm90.glob("*_kernel.cuh"))
+    files = sorted(p for p in sm90.iterdir() if p.suffix in (".cuh", ".h"))
+    assert {"pipeline.cuh", SM90_SEAM_IMPL, "fwd_kernel.cuh", "bwd_kernel.cuh"} <= {p.name for p in files}
+    return files
+
+
+def test_sm90_hardware_primitives_only_in_the_seam():
+    """No sm90 file but prims_gpu.cuh issues a raw primitive; the kernels take them from Hw."""
+    raw = [u for p in _sm90_files() if p.name != SM90_SEAM_IMPL for u in _raw_uses(p.name, p.read_text())]
+    assert raw == [], f"raw hardware primitives outside sm90/{SM90_SEAM_IMPL} (go through Hw / GpuPrims): {raw}"
+
+
+def test_sm90_seam_patterns_are_live():
+    """The check above can fail: each kind is found in the GPU implementation itself, and a planted raw use of each
+    kind (as the kernels wrote them before the seam) is flagged, while the seam's calls are not."""
+    impl = next(p for p in _sm90_files() if p.name == SM90_SEAM_IMPL).read_text()
+    found = {kind for _, kind in _raw_uses(SM90_SEAM_IMPL, impl)}
+    assert found == set(SM90_RAW), set(SM90_RAW) - found
+    planted = {
+        "inline asm": 'asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));',
+        "CUTLASS arch (mbarriers, named barriers, proxy fences, setmaxnreg)":
+            "EmptyBarrier::arrive(&ss.k_empty[st]); cutlass::arch::fence_view_async_shared();",
+        "TMA": "copy(tma.k.with(ss.k_full[st]), tKgK(_, n), tKsK(_, st));",
+        "wgmma": "warpgroup_wait<0>();",
+        "thread and block indices": "if (threadIdx.x < 128) {",
+        "CUDA intrinsics": "while (atomicAdd(sem, 0) != turn) __nanosleep(32);",
+        "shared-window addresses": "uint32_t const a = cast_smem_ptr_to_uint(ss.ds);",
+    }
+    assert set(planted) == set(SM90_RAW)
+    for kind, line in planted.items():
+        assert kind in {k for _, k in _raw_uses("planted", line)}, kind
+    seam_calls = ("Hw::template wgmma<true>(mma_s, a, b, acc); Hw::template wgmma_wait<1>(); Hw::fence_operand(acc);"
+                  " wait_full<Hw>(ss.k_full, kv, BarrierId::kKFull); Hw::tma_load(tma.k, ss.k_full[st], src, dst);"
+                  " Hw::named_sync(256, id_of(NamedBarrier::kBwdDs)); // a comment: asm threadIdx.x gemm(")
+    assert _raw_uses("seam", seam_calls) == []
+
+
+def test_sm90_kernel_bodies_take_the_seam_as_a_parameter():
+    """The bodies name GpuPrims only where the __global__ wrapper picks it (fwd_cta / bwd_cta), so a host
+    implementation can take its place; every mbarrier wait is one of the seam's (the diagnostic build bounds
+    GpuPrims::wait), at least the 14 the two kernels have."""
+    import re
+    bodies = [p for p in _sm90_files() if p.name != SM90_SEAM_IMPL and not p.name.endswith("_launch.cuh")
+              and not p.name.endswith("_traits.h")]
+    named = [f"{p.name}:{n}" for p in bodies for n, code in _code_lines(p.read_text())
+             if "GpuPrims" in code and not re.search(r"\b(fwd|bwd)_cta<Kt, GpuPrims", code)]
+    assert named == [], f"kernel code naming GpuPrims instead of its Hw parameter: {named}"
+    kernels = [p.read_text() for p in bodies if p.name.endswith("_kernel.cuh")]
+    waits = sum(len(re.findall(r"\bwait_(full|empty)<Hw>\(|\bHw::wait\(", k)) for k in kernels)
     assert waits >= 14, waits
 
 

@@ -40,10 +40,10 @@ void launch_bwd(BwdParams const& p, cudaStream_t stream) {
   auto const gK = tensor(p.k, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
   auto const gV = tensor(p.v, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   auto const q_tile = take<0, 2>(typename Kt::SmemLayoutQ{});
-  BwdTmaParams<Kt> const tma{checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gQ, q_tile), "q"),
-                             checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gdO, q_tile), "dout"),
-                             checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gK, typename Kt::SmemLayoutKV{}), "k"),
-                             checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gV, typename Kt::SmemLayoutKV{}), "v")};
+  BwdTmaParams<Kt> const tma{checked_tma(GpuPrims::make_tma_load(gQ, q_tile), "q"),
+                             checked_tma(GpuPrims::make_tma_load(gdO, q_tile), "dout"),
+                             checked_tma(GpuPrims::make_tma_load(gK, typename Kt::SmemLayoutKV{}), "k"),
+                             checked_tma(GpuPrims::make_tma_load(gV, typename Kt::SmemLayoutKV{}), "v")};
   auto kernel = p.softcap > 0.f ? bwd_kernel<Kt, true> : bwd_kernel<Kt, false>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
   kernel<<<unsigned(grid.count()), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, tma, grid);

@@ -26,6 +26,7 @@
 #include "common/tile_order.h"
 #include "params.h"
 #include "sm90/bwd_tiles.h"
+#include "sm90/prims_gpu.cuh"
 #include "sm90/tma_gmem.h"
 
 namespace sinkattn::sm90 {
@@ -34,17 +35,17 @@ using namespace cute;
 
 namespace bwd {
 
-// The CTA's work, derived from blockIdx.x once (thread 0, into SharedStorage::work) and read by every thread.
+// The CTA's work, derived from the CTA's index once (thread 0, into SharedStorage::work) and read by every thread.
 struct Work {
   int n_block, head, batch, m_begin, m_end;
   SeqExtent ext;
   TileMask mask;
 
   template <class Kt>
-  static __device__ Work make(BwdParams const& p, BwdTileOrder const& grid) {
+  static __device__ Work make(BwdParams const& p, BwdTileOrder const& grid, unsigned block) {
     Work w;
     int split;
-    grid.decode(blockIdx.x, w.n_block, split, w.head, w.batch);
+    grid.decode(block, w.n_block, split, w.head, w.batch);
     w.ext = seq_extent(p, w.batch);
     w.mask = TileMask{mask_policy(p, w.ext), Kt::kBlockM, Kt::kBlockN, 1};
     w.m_begin = w.m_end = 0;
@@ -110,8 +111,9 @@ struct BwdTraits {
 
   // Global tensors as TMA sees them: (rows, head dim, heads, batch), the head dim contiguous (varlen: batch 1).
   using GmemTensor = TmaGmemTensor<Element>;  // sm90/tma_gmem.h
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), take<0, 2>(SmemLayoutQ{})));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutKV{}));
+  // The TMA load types (sm90/prims_gpu.cuh): one Q or dO stage, the K or V block.
+  using TmaQ = TmaLoad<GmemTensor, decltype(take<0, 2>(SmemLayoutQ{}))>;
+  using TmaKV = TmaLoad<GmemTensor, SmemLayoutKV>;
 
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);

@@ -1,37 +1,25 @@
 // fwd_epilogue.cuh: the sm90 forward's epilogue: one consumer warpgroup's 64 rows of O out through shared memory
 // in 16-byte stores, predicated on the sequence's rows (varlen rows past the end belong to the next sequence),
-// and the LSE per row.
+// and the LSE per row. Its shared-memory loads and named barrier go through Hw (sm90/prims_gpu.cuh GpuPrims).
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
 
 #include "common/seq_extent.h"
 #include "params.h"
+#include "sm90/pipeline.cuh"
 
 namespace sinkattn::sm90 {
 
 using namespace cute;
 
-// Named barriers (ids above CUTLASS's reserved ones): kBarTurn0 + w gives consumer warpgroup w the tensor cores
-// (ping-pong), kBarTurn0 + warpgroups + w orders warpgroup w's O writes to shared memory before its own global
-// stores (2 + w in the two-warpgroup tiles).
-enum : uint32_t { kBarTurn0 = 0 };
-
-// 16-byte shared-memory load through a 32-bit shared address (a generic pointer would hold 64 bits per
-// precomputed address, which the epilogue then spills).
-__device__ __forceinline__ uint4 lds128(void const* ptr) {
-  uint32_t const addr = cast_smem_ptr_to_uint(ptr);
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-
 // O (finalized, in registers) into warpgroup wg's 64 rows of this tile's Q buffer `smem_q` (its own wgmmas
 // were their last readers and have completed), the LSE of its rows, then 16-byte stores of the rows inside
-// the sequence. tid: the thread's index in its warpgroup.
-template <class Kt, class ThrMma, class AccO, class CoordsO, int kRows>
+// the sequence. tid: the thread's index in its warpgroup. O's shared-memory loads are 16-byte loads through 32-bit
+// shared addresses (Hw::lds128: a generic pointer would hold 64 bits per precomputed address, which the epilogue
+// then spilled).
+template <class Kt, class Hw, class ThrMma, class AccO, class CoordsO, int kRows>
 __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::Element* smem_q, ThrMma const& thr_o,
                                               AccO const& tOrO, CoordsO const& tOcO, float const (&lse)[kRows],
                                               int m_block, int head, int batch, SeqExtent const& ext, int wg, int tid) {
@@ -51,7 +39,7 @@ __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::E
     if (get<1>(tOcO(r, 0)) == 0 && m0 + row < ext.seqlen_q) p.lse[lse_head + m0 + row] = lse[r];
   }
 
-  cutlass::arch::NamedBarrier::sync(128, kBarTurn0 + Kt::kConsumerWarpgroups + wg);
+  Hw::named_sync(128, FwdNamedBarriers<Kt::kConsumerWarpgroups>::o_stored(wg));
   Element* o_seq =
       static_cast<Element*>(p.out) + ext.q_row(batch, p.o_batch_stride, p.o_row_stride, p.o_head_stride, head);
   constexpr int kVecsPerRow = kHeadDim / 8;
@@ -60,7 +48,7 @@ __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::E
   for (int v = tid; v < kVecs; v += 128) {
     int const row = wg * 64 + v / kVecsPerRow, col = (v % kVecsPerRow) * 8;
     if (m0 + row < ext.seqlen_q && col < p.headdim) {
-      uint4 const val = lds128(&sO(row, col));
+      uint4 const val = Hw::lds128(&sO(row, col));
       *reinterpret_cast<uint4*>(o_seq + int64_t(m0 + row) * p.o_row_stride + col) = val;
     }
   }

@@ -13,13 +13,13 @@
 //     (varlen rows past the end belong to the next sequence), with the LSE per row.
 // The grid is persistent: CTA c takes tiles c, c + gridDim.x, ... in the forward's tile order
 // (common/tile_order.h: last M tiles first; under a causal mask they are the heaviest).
+// Every hardware primitive goes through Hw (sm90/prims_gpu.cuh GpuPrims on the GPU), the ring positions, barrier ids
+// and warp roles are sm90/pipeline.cuh's: the body says what the protocol is, the seam how it is issued.
 #pragma once
 #include <cmath>
 #include <cuda_runtime.h>
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
 
 #include "common/defs.h"
 #include "common/mask.h"
@@ -30,14 +30,13 @@
 #include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_traits.h"
 #include "sm90/pipeline.cuh"
+#include "sm90/prims_gpu.cuh"
 #include "sm90/smem_utils.cuh"
 #include "sm90/wgmma_utils.cuh"
 
 namespace sinkattn::sm90 {
 
 using namespace cute;
-using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
-using EmptyBarrier = cutlass::arch::ClusterBarrier;
 
 // What producer and consumers both derive from a tile index, so their barrier sequences match.
 template <class Kt>
@@ -62,50 +61,48 @@ struct TileWork {
 // (static) every gridDim.x-th of the tile order, or (kDynamicTiles) the next index drawn from p.tile_counter by
 // the producer, which hands each index (the first too) to the consumers through a two-slot ring in shared
 // memory; an index >= count ends the walk for all of them.
-// The slot's plain accesses stay between the wait and the arrive through compiler_fence (sm90/smem_utils.cuh).
-template <class Kt>
+// The slot's plain accesses stay between the wait and the arrive through Hw::compiler_fence.
+template <class Kt, class Hw>
 struct TileWalk {
   typename Kt::SharedStorage& ss;
   int64_t count;
-  int round = 0;
+  PipelineState<2> round{};  // the two-slot ring's position (one step per round, dynamic or not)
 
   // Producer: the index of this round (published to the consumers when dynamic).
   __device__ int64_t publish(int64_t t) {
     if constexpr (Kt::kDynamicTiles) {
-      int const slot = round & 1, phase = (round >> 1) & 1;
-      wait_barrier<EmptyBarrier>(&ss.tile_empty[slot], phase ^ 1, BarrierId::kTileEmpty, slot);
-      compiler_fence();
-      ss.tile_index[slot] = t;
-      compiler_fence();
-      EmptyBarrier::arrive(&ss.tile_full[slot]);
+      wait_empty<Hw>(ss.tile_empty, round, BarrierId::kTileEmpty);
+      Hw::compiler_fence();
+      ss.tile_index[round.index()] = t;
+      Hw::compiler_fence();
+      Hw::arrive(&ss.tile_full[round.index()]);
     }
-    ++round;
+    round.advance();
     return t;
   }
   __device__ int64_t producer_next(FwdParams const& p, int64_t t) const {
-    if constexpr (Kt::kDynamicTiles) return int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1);
-    return t + gridDim.x;
+    if constexpr (Kt::kDynamicTiles) return int64_t(Hw::grid_size()) + Hw::fetch_add(p.tile_counter, 1);
+    return t + Hw::grid_size();
   }
   // Consumers: the index of this round (t is the static walk's).
   __device__ int64_t consumer_next(int64_t t) {
     if constexpr (Kt::kDynamicTiles) {
-      int const slot = round & 1, phase = (round >> 1) & 1;
-      wait_barrier<EmptyBarrier>(&ss.tile_full[slot], phase, BarrierId::kTileFull, slot);
-      compiler_fence();
-      t = ss.tile_index[slot];
-      compiler_fence();
-      EmptyBarrier::arrive(&ss.tile_empty[slot]);
+      wait_full<Hw>(ss.tile_full, round, BarrierId::kTileFull);
+      Hw::compiler_fence();
+      t = ss.tile_index[round.index()];
+      Hw::compiler_fence();
+      Hw::arrive(&ss.tile_empty[round.index()]);
     }
-    ++round;
+    round.advance();
     return t;
   }
 };
 
 // The producer (one thread): every TMA load of this CTA's tiles, in schedule order, from (rows, d, heads,
 // batch) views of q, k and v.
-template <class Kt>
-__device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
-                        typename Kt::SharedStorage& ss) {
+template <class Kt, class Hw>
+SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
+                         typename Kt::SharedStorage& ss) {
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQs{});  // (M, d, Q buffer)
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKV{});
@@ -117,9 +114,10 @@ __device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persistent
   Tensor mV = tma.v.get_tma_tensor(make_shape(max_i(varlen ? p.total_k : p.seqlen_k, 1), p.headdim, p.nheads_k, bdim));
   int const group = p.nheads / p.nheads_k;
 
-  int q_round = 0, kv_it = 0;
-  TileWalk<Kt> walk{ss, sched.count()};
-  for (int64_t t = walk.publish(blockIdx.x); t < walk.count; t = walk.publish(walk.producer_next(p, t))) {
+  PipelineState<Kt::kQBuffers> qs;  // Q buffers, one step per tile
+  PipelineState<kStages> kv;        // K/V stages, one step per key block
+  TileWalk<Kt, Hw> walk{ss, sched.count()};
+  for (int64_t t = walk.publish(Hw::block_index()); t < walk.count; t = walk.publish(walk.producer_next(p, t))) {
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
     int const b = varlen ? 0 : w.batch, hk = w.head / group;
@@ -134,68 +132,63 @@ __device__ void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persistent
     auto [tVgV, tVsV] = tma_partition(tma.v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
     int const nblocks = w.range.count();
-    auto load_k = [&](int i, int it) {  // block i of the range, pipeline slot it
-      int const st = it % kStages, phase = (it / kStages) & 1;
-      wait_barrier<EmptyBarrier>(&ss.k_empty[st], phase ^ 1, BarrierId::kKEmpty, st);
-      FullBarrier::arrive_and_expect_tx(&ss.k_full[st], Kt::kKVBytes);
-      copy(tma.k.with(ss.k_full[st]), tKgK(_, w.range.block(i)), tKsK(_, st));
+    auto load_k = [&](int i, PipelineState<kStages> const& s) {  // block i of the range into stage s
+      int const st = s.index();
+      wait_empty<Hw>(ss.k_empty, s, BarrierId::kKEmpty);
+      Hw::arrive_expect_tx(&ss.k_full[st], Kt::kKVBytes);
+      Hw::tma_load(tma.k, ss.k_full[st], tKgK(_, w.range.block(i)), tKsK(_, st));
     };
     // The first K block goes out before the wait for Q's buffer, which also carries an earlier tile's O out
     // (with one buffer the previous tile's: this K load then overlaps the consumers' epilogue).
-    if (nblocks > 0) load_k(0, kv_it);
-    int const qb = q_round % Kt::kQBuffers;
-    wait_barrier<EmptyBarrier>(&ss.q_empty[qb], ((q_round / Kt::kQBuffers) & 1) ^ 1, BarrierId::kQEmpty, qb);
-    FullBarrier::arrive_and_expect_tx(&ss.q_full[qb], Kt::kQBytes);
-    copy(tma.q.with(ss.q_full[qb]), tQgQ, tQsQ(_, qb));
-    ++q_round;
+    if (nblocks > 0) load_k(0, kv);
+    int const qb = qs.index();
+    wait_empty<Hw>(ss.q_empty, qs, BarrierId::kQEmpty);
+    Hw::arrive_expect_tx(&ss.q_full[qb], Kt::kQBytes);
+    Hw::tma_load(tma.q, ss.q_full[qb], tQgQ, tQsQ(_, qb));
+    qs.advance();
 
-    for (int i = 0; i < nblocks; ++i, ++kv_it) {
-      int const n = w.range.block(i), st = kv_it % kStages, phase = (kv_it / kStages) & 1;
-      if (i > 0) load_k(i, kv_it);
-      wait_barrier<EmptyBarrier>(&ss.v_empty[st], phase ^ 1, BarrierId::kVEmpty, st);
-      FullBarrier::arrive_and_expect_tx(&ss.v_full[st], Kt::kKVBytes);
-      copy(tma.v.with(ss.v_full[st]), tVgV(_, n), tVsV(_, st));
+    for (int i = 0; i < nblocks; ++i, kv.advance()) {
+      int const n = w.range.block(i), st = kv.index();
+      if (i > 0) load_k(i, kv);
+      wait_empty<Hw>(ss.v_empty, kv, BarrierId::kVEmpty);
+      Hw::arrive_expect_tx(&ss.v_full[st], Kt::kKVBytes);
+      Hw::tma_load(tma.v, ss.v_full[st], tVgV(_, n), tVsV(_, st));
     }
   }
 }
-
-// The row reductions of the online softmax (common/online_softmax.h) across a quad's lanes.
-struct WarpShuffle {
-  static __device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
-    return __shfl_xor_sync(0xffffffffu, x, lane_mask);
-  }
-};
 
 // Ping-pong: a consumer warpgroup waits for its turn at the tensor cores, issues its GEMMs, then hands
 // the turn to the next (round robin over kWarpgroups; two in the default tiles). Per tile each warpgroup
 // takes nblocks + 1 turns; the last warpgroup gives warpgroup 0 the first turn up front and skips handing
 // over after its last, so every barrier is balanced per tile. kOn false: no turns (each issues when ready).
-template <int kWarpgroups, bool kOn>
+template <class Hw, int kWarpgroups, bool kOn>
 struct PingPong {
+  using Ids = FwdNamedBarriers<kWarpgroups>;
   int wg;
   static constexpr bool kActive = kOn && kWarpgroups > 1;
   __device__ void begin() const {
-    if constexpr (kActive) cutlass::arch::NamedBarrier::sync(256, kBarTurn0 + wg);
+    if constexpr (kActive) Hw::named_sync(256, Ids::turn(wg));
   }
   __device__ void end(bool last_of_tile) const {
     if constexpr (kActive) {
-      if (wg + 1 < kWarpgroups) cutlass::arch::NamedBarrier::arrive(256, kBarTurn0 + wg + 1);
-      else if (!last_of_tile) cutlass::arch::NamedBarrier::arrive(256, kBarTurn0);
+      if (wg + 1 < kWarpgroups) Hw::named_arrive(256, Ids::turn(wg + 1));
+      else if (!last_of_tile) Hw::named_arrive(256, Ids::turn(0));
     }
   }
   __device__ void tile_start() const {
     if constexpr (kActive) {
-      if (wg == kWarpgroups - 1) cutlass::arch::NamedBarrier::arrive(256, kBarTurn0);
+      if (wg == kWarpgroups - 1) Hw::named_arrive(256, Ids::turn(0));
     }
   }
 };
 
-template <class Kt>
-__device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, typename Kt::SharedStorage& ss, int ctid) {
+template <class Kt, class Hw>
+SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, typename Kt::SharedStorage& ss,
+                         int ctid) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
-  int const wg = ctid / 128;
-  PingPong<Kt::kConsumerWarpgroups, Kt::kPingPong> const turn{wg};
+  int const wg = WarpRoles::consumer_warpgroup(ctid);
+  PingPong<Hw, Kt::kConsumerWarpgroups, Kt::kPingPong> const turn{wg};
 
   typename Kt::TiledMmaS mma_s;
   typename Kt::TiledMmaO mma_o;
@@ -221,13 +214,15 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
   static_assert(kRows == 2);
   ScoreScale<> const score{p.softmax_scale, p.softcap};
 
-  int q_round = 0, kv_it = 0;
-  TileWalk<Kt> walk{ss, sched.count()};
-  for (int64_t t = walk.consumer_next(blockIdx.x); t < walk.count; t = walk.consumer_next(t + gridDim.x)) {
+  PipelineState<Kt::kQBuffers> qs;
+  PipelineState<kStages> kv;
+  TileWalk<Kt, Hw> walk{ss, sched.count()};
+  for (int64_t t = walk.consumer_next(Hw::block_index()); t < walk.count;
+       t = walk.consumer_next(t + Hw::grid_size())) {
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
     int const m0 = w.m_block * kBlockM;
-    OnlineSoftmax<kRows, WarpShuffle> softmax;
+    OnlineSoftmax<kRows, Hw> softmax;  // its quad reductions: Hw::shfl_xor
     clear(tOrO);
 
     // The element mask's per-block question, the rule the sm80 forward asks too (common/mask.h mask_test): the
@@ -250,56 +245,53 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
       for (int i = 0; i < size(tSrS); ++i) rP(i) = Element(tSrS(i));
     };
 
-    int const qb = q_round % Kt::kQBuffers;
-    wait_barrier<FullBarrier>(&ss.q_full[qb], (q_round / Kt::kQBuffers) & 1, BarrierId::kQFull, qb);
+    int const qb = qs.index();
+    wait_full<Hw>(ss.q_full, qs, BarrierId::kQFull);
     int const nblocks = w.range.count();
     if (nblocks > 0) {
       turn.tile_start();
-      int st = kv_it % kStages, phase = (kv_it / kStages) & 1;
-      wait_barrier<FullBarrier>(&ss.k_full[st], phase, BarrierId::kKFull, st);
+      wait_full<Hw>(ss.k_full, kv, BarrierId::kKFull);
       turn.begin();
-      wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, st), tSrS);
+      Hw::template wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, kv.index()), tSrS);
       turn.end(false);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-      EmptyBarrier::arrive(&ss.k_empty[st]);
+      Hw::template wgmma_wait<0>();
+      Hw::fence_operand(tSrS);
+      Hw::arrive(&ss.k_empty[kv.index()]);
       softmax_block(w.range.block(0));
       convert_p();
 
       for (int i = 1; i < nblocks; ++i) {
-        int const st_prev = st, phase_prev = phase;
-        ++kv_it;
-        st = kv_it % kStages;
-        phase = (kv_it / kStages) & 1;
-        wait_barrier<FullBarrier>(&ss.k_full[st], phase, BarrierId::kKFull, st);
+        PipelineState<kStages> const prev = kv;  // block i - 1's stage: its V is read below
+        kv.advance();
+        wait_full<Hw>(ss.k_full, kv, BarrierId::kKFull);
         turn.begin();
-        wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, st), tSrS);
-        wait_barrier<FullBarrier>(&ss.v_full[st_prev], phase_prev, BarrierId::kVFull, st_prev);
-        warpgroup_fence_operand(tOrP);
-        wgmma<false>(mma_o, tOrP, tOrV(_, _, _, st_prev), tOrO);
+        Hw::template wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, kv.index()), tSrS);
+        wait_full<Hw>(ss.v_full, prev, BarrierId::kVFull);
+        Hw::fence_operand(tOrP);
+        Hw::template wgmma<false>(mma_o, tOrP, tOrV(_, _, _, prev.index()), tOrO);
         turn.end(false);
-        warpgroup_wait<1>();  // S of block i is in; P V of block i-1 may still run
-        warpgroup_fence_operand(tSrS);
-        EmptyBarrier::arrive(&ss.k_empty[st]);
+        Hw::template wgmma_wait<1>();  // S of block i is in; P V of block i-1 may still run
+        Hw::fence_operand(tSrS);
+        Hw::arrive(&ss.k_empty[kv.index()]);
         softmax_block(w.range.block(i));
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tOrO);
-        warpgroup_fence_operand(tOrP);
-        EmptyBarrier::arrive(&ss.v_empty[st_prev]);
+        Hw::template wgmma_wait<0>();
+        Hw::fence_operand(tOrO);
+        Hw::fence_operand(tOrP);
+        Hw::arrive(&ss.v_empty[prev.index()]);
         softmax.rescale_rows(out_rows, correction);
         convert_p();
       }
 
-      wait_barrier<FullBarrier>(&ss.v_full[st], phase, BarrierId::kVFull, st);
+      wait_full<Hw>(ss.v_full, kv, BarrierId::kVFull);
       turn.begin();
-      warpgroup_fence_operand(tOrP);
-      wgmma<false>(mma_o, tOrP, tOrV(_, _, _, st), tOrO);
+      Hw::fence_operand(tOrP);
+      Hw::template wgmma<false>(mma_o, tOrP, tOrV(_, _, _, kv.index()), tOrO);
       turn.end(true);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
-      warpgroup_fence_operand(tOrP);
-      EmptyBarrier::arrive(&ss.v_empty[st]);
-      ++kv_it;
+      Hw::template wgmma_wait<0>();
+      Hw::fence_operand(tOrO);
+      Hw::fence_operand(tOrP);
+      Hw::arrive(&ss.v_empty[kv.index()]);
+      kv.advance();
     }
 
     // ---- finalize: the sink joins the denominator once per row ---------------------------------------
@@ -312,13 +304,55 @@ __device__ void consume(FwdParams const& p, PersistentTileOrder const& sched, ty
       CUTE_UNROLL
       for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
     }
-    store_out_lse<Kt>(p, ss.q + qb * cosize_v<typename Kt::SmemLayoutQ>, thr_o, tOrO, tOcO, lse, w.m_block, w.head,
-                      w.batch, w.ext, wg, ctid % 128);
+    store_out_lse<Kt, Hw>(p, ss.q + qb * cosize_v<typename Kt::SmemLayoutQ>, thr_o, tOrO, tOcO, lse, w.m_block,
+                          w.head, w.batch, w.ext, wg, WarpRoles::thread_in_warpgroup(ctid));
     // Every read of O's shared memory is done before the producer's next Q load (an async-proxy write)
     // may land there.
-    cutlass::arch::fence_view_async_shared();
-    EmptyBarrier::arrive(&ss.q_empty[qb]);
-    ++q_round;
+    Hw::fence_async_shared();
+    Hw::arrive(&ss.q_empty[qb]);
+    qs.advance();
+  }
+}
+
+// One CTA of the forward, on whatever implements the primitives (Hw). Full barriers count the producer's one
+// arrival (with its expected TMA bytes; tile_full: its plain store of the index), empty barriers one arrival per
+// consumer thread.
+template <class Kt, class Hw>
+SA_DEVICE void fwd_cta(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched, char* smem) {
+  auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(smem);
+  unsigned const tid = Hw::thread_index();
+  if (WarpRoles::initializer(tid)) {
+    CUTE_UNROLL
+    for (int b = 0; b < Kt::kQBuffers; ++b) {
+      Hw::barrier_init(&ss.q_full[b], 1);
+      Hw::barrier_init(&ss.q_empty[b], 128 * Kt::kConsumerWarpgroups);
+    }
+    CUTE_UNROLL
+    for (int s = 0; s < Kt::kStages; ++s) {
+      Hw::barrier_init(&ss.k_full[s], 1);
+      Hw::barrier_init(&ss.v_full[s], 1);
+      Hw::barrier_init(&ss.k_empty[s], 128 * Kt::kConsumerWarpgroups);
+      Hw::barrier_init(&ss.v_empty[s], 128 * Kt::kConsumerWarpgroups);
+    }
+    if constexpr (Kt::kDynamicTiles) {
+      for (int s = 0; s < 2; ++s) {
+        Hw::barrier_init(&ss.tile_full[s], 1);
+        Hw::barrier_init(&ss.tile_empty[s], 128 * Kt::kConsumerWarpgroups);
+      }
+    }
+    Hw::prefetch_tma(tma.q);
+    Hw::prefetch_tma(tma.k);
+    Hw::prefetch_tma(tma.v);
+  }
+  Hw::fence_barrier_init();
+  Hw::sync_threads();
+
+  if (WarpRoles::producer(tid)) {
+    Hw::template setmaxnreg_dec<Kt::kProducerRegs>();
+    if (WarpRoles::tma_thread(tid)) produce<Kt, Hw>(p, tma, sched, ss);
+  } else {
+    Hw::template setmaxnreg_inc<Kt::kConsumerRegs>();
+    consume<Kt, Hw>(p, sched, ss, WarpRoles::consumer_thread(tid));
   }
 }
 
@@ -326,40 +360,7 @@ template <class Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     fwd_kernel(__grid_constant__ const FwdParams p, __grid_constant__ const TmaParams<Kt> tma, PersistentTileOrder const sched) {
   extern __shared__ __align__(1024) char smem[];
-  auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(smem);
-  if (threadIdx.x == 0) {
-    CUTE_UNROLL
-    for (int b = 0; b < Kt::kQBuffers; ++b) {
-      FullBarrier::init(&ss.q_full[b], 1);
-      EmptyBarrier::init(&ss.q_empty[b], 128 * Kt::kConsumerWarpgroups);
-    }
-    CUTE_UNROLL
-    for (int s = 0; s < Kt::kStages; ++s) {
-      FullBarrier::init(&ss.k_full[s], 1);
-      FullBarrier::init(&ss.v_full[s], 1);
-      EmptyBarrier::init(&ss.k_empty[s], 128 * Kt::kConsumerWarpgroups);
-      EmptyBarrier::init(&ss.v_empty[s], 128 * Kt::kConsumerWarpgroups);
-    }
-    if constexpr (Kt::kDynamicTiles) {
-      for (int s = 0; s < 2; ++s) {
-        EmptyBarrier::init(&ss.tile_full[s], 1);
-        EmptyBarrier::init(&ss.tile_empty[s], 128 * Kt::kConsumerWarpgroups);
-      }
-    }
-    prefetch_tma_descriptor(tma.q.get_tma_descriptor());
-    prefetch_tma_descriptor(tma.k.get_tma_descriptor());
-    prefetch_tma_descriptor(tma.v.get_tma_descriptor());
-  }
-  cutlass::arch::fence_barrier_init();
-  __syncthreads();
-
-  if (threadIdx.x < 128) {
-    cutlass::arch::warpgroup_reg_dealloc<Kt::kProducerRegs>();
-    if (threadIdx.x == 0) produce<Kt>(p, tma, sched, ss);
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<Kt::kConsumerRegs>();
-    consume<Kt>(p, sched, ss, int(threadIdx.x) - 128);
-  }
+  fwd_cta<Kt, GpuPrims>(p, tma, sched, smem);
 }
 
 }  // namespace sinkattn::sm90

@@ -59,9 +59,9 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   auto const gV = rows_k > 0 ? tensor(p.v, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride)
                              : gK;
   TmaParams<Kt> const tma{
-      checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gQ, typename Kt::SmemLayoutQ{}), "q"),
-      checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(typename Kt::SmemLayoutKV{})), "k"),
-      checked_tma(make_tma_copy(SM90_TMA_LOAD{}, gV, take<0, 2>(typename Kt::SmemLayoutKV{})), "v")};
+      checked_tma(GpuPrims::make_tma_load(gQ, typename Kt::SmemLayoutQ{}), "q"),
+      checked_tma(GpuPrims::make_tma_load(gK, take<0, 2>(typename Kt::SmemLayoutKV{})), "k"),
+      checked_tma(GpuPrims::make_tma_load(gV, take<0, 2>(typename Kt::SmemLayoutKV{})), "v")};
 
   int const sms = sm_count();
   int const grid = int(tiles < sms ? tiles : sms);

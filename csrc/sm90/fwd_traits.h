@@ -13,6 +13,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "sm90/fwd_tiles.h"
+#include "sm90/prims_gpu.cuh"
 #include "sm90/tma_gmem.h"
 
 namespace sinkattn::sm90 {
@@ -64,8 +65,9 @@ struct FwdTraits {
   // Global tensors as TMA sees them: (rows, head dim, heads, batch), the head dim contiguous. Varlen packs
   // every sequence in the rows with batch 1.
   using GmemTensor = TmaGmemTensor<Element>;  // sm90/tma_gmem.h
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutQ{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), take<0, 2>(SmemLayoutKV{})));
+  // The TMA load types (sm90/prims_gpu.cuh): one Q tile, one K or V stage.
+  using TmaQ = TmaLoad<GmemTensor, SmemLayoutQ>;
+  using TmaKV = TmaLoad<GmemTensor, decltype(take<0, 2>(SmemLayoutKV{}))>;
 
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);

@@ -1,6 +1,6 @@
-// wgmma_utils.cuh: what the sm90 kernels (forward and backward) share about wgmma: issuing one product over its
-// K mode, and the register layouts of an accumulator (its rows and columns; S or dS as the A operand of the next
-// product).
+// wgmma_utils.cuh: what the sm90 kernels (forward and backward) share about wgmma's register layouts: an
+// accumulator's rows and columns, and S or dS as the register A operand of the next product (layouts only; issuing
+// a product is the seam's, sm90/prims_gpu.cuh GpuPrims::wgmma).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -9,20 +9,6 @@
 namespace sinkattn::sm90 {
 
 using namespace cute;
-
-// acc (+)= A * B over the K mode on wgmma, committed as one batch; the caller waits with warpgroup_wait.
-template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void wgmma(TiledMma& mma, TA const& a, TB const& b, TC& acc) {
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
-    gemm(mma, a(_, _, k), b(_, _, k), acc);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-}
 
 // ((2 cols, 2 row halves, N/8), M, N) -> ((2 row halves, M), (2 cols, N/8, N)): rows and columns of a
 // wgmma accumulator (each thread holds 2 rows; the 4 lanes of a quad share them).
