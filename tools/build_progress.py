@@ -39,7 +39,9 @@ HEARTBEAT_S = float(os.environ.get("SINKATTN_HEARTBEAT_S", "25"))
 UNIT_COST_S = {"fwd_sm80": 40.0, "fwd_sm80_keys": 36.0, "fwd_sm80_softcap": 24.0, "bwd_sm80": 30.0,
                "bwd_sm80_small": 31.0, "bwd_sm80_softcap": 22.0, "fwd_sm90": 19.0, "bwd_sm90": 24.0, "fwd_emu": 55.0, "fwd_emu_keys": 40.0,
                "fwd_emu_softcap": 12.0, "bwd_emu": 40.0, "merge": 4.0, "build_info": 2.0,
-               "sweep_fwd_sm90": 16.0, "sweep_fwd_sm80": 25.0, "sweep_fwd_emu": 12.0}
+               "sweep_fwd_sm90": 16.0, "sweep_fwd_sm80": 25.0, "sweep_fwd_emu": 12.0,
+               # the FP8-cache decode units (2026-12-02: about the hd128 forward unit's time in the same build)
+               "fwd_fp8_sm80": 40.0, "fwd_fp8_emu": 30.0}
 DEFAULT_COST_S = 30.0
 
 
