@@ -393,11 +393,13 @@ SA_DEVICE void bwd_cta(BwdParams const& p, BwdTmaParams<Kt> const& tma, BwdTileO
 
 // kSoftcap: softcap compiled in (the launcher picks this kernel when softcap > 0); a tanh per element takes
 // registers the plain kernel's passes then do not have to share.
+#if defined(__CUDACC__)  // the GPU's kernel; the host emulation runs bwd_cta<Kt, HostPrims, ...>
 template <class Kt, bool kSoftcap>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     bwd_kernel(__grid_constant__ const BwdParams p, __grid_constant__ const BwdTmaParams<Kt> tma, BwdTileOrder const grid) {
   extern __shared__ __align__(1024) char smem[];
   bwd_cta<Kt, GpuPrims, kSoftcap>(p, tma, grid, smem);
 }
+#endif
 
 }  // namespace sinkattn::sm90

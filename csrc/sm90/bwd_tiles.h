@@ -2,6 +2,10 @@
 // deterministic-mode counters and the registry read it).
 #pragma once
 
+// What the sm90 backward serves (recorded in the registry, shown by the report), on the GPU and under host emulation:
+// all of the sm80 backward's.
+#define SINKATTN_BWD_SM90_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic"
+
 namespace sinkattn::sm90 {
 
 struct BwdTile {

@@ -356,11 +356,13 @@ SA_DEVICE void fwd_cta(FwdParams const& p, TmaParams<Kt> const& tma, PersistentT
   }
 }
 
+#if defined(__CUDACC__)  // the GPU's kernel; the host emulation runs fwd_cta<Kt, HostPrims> (emu/fwd_sm90_emu.h)
 template <class Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     fwd_kernel(__grid_constant__ const FwdParams p, __grid_constant__ const TmaParams<Kt> tma, PersistentTileOrder const sched) {
   extern __shared__ __align__(1024) char smem[];
   fwd_cta<Kt, GpuPrims>(p, tma, sched, smem);
 }
+#endif
 
 }  // namespace sinkattn::sm90

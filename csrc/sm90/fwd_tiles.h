@@ -3,6 +3,9 @@
 // compiles other FwdTile values beside them, which dispatch never picks.
 #pragma once
 
+// What the sm90 forward serves (recorded in the registry, shown by the report), on the GPU and under host emulation.
+#define SINKATTN_FWD_SM90_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen"
+
 namespace sinkattn::sm90 {
 
 struct FwdTile {

@@ -40,6 +40,9 @@ namespace sinkattn::sm90 {
 template <class GmemTensor, class SmemLayout>
 using TmaLoad = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayout{}));
 
+// The GPU implementation only where nvcc compiles (the host emulation's units include this header for TmaLoad and
+// take emu/sm90_prims.h HostPrims instead).
+#if defined(__CUDACC__)
 struct GpuPrims {
   // ---- host side: descriptors --------------------------------------------------------------------------------
   // The descriptor of a TMA load of `smem_layout` boxes from `gmem` (cuTensorMapEncodeTiled through CuTe; the
@@ -223,5 +226,6 @@ struct GpuPrims {
   static __device__ __forceinline__ void thread_fence() { __threadfence(); }
   static __device__ __forceinline__ void signal(int* p, int value) { atomicExch(p, value); }
 };
+#endif  // __CUDACC__
 
 }  // namespace sinkattn::sm90
