@@ -131,7 +131,8 @@ static int served_headdim(int d) {
 }
 
 // Writes out (like q) and lse (fp32: (batch, nheads, seqlen_q), or (nheads, total_q) when varlen) in place.
-// backend: "sm80" (CUDA tensors) or "sm80-emulated" (CPU tensors, the same kernel body under host emulation).
+// backend: "sm90" / "sm80" (CUDA tensors) or "sm80-emulated" / "sm90-emulated" (CPU tensors, the same kernel bodies
+// under host emulation).
 // max_smem: the shared-memory limit that picks the tile configuration; 0 = the device's (GPU) or sm80's (emulated).
 static void check_kernel_tensors(std::vector<at::Tensor const*> const& ts, bool emulated, std::string const& backend) {
   for (auto const* t : ts) {
@@ -184,12 +185,16 @@ static KernelInfo const* variant_kernel(std::string const& backend, at::Tensor c
   return info;
 }
 
-static bool variant_emulated(KernelInfo const* info) { return std::string(info->family) == "sm80-emulated-sweep"; }
+static bool variant_emulated(KernelInfo const* info) { return std::string(info->family).ends_with("-emulated-sweep"); }
+static bool variant_sm90(KernelInfo const* info) { return std::string(info->family).starts_with("sm90"); }
 
 // The shared-memory limit per block that picks the tiles (p.max_smem_per_block): the device's opt-in limit, or
 // under emulation an A100's (EmuLaunch); max_smem > 0 overrides it (tests: the sm86 / sm89 tiles), on a GPU
 // never above the device's.
-static int smem_limit(bool emulated, int64_t max_smem, at::Device device) {
+// The sm90 kernels under emulation get an H100's 227 KB (their one tile per kernel is not picked by the limit; a
+// variant is checked against it).
+static int smem_limit(bool emulated, int64_t max_smem, at::Device device, bool sm90 = false) {
+  if (emulated && sm90) return 227 * 1024;
   if (emulated) return max_smem > 0 ? int(max_smem) : EmuLaunch{}.max_smem_per_block;
   int smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
@@ -290,7 +295,8 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
                 std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                 int64_t window_left, int64_t window_right, int64_t sink_tokens, double softcap, int64_t max_smem) {
   auto const* variant = is_variant(backend) ? variant_kernel(backend, q, softcap) : nullptr;
-  bool const emulated = variant ? variant_emulated(variant) : backend == "sm80-emulated";
+  bool const emulated = variant ? variant_emulated(variant) : backend == "sm80-emulated" || backend == "sm90-emulated";
+  bool const sm90 = variant ? variant_sm90(variant) : backend == "sm90" || backend == "sm90-emulated";
   TORCH_CHECK(variant || emulated || backend == "sm80" || backend == "sm90", "sinkattn fwd: unknown backend '", backend,
               "'");
   int const rank = cu_seqlens_q.has_value() ? 3 : 4;
@@ -306,7 +312,7 @@ static void fwd(std::string const& backend, at::Tensor q, at::Tensor k, at::Tens
   FwdParams p;
   at::Tensor const sinks_f = fill_attn_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k, sinks, {softmax_scale, window_left, window_right,
-                                              sink_tokens, softcap}, smem_limit(emulated, max_smem, q.device()), "fwd");
+                                              sink_tokens, softcap}, smem_limit(emulated, max_smem, q.device(), sm90), "fwd");
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   TORCH_CHECK(!variant || variant->smem_bytes <= p.max_smem_per_block, "sinkattn fwd: variant ", variant->name,
@@ -336,7 +342,8 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
                 std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q,
                 int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right,
                 int64_t sink_tokens, double softcap, bool deterministic, int64_t max_smem) {
-  bool const emulated = backend == "sm80-emulated";
+  bool const emulated = backend == "sm80-emulated" || backend == "sm90-emulated";
+  bool const sm90 = backend == "sm90" || backend == "sm90-emulated";
   TORCH_CHECK(emulated || backend == "sm80" || backend == "sm90", "sinkattn bwd: unknown backend '", backend, "'");
   int const rank = cu_seqlens_q.has_value() ? 3 : 4;
   for (auto const* t : {&dout, &q, &k, &v, &out, &dq, &dk, &dv})
@@ -354,14 +361,14 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   int const d = q.size(-1);
   int const hd = served_headdim(d);
   TORCH_CHECK(d % 8 == 0 && hd > 0, "sinkattn bwd: head dim must be a multiple of 8 up to 256");
-  auto const* info = find_kernel(emulated ? "sm80-emulated" : backend, "bwd", hd, dtype_name(q.scalar_type()));
+  auto const* info = find_kernel(backend, "bwd", hd, dtype_name(q.scalar_type()));
   TORCH_CHECK(info, "sinkattn bwd: no ", backend, " backward kernel for head dim ", hd, " ", dtype_name(q.scalar_type()),
               " in this build");
 
   BwdParams p;
   at::Tensor const sinks_f = fill_attn_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k, sinks, {softmax_scale, window_left, window_right,
-                                              sink_tokens, softcap}, smem_limit(emulated, max_smem, q.device()), "bwd");
+                                              sink_tokens, softcap}, smem_limit(emulated, max_smem, q.device(), sm90), "bwd");
   p.out = out.data_ptr(); p.dout = dout.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.dlse = dlse ? dlse->data_ptr<float>() : nullptr;
@@ -387,7 +394,7 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   at::Tensor dq_semaphore;
   if (deterministic) {
     // The counters are per M tile of the kernel that runs (its tile table's block_m).
-    int const block_m = backend == "sm90" ? sm90_bwd_block_m(hd) : sm80::choose_bwd_tile(hd, p.max_smem_per_block).block_m;
+    int const block_m = sm90 ? sm90_bwd_block_m(hd) : sm80::choose_bwd_tile(hd, p.max_smem_per_block).block_m;
     p.dq_m_blocks = std::max(1, ceil_div(p.seqlen_q, block_m));
     dq_semaphore = at::zeros({p.batch, p.nheads, p.dq_m_blocks}, q.options().dtype(at::kInt));
     p.dq_semaphore = dq_semaphore.data_ptr<int>();
@@ -757,8 +764,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &build_info, "versions baked in at build time");
   m.def("runtime_info", &runtime_info, "CUDA runtime and driver versions now");
   m.def("merge_states", &merge_states, "merge two partial (out, lse) states, adding the sink once (CUDA)");
-  m.def("fwd", &fwd, "attention forward on a kernel backend (sm90, sm80, sm80-emulated, variant:<tuning-grid name>)");
-  m.def("bwd", &bwd, "attention backward on a kernel backend (sm80, sm80-emulated): dq, dk, dv, dsinks");
+  m.def("fwd", &fwd, "attention forward on a kernel backend (sm90, sm80, sm80-emulated, sm90-emulated, "
+        "variant:<tuning-grid name>)");
+  m.def("bwd", &bwd, "attention backward on a kernel backend (sm90, sm80, sm80-emulated, sm90-emulated): dq, dk, dv, "
+        "dsinks");
   m.def("mask_col_blocks", &mask_col_blocks, "host entry: M tiles each key block visits in the backward",
         py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"));
   m.def("fwd_kvcache", &fwd_kvcache, "attention over a KV cache (paged or not) with split-KV and GQA packing");

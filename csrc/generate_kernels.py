@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 CSRC = os.path.dirname(os.path.abspath(__file__))
 if CSRC not in sys.path:  # the tuning grid beside this file (setup.py and the tests load this file by path)
     sys.path.insert(0, CSRC)
-from sweep_grid import (SMOKE_KIND, SWEEP_EMU_SMOKE, SWEEP_SM80, SWEEP_SM90, VARIANTS,  # noqa: E402,F401
+from sweep_grid import (EMU90_KIND, SMOKE_KIND, SWEEP_EMU_SMOKE, SWEEP_SM80, SWEEP_SM90, VARIANTS,  # noqa: E402,F401
                         Sm80Variant, Sm90Variant, variant_name)
 
 ALL_DTYPES = ("bf16", "fp16")
@@ -298,6 +298,8 @@ class Kind:
     registry_op: str | None = None
     params_type: str | None = None
     min_smem: str | None = None
+    # The family word of its variants' names (sweep_grid.py variant_name), when two kinds share a build family.
+    variant_family: str | None = None
 
     @property
     def op(self) -> str:
@@ -339,6 +341,13 @@ KINDS = (
     Kind("fwd_fp8_emu", "emu", "sm80", "emu/fwd_sm80_emu.h", "run_fwd_fp8_sm80_emulated", "EmuLaunch const&",
          "sm80-emulated", "SINKATTN_FWD_FP8_FEATURES", "sm80/fwd_tiles.h", "FwdFp8TilesOf", registry_op="fwd_fp8",
          params_type="FwdFp8Params", min_smem="fwd_fp8_min_smem"),
+    # The sm90 forward body under host emulation (emu/sm90_prims.h): the table's tiles, and in every emulation build
+    # every SWEEP_SM90 variant's twin (sweep_units), so the never-run variants are checked on the CPU.
+    Kind("fwd_emu90", "emu", "sm90", "emu/fwd_sm90_emu.h", "run_fwd_sm90_emulated", "EmuLaunch const&",
+         "sm90-emulated", "SINKATTN_FWD_SM90_FEATURES", "sm90/fwd_tiles.h", "FwdTileOf",
+         variant_launcher="sm90::launch_fwd_emulated", variant_family="emu90"),
+    Kind("bwd_emu90", "emu", "sm90", "emu/bwd_sm90_emu.h", "run_bwd_sm90_emulated", "EmuLaunch const&",
+         "sm90-emulated", "SINKATTN_BWD_SM90_FEATURES", "sm90/bwd_tiles.h", "BwdTileOf"),
     # The emulated backward is one unit per (head dim, dtype): its host compile is short.
     Kind("bwd_emu", "emu", "sm80", "emu/bwd_sm80_emu.h", "run_bwd_sm80_emulated", "EmuLaunch const&", "sm80-emulated",
          "SINKATTN_BWD_FEATURES", "sm80/bwd_tiles.h", "BwdTilesOf"),
@@ -420,7 +429,7 @@ SINKATTN_REGISTER_KERNEL(merge_{dtype}, "common", "merge", 0, "{dtype}", "sinks"
 
 # ---- the tuning grid's units (the grid itself: sweep_grid.py) ----------------------------------------------------
 def _variant_unit(kind: Kind, v, dtype: str) -> Unit:
-    name = variant_name(kind.family, v, dtype)
+    name = variant_name(kind.variant_family or kind.family, v, dtype)
     features = v.features()
     tile = f"SweepTile_{name}"
     fn = f"{kind.variant_launcher}<{tile}, {CPP_DTYPE[dtype]}>"
@@ -447,12 +456,14 @@ def sweep_units(grid: Grid) -> list[Unit]:
             continue
         for v in table:
             for d in grid.dtypes:
-                if v.head_dim in grid.headdims and want(variant_name(kind.family, v, d)):
+                if v.head_dim in grid.headdims and want(variant_name(kind.variant_family or kind.family, v, d)):
                     out.append(_variant_unit(kind, v, d))
-    if grid.emulation and SWEEP_EMU_SMOKE.head_dim in grid.headdims:
-        smoke = _variant_unit(KIND[SMOKE_KIND], SWEEP_EMU_SMOKE, grid.dtypes[0])
-        if smoke.name not in {u.name for u in out}:
-            out.append(smoke)
+    if grid.emulation:
+        always = [(KIND[SMOKE_KIND], SWEEP_EMU_SMOKE)] + [(KIND[EMU90_KIND], v) for v in SWEEP_SM90]
+        for kind, v in always:
+            unit = _variant_unit(kind, v, grid.dtypes[0])
+            if v.head_dim in grid.headdims and unit.name not in {u.name for u in out}:
+                out.append(unit)
     return out
 
 

@@ -123,8 +123,11 @@ SWEEP_EMU_SMOKE = Sm80Variant(128, 128, 64, 4)
 
 # Which kernel kind (generate_kernels.py KINDS) compiles which list, in the order the units are written: the sm80
 # variants also have emulated twins in an emulation build.
-VARIANTS = (("fwd_sm90", SWEEP_SM90), ("fwd_sm80", SWEEP_SM80), ("fwd_emu", SWEEP_SM80))
+VARIANTS = (("fwd_sm90", SWEEP_SM90), ("fwd_sm80", SWEEP_SM80), ("fwd_emu", SWEEP_SM80), ("fwd_emu90", SWEEP_SM90))
 SMOKE_KIND = "fwd_emu"  # the kind that compiles SWEEP_EMU_SMOKE, in every emulation build
+# Every emulation build also holds the emulated twin of each SWEEP_SM90 variant at its head dims (first dtype): the
+# variants have never run on a GPU, and the CPU tests run each against the oracle (tests/test_sm90_emulated.py).
+EMU90_KIND = "fwd_emu90"
 
 
 def variant_name(family: str, v, dtype: str) -> str:

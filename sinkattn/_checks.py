@@ -20,7 +20,7 @@ from .layout import HEADDIM_MAX, HEADDIM_MULTIPLE, headdim_supported
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INT32_MAX = 2**31 - 1
-BACKENDS = ("auto", "sm90", "sm80", "reference", "sm80-emulated")
+BACKENDS = ("auto", "sm90", "sm80", "reference", "sm80-emulated", "sm90-emulated")
 
 _DTYPE_NAMES = "float16, bfloat16, float32 (float64: reference backend only)"
 

@@ -157,7 +157,7 @@ def sm80_max_smem(backend: str) -> int:
     """The `max_smem` argument of kernels.launch_* for `backend`: 0 (the device's limit) without a cap or for sm90,
     else the cap (for the host emulation, never above the A100 it models without one)."""
     cap = _sm80_cap
-    if cap is None or backend == "sm90":
+    if cap is None or backend in ("sm90", "sm90-emulated"):
         return 0
     return min(cap.nbytes, EMULATED_SMEM_PER_BLOCK) if backend == "sm80-emulated" else cap.nbytes
 

@@ -10,8 +10,8 @@ kernels.launch_* or reference.attention_*.
 "auto": CUDA tensors go to sm90 on cc 9.0 when it serves, else sm80 on cc >= 8.0 when it serves,
 else the reference backend with a one-time warning per distinct reason; CPU tensors go to the
 reference silently. A forced backend that cannot serve raises SinkattnRuntimeError saying why and
-what would serve. "sm80-emulated" (the sm80 kernel body under host emulation) is never chosen by
-"auto"; it exists for tests on CPU tensors.
+what would serve. "sm80-emulated" / "sm90-emulated" (the kernel bodies under host emulation) are never chosen by
+"auto"; they exist for tests on CPU tensors.
 
 Whether a kernel serves a call is `why_not`, the one place that decides it (the capability report and the
 vLLM integration ask it too): it reads what each kernel serves from the binary's registry (registry.py:
@@ -77,10 +77,10 @@ def why_not(backend: str, problem: Problem, capability: tuple[int, int] | None =
         return None
     if backend not in registry.KERNEL_BACKENDS:
         return f"unknown backend {backend!r}; kernel backends are {', '.join(registry.KERNEL_BACKENDS)}"
-    emulated = backend == "sm80-emulated"
+    emulated = backend in registry.EMULATED_BACKENDS
     # Device type first: on a CPU "needs CUDA tensors" is the actionable answer, whatever the build holds.
     if emulated and problem.device_type != "cpu":
-        return f"'sm80-emulated' runs on CPU tensors only; these are on {problem.device_type}"
+        return f"{backend!r} runs on CPU tensors only; these are on {problem.device_type}"
     if not emulated and problem.device_type != "cuda":
         return f"{backend!r} needs CUDA tensors; these are on {problem.device_type}"
     if not _ext.loaded():
@@ -156,7 +156,7 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
                 f"including {dtype}")
     if kernel is None:
         if str(hd) in registry.requested("requested_headdims") and dtype in registry.requested("requested_dtypes"):
-            if backend == "sm80-emulated":
+            if backend in registry.EMULATED_BACKENDS:
                 return "this build has no emulated kernels (it was built with SINKATTN_EMULATION=0)"
             if backend == "sm90" and op == "bwd":
                 # The generator makes no unit for a head dim the tile table has none for (sm90/bwd_tiles.h).
@@ -171,7 +171,7 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
                 f"including {dtype}")
     # The process's cap on the sm80 kernels' limit (_device.sm80_smem_limit, SINKATTN_SM80_MAX_SMEM): where it is
     # below the device's limit it decides, as a device with that limit would; under host emulation it is the limit.
-    cap = _device.sm80_smem_cap() if backend != "sm90" else None
+    cap = _device.sm80_smem_cap() if backend not in ("sm90", "sm90-emulated") else None
     if capability is None:
         if cap is not None and registry.smem_bytes(kernel) > cap.nbytes:
             return _smem_gap(backend, op, hd, kernel, cap, None, None)

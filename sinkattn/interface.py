@@ -24,7 +24,7 @@ Each function's docstring ends with the conventions below (appended at import, s
 - A query row that sees no key gets out = 0 and lse = sinks[h] (-inf without sinks). Never NaN.
 - backend: "auto" (CUDA tensors: the best compiled kernel, else the PyTorch reference with a one-time
   warning saying why; CPU tensors: the reference), or one of "sm90", "sm80", "reference",
-  "sm80-emulated" (CPU tensors, for tests) to force it; a forced backend that cannot serve the call
+  "sm80-emulated", "sm90-emulated" (CPU tensors, for tests) to force it; a forced backend that cannot serve the call
   raises SinkattnRuntimeError saying why and what would.
 - deterministic=True asks kernels for a deterministic backward (the reference always is).
 """

@@ -6,8 +6,8 @@ serves the call) and outputs dispatch allocated, brings the tensors to the layou
 aligned rows, dense int32 index tensors, no zero (broadcast) strides for a kernel whose registry entry does not
 list "broadcast_strides"), calls _C and writes the outputs in place.
 
-Backends: "sm90", "sm80" (CUDA tensors) and "sm80-emulated" (the sm80 kernel body on the CPU under host
-emulation, for tests). launch_fwd also takes "variant:<registry name>": a tuning-grid variant (family
+Backends: "sm90", "sm80" (CUDA tensors), "sm80-emulated" and "sm90-emulated" (the sm80 / sm90 kernel bodies on the
+CPU under host emulation, for tests; csrc/emu/). launch_fwd also takes "variant:<registry name>": a tuning-grid variant (family
 "*-sweep", built with SINKATTN_SWEEP; bench/sweep/runner.py runs them, dispatch never picks them).
 """
 from __future__ import annotations

@@ -23,9 +23,11 @@ from . import _ext
 from ._problem import Problem
 from .layout import kernel_headdim
 
-# backend= name -> registry family. "sm80-emulated" is the sm80 kernel body under host emulation (CPU tensors).
-BACKEND_FAMILY = {"sm90": "sm90", "sm80": "sm80", "sm80-emulated": "sm80-emulated"}
+# backend= name -> registry family. "sm80-emulated" and "sm90-emulated" are the sm80 and sm90 kernel bodies under
+# host emulation (CPU tensors; csrc/emu/).
+BACKEND_FAMILY = {"sm90": "sm90", "sm80": "sm80", "sm80-emulated": "sm80-emulated", "sm90-emulated": "sm90-emulated"}
 KERNEL_BACKENDS = tuple(BACKEND_FAMILY)
+EMULATED_BACKENDS = ("sm80-emulated", "sm90-emulated")
 _DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
 

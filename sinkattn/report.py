@@ -51,10 +51,11 @@ def render(cap: dict) -> str:
                   "declined where none fits", ""]
     if not cap["devices"]:
         # backend='sm80-emulated' is named only where the registry holds emulated kernels (SINKATTN_EMULATION=1)
-        emulated = any(k["family"] == "sm80-emulated" for k in cap["kernels"])
+        emulated = [f for f in ("sm80-emulated", "sm90-emulated") if any(k["family"] == f for k in cap["kernels"])]
         lines += ["GPUs: none visible. CPU tensors are served by the reference backend" +
-                  (" (and backend='sm80-emulated' runs the sm80 kernel under host emulation, for tests)."
-                   if emulated else ".")]
+                  (" (and " + " / ".join(f"backend='{f}'" for f in emulated) + " run" + ("s" if len(emulated) == 1 else "")
+                   + " the " + " / ".join(f.split("-")[0] for f in emulated) + " kernel" + ("" if len(emulated) == 1 else "s")
+                   + " under host emulation, for tests)." if emulated else ".")]
     for d in cap["devices"]:
         smem = f", {d['smem_per_block_optin'] // 1024} KB smem/block" if d["smem_per_block_optin"] else ""
         sms = f", {d['sm_count']} SMs" if d["sm_count"] else ""

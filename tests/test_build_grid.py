@@ -253,8 +253,8 @@ def test_common_family_every_arch():
 
 
 # ---- units ----------------------------------------------------------------------------------------------
-def _names(grid):
-    return sorted(u.name for u in gen.units(grid))
+def _names(grid, sweep=True):
+    return sorted(u.name for u in gen.units(grid) if sweep or not u.name.startswith("sweep_"))
 
 
 @pytest.fixture
@@ -299,6 +299,11 @@ def test_units_full_grid_with_fwd(with_fwd):
     want |= {"sweep_fwd_emu_hdim128_bf16_m128n64w4"}
     # the FP8-cache decode units (sm80/fwd_tiles.h FwdFp8TilesOf: head dims 64 and 128), GPU and emulated
     want |= {f"fwd_fp8_{f}_hdim{h}_{d}" for f in ("sm80", "emu") for h in (64, 128) for d in ("bf16", "fp16")}
+    # the sm90 kernels under host emulation: the table's forward and backward tiles, and every sm90 tuning
+    # variant's twin at the first dtype (the never-run variants are checked on the CPU)
+    want |= {f"fwd_emu90_hdim{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "fp16")}
+    want |= {f"bwd_emu90_hdim{h}_{d}" for h in (64, 128) for d in ("bf16", "fp16")}
+    want |= {gen.variant_name("emu90", v, "bf16") for v in gen.SWEEP_SM90}
     assert set(names) == want and len(names) == len(want)
     assert {u.name for u in gen.units(g) if not u.registers} == {n for n in want
                                                                   if n.endswith(("_keys", "_small", "_softcap"))}
@@ -329,11 +334,13 @@ def test_units_narrowed_with_fwd(with_fwd):
                          "merge_fp16", "merge_fp32"]
     g = gen.parse_grid({"SINKATTN_CUDA_ARCHS": "90a", "SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "bf16",
                         "SINKATTN_EMULATION": "1"})
-    # 90a builds the sm90 forward and backward, and still the sm80 family (as sm_90) and the emulated kernel
-    assert _names(g) == ["bwd_emu_hdim64_bf16", "bwd_sm80_hdim64_bf16", "bwd_sm80_hdim64_bf16_softcap",
-                         "bwd_sm90_hdim64_bf16", "fwd_emu_hdim64_bf16", "fwd_emu_hdim64_bf16_keys", "fwd_emu_hdim64_bf16_softcap",
-                         "fwd_fp8_emu_hdim64_bf16", "fwd_fp8_sm80_hdim64_bf16", "fwd_sm80_hdim64_bf16", "fwd_sm80_hdim64_bf16_keys", "fwd_sm80_hdim64_bf16_softcap",
-                         "fwd_sm90_hdim64_bf16", "merge_bf16", "merge_fp32"]
+    # 90a builds the sm90 forward and backward, and still the sm80 family (as sm_90) and the emulated kernels
+    assert _names(g, sweep=False) == ["bwd_emu90_hdim64_bf16", "bwd_emu_hdim64_bf16", "bwd_sm80_hdim64_bf16",
+                                      "bwd_sm80_hdim64_bf16_softcap", "bwd_sm90_hdim64_bf16", "fwd_emu90_hdim64_bf16",
+                                      "fwd_emu_hdim64_bf16", "fwd_emu_hdim64_bf16_keys", "fwd_emu_hdim64_bf16_softcap",
+                                      "fwd_fp8_emu_hdim64_bf16", "fwd_fp8_sm80_hdim64_bf16", "fwd_sm80_hdim64_bf16",
+                                      "fwd_sm80_hdim64_bf16_keys", "fwd_sm80_hdim64_bf16_softcap",
+                                      "fwd_sm90_hdim64_bf16", "merge_bf16", "merge_fp32"]
     bwd = next(u for u in gen.units(g) if u.name == "bwd_sm80_hdim64_bf16")
     assert "run_bwd_sm80<64, cutlass::bfloat16_t>" in bwd.text and '"sm80", "bwd", 64, "bf16"' in bwd.text
     fwd = next(u for u in gen.units(g) if u.name == "fwd_sm80_hdim64_bf16")
@@ -420,9 +427,14 @@ def _sweep(env) -> list:
 
 def test_sweep_off_by_default_every_user_build():
     assert _sweep({}) == [] and _sweep({"SINKATTN_SWEEP": "0"}) == [] and _sweep({"SINKATTN_SWEEP": ""}) == []
-    # an emulation (test) build holds exactly the smoke variant, at its head dim, in the first dtype
-    assert [u.name for u in _sweep({"SINKATTN_EMULATION": "1"})] == ["sweep_fwd_emu_hdim128_bf16_m128n64w4"]
-    assert _sweep({"SINKATTN_EMULATION": "1", "SINKATTN_HEADDIMS": "64"}) == []
+    # an emulation (test) build holds the sm80 smoke variant at its head dim and the emulated twin of every sm90
+    # variant at the build's head dims, in the first dtype; none of them for a GPU
+    emu = [u.name for u in _sweep({"SINKATTN_EMULATION": "1"})]
+    assert emu == ["sweep_fwd_emu_hdim128_bf16_m128n64w4"] + [gen.variant_name("emu90", v, "bf16")
+                                                               for v in gen.SWEEP_SM90]
+    hd64 = [u.name for u in _sweep({"SINKATTN_EMULATION": "1", "SINKATTN_HEADDIMS": "64", "SINKATTN_DTYPES": "fp16"})]
+    assert hd64 == [gen.variant_name("emu90", v, "fp16") for v in gen.SWEEP_SM90 if v.head_dim == 64]
+    assert all(u.family == "emu" for u in _sweep({"SINKATTN_EMULATION": "1"}))
 
 
 def test_sweep_grid_whole_and_narrowed():
@@ -437,9 +449,9 @@ def test_sweep_grid_whole_and_narrowed():
     only = [u.name for u in _sweep({**env, "SINKATTN_SWEEP": "sm90_hdim128,_q2"})]
     assert only and all("sm90_hdim128" in n or "_q2" in n for n in only)
     assert any("hdim64" in n for n in only)  # _q2 at hd64
-    # with emulation on, the sm80 variants' emulated twins too
+    # with emulation on, every variant's emulated twin too (the sm90 ones are in every emulation build)
     emu = [u.name for u in _sweep({**env, "SINKATTN_EMULATION": "1"}) if u.family == "emu"]
-    assert len(emu) == len(gen.SWEEP_SM80)
+    assert len(emu) == len(set(emu)) == len(gen.SWEEP_SM80) + len(gen.SWEEP_SM90)
 
 
 def test_sweep_units_register_by_name_in_their_own_family():

@@ -573,7 +573,7 @@ def test_this_build_reports_its_wider_build():
 
 
 # ---- the emulated kernels are named only where the build holds them --------------------------------------------
-def test_report_names_sm80_emulated_only_in_builds_that_hold_it():
+def test_report_names_the_emulated_backends_only_in_builds_that_hold_them():
     cap = sinkattn.capabilities(devices=[])
     emulated = any(k["family"] == "sm80-emulated" for k in _ext.registry())
     assert ("sm80-emulated" in render(cap)) == emulated, (emulated, render(cap))
@@ -582,8 +582,12 @@ def test_report_names_sm80_emulated_only_in_builds_that_hold_it():
     merge = dict(name="merge_bf16", family="common", op="merge", headdim=0, dtype="bf16", features="sinks",
                  archs="sm_80,compute_80")
     assert "backend='sm80-emulated'" in render(dict(cap, kernels=[merge, kernel]))
+    assert "sm90-emulated" not in render(dict(cap, kernels=[merge, kernel]))
+    kernel90 = dict(kernel, name="fwd_emu90_hdim64_bf16", family="sm90-emulated")
+    both = render(dict(cap, kernels=[merge, kernel, kernel90]))
+    assert "backend='sm80-emulated' / backend='sm90-emulated' run the sm80 / sm90 kernels" in both, both
     text = render(dict(cap, kernels=[merge]))
-    assert "sm80-emulated" not in text
+    assert "sm80-emulated" not in text and "sm90-emulated" not in text
     assert "GPUs: none visible. CPU tensors are served by the reference backend." in text
 
 

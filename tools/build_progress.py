@@ -41,7 +41,9 @@ UNIT_COST_S = {"fwd_sm80": 40.0, "fwd_sm80_keys": 36.0, "fwd_sm80_softcap": 24.0
                "fwd_emu_softcap": 12.0, "bwd_emu": 40.0, "merge": 4.0, "build_info": 2.0,
                "sweep_fwd_sm90": 16.0, "sweep_fwd_sm80": 25.0, "sweep_fwd_emu": 12.0,
                # the FP8-cache decode units (2026-12-02: about the hd128 forward unit's time in the same build)
-               "fwd_fp8_sm80": 40.0, "fwd_fp8_emu": 30.0}
+               "fwd_fp8_sm80": 40.0, "fwd_fp8_emu": 30.0,
+               # the sm90 kernels under host emulation (2026-12-03, a cold build of the CI grid)
+               "fwd_emu90": 11.0, "bwd_emu90": 13.0, "sweep_fwd_emu90": 11.0}
 DEFAULT_COST_S = 30.0
 
 
