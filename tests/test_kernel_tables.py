@@ -50,13 +50,15 @@ def test_todays_tables_read_as_they_are():
                                  # take 256 registers per thread
                                  "bwd_sm90": (64, 128),
                                  # the FP8-cache decode tiles (FwdFp8TilesOf): head dims 64 and 128 only
-                                 "fwd_fp8_sm80": (64, 128), "fwd_fp8_emu": (64, 128)}
+                                 "fwd_fp8_sm80": (64, 128), "fwd_fp8_emu": (64, 128),
+                                 # the sm90 kernels under host emulation: the GPU kinds' tables
+                                 "fwd_emu90": (64, 128, 256), "bwd_emu90": (64, 128)}
     fwd = {h: ("kKeyGroups", "kSoftcap") for h in (64, 128, 256)}
     assert gen.PARTS == {"fwd_sm80": fwd, "fwd_emu": fwd,
                          "bwd_sm80": {64: ("kSoftcap",), 128: ("kSmallSmem", "kSoftcap"), 256: ("kSoftcap",)}}
     # every kind is in the one table, each once, in the order the units are written
     assert [k.name for k in gen.KINDS] == ["fwd_sm80", "bwd_sm80", "fwd_sm90", "bwd_sm90", "fwd_emu", "fwd_fp8_sm80",
-                                           "fwd_fp8_emu", "bwd_emu"]
+                                           "fwd_fp8_emu", "fwd_emu90", "bwd_emu90", "bwd_emu"]
     assert {k.name for k in gen.KINDS} == set(gen.TILE_HEADDIMS)
 
 
