@@ -162,20 +162,23 @@ MUTATIONS = {
 }
 
 
+def check_planted_bug(mutation, monkeypatch, run):
+    """run() under the planted bug fails as MUTATIONS says (a RuntimeError naming the violation, or the oracle's
+    AssertionError), and without it passes. Shared by the forward's and the backward's tests."""
+    monkeypatch.setenv("SINKATTN_EMU90_MUTATE", mutation)
+    want = MUTATIONS[mutation]
+    with pytest.raises(AssertionError) if want is None else pytest.raises(RuntimeError, match=want):
+        run()
+    monkeypatch.delenv("SINKATTN_EMU90_MUTATE")
+    run()  # and without it, the same case passes
+
+
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_a_planted_bug_fails(mutation, monkeypatch, rng_seed):
     hd, dt = EMU[0]
     case = Case(f"d{hd}-mutation-{mutation}", hd, DTYPES[dt], batch=2, seqlen_q=200, seqlen_k=300, causal=True)
-    monkeypatch.setenv("SINKATTN_EMU90_MUTATE", mutation)
-    want = MUTATIONS[mutation]
-    if want is None:
-        with pytest.raises(AssertionError):
-            run_case(case, "sm90-emulated", "cpu", kernels.launch_fwd, seed=rng_seed)
-    else:
-        with pytest.raises(RuntimeError, match=want):
-            run_case(case, "sm90-emulated", "cpu", kernels.launch_fwd, seed=rng_seed)
-    monkeypatch.delenv("SINKATTN_EMU90_MUTATE")
-    run_case(case, "sm90-emulated", "cpu", kernels.launch_fwd, seed=rng_seed)  # and without it, the same case passes
+    check_planted_bug(mutation, monkeypatch,
+                      lambda: run_case(case, "sm90-emulated", "cpu", kernels.launch_fwd, seed=rng_seed))
 
 
 def test_an_unknown_mutation_is_refused(monkeypatch):
