@@ -2,8 +2,8 @@
 
 The kernels (.cu, no torch headers) and the host-emulated kernels (.cpp, no torch headers) are
 compiled by a ninja file of our own, so each kernel family gets exactly its own gencode flags and
-ccache can serve rebuilds; api.cpp and cpu_front.cpp (the only files that see torch) are compiled by
-torch's BuildExtension and linked with those objects into sinkattn._C.
+ccache can serve rebuilds; api.cpp, cpu_front.cpp and host_probes.cpp (the only files that see torch) are
+compiled by torch's BuildExtension and linked with those objects into sinkattn._C.
 
 Environment:
     SINKATTN_CUDA_ARCHS   default "80;90a"; "native": the archs of the GPUs torch sees at build time
@@ -14,6 +14,10 @@ Environment:
     SINKATTN_SKIP_CUDA    "1" builds a pure-Python package (reference backend only)
     SINKATTN_CUTLASS_DIR  a CUTLASS include dir (holding cute/ and cutlass/)
     SINKATTN_PTXAS_VERBOSE "1" prints ptxas resource usage per kernel
+    SINKATTN_SWEEP        "1" (or name substrings) also builds the tuning grid's variants (csrc/sweep_grid.py)
+    SINKATTN_PREBUILT_KERNELS a folder of kernel objects built elsewhere for the same grid: only the torch-facing
+                          files compile (a GPU round's machine; Makefile gpu-prebuilt)
+    SINKATTN_ALLOW_CUDA_MISMATCH "1" builds although nvcc's CUDA major differs from torch's
     MAX_JOBS              parallel compile jobs
 """
 import os
@@ -190,7 +194,7 @@ def cuda_extension():
              f"{torch_cuda}; the extension would not load. Point CUDA_HOME at a CUDA {torch_cuda.split('.')[0]}.x "
              f"toolkit or install a torch built for CUDA {major}.")
     # Kernel objects hold no torch and no Python, so a machine whose time is scarce (the borrowed GPU) can
-    # link objects compiled elsewhere for the same grid and compile only api.cpp (and cpu_front.cpp) against its own
+    # link objects compiled elsewhere for the same grid and compile only the torch-facing files against its own
     # torch. They include no CUTLASS header, so the headers (27 MB) need not travel with the objects:
     # the CUTLASS version they were built with comes from cutlass_version.txt beside them.
     prebuilt = os.environ.get("SINKATTN_PREBUILT_KERNELS")
@@ -241,7 +245,7 @@ def cuda_extension():
                f"-DSINKATTN_DIAGNOSTIC_BUILT={int(grid.diagnostic)}"]
     ext = CUDAExtension(
         name="sinkattn._C",
-        sources=["csrc/api.cpp", "csrc/cpu_front.cpp"],
+        sources=["csrc/api.cpp", "csrc/cpu_front.cpp", "csrc/host_probes.cpp"],
         include_dirs=[CSRC],
         extra_objects=objects,
         extra_compile_args={"cxx": ["-std=c++20", "-O2"] + defines},

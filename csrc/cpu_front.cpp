@@ -8,7 +8,9 @@
 // rows, no mask tensor: all keys visible, or plain causal with seqlen_q == seqlen_k) and accept every argument
 // (sinkattn/_checks.py); for anything else, or any argument it does not recognise exactly, it returns None
 // and the caller takes the Python path, which serves the call or raises the error that words what is wrong. So
-// the errors keep one owner and this file never decides that an input is invalid.
+// the errors keep one owner and this file never decides that an input is invalid. The rules that are not checks
+// keep theirs too: the caller passes no s_aux (the sinks' alias rule is _checks.resolve_sinks: a call with s_aux
+// takes the Python path) and a resolved scale (the default is _checks.default_scale; None here declines).
 //
 // The only file besides api.cpp that sees torch (it is host code of the extension module, not a kernel unit).
 #include <torch/extension.h>
@@ -82,8 +84,7 @@ inline float sink_weight(float x, float* log_w) {
 }
 
 // The whole good case -> out, or (out, lse); None where the Python path must take the call (see the invariant).
-py::object fwd(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle sinks_obj, py::handle s_aux_obj,
-               py::handle scale_obj, py::handle causal_obj, py::handle window_obj, py::handle sink_tokens_obj,
+py::object fwd(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle sinks_obj, py::handle scale_obj, py::handle causal_obj, py::handle window_obj, py::handle sink_tokens_obj,
                py::handle softcap_obj, py::handle return_lse_obj, py::handle deterministic_obj,
                py::handle backend_obj) {
   py::object none = py::none();
@@ -104,12 +105,9 @@ py::object fwd(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle 
       k.size(3) != d || v.sizes() != k.sizes() || d < 1 || d > kHeaddimMax || d % kHeaddimMultiple != 0)
     return none;
 
-  // sinks, or its alias s_aux (both given is an error the Python path words)
-  bool const has_sinks = !sinks_obj.is_none(), has_s_aux = !s_aux_obj.is_none();
-  if (has_sinks && has_s_aux) return none;
   std::optional<at::Tensor> sink;
-  if (has_sinks || has_s_aux) {
-    sink = plain_tensor(has_sinks ? sinks_obj : s_aux_obj);
+  if (!sinks_obj.is_none()) {
+    sink = plain_tensor(sinks_obj);
     if (!sink || sink->dim() != 1 || sink->size(0) != h || !sink->device().is_cpu() ||
         sink->scalar_type() != at::kFloat || (grad_mode && sink->requires_grad()))
       return none;
@@ -130,19 +128,15 @@ py::object fwd(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle 
   if (!left || !right || *left != -1 || *right < -1 || *right > 0) return none;  // (a window: the Python path)
   bool const is_causal = *causal || *right == 0;
   if (is_causal && sq != sk) return none;
-  double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  if (!scale_obj.is_none()) {
-    auto s = exact_float(scale_obj);
-    if (!s) return none;
-    scale = *s;
-  }
+  auto const scale = exact_float(scale_obj);
+  if (!scale) return none;
   if (!PyUnicode_CheckExact(backend_obj.ptr())) return none;
   std::string const backend = py::cast<std::string>(backend_obj);
   if (backend != "auto" && backend != "reference") return none;
 
   // The kernel SDPA runs, over (b, h, s, d) views; it writes out and lse in q's (b, s, h, d) memory order.
   auto [out_k, lse_k] = at::_scaled_dot_product_flash_attention_for_cpu(
-      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, is_causal, std::nullopt, scale);
+      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, is_causal, std::nullopt, *scale);
   at::Tensor out = out_k.transpose(1, 2);  // (b, sq, h, d)
   if (!out.is_contiguous()) out = out.contiguous();
   bool const need_lse = *return_lse;
@@ -150,8 +144,9 @@ py::object fwd(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle 
 
   // One pass over the rows: the causal check, the sink's weight, the lse the call returns.
   // - causal: the kernel hides a key by masking its score, so a hidden non-finite K or V can turn a row that does
-  //   not see it NaN (inf - inf, 0 * inf); a non-finite row (that, or a visible one) sends the call to the Python path, whose tiled path keeps hidden keys out exactly
-  //   (reference._fused_forward checks the same after its kernel call).
+  //   not see it NaN (inf - inf, 0 * inf); a non-finite row (that, or a visible one) sends the call to the Python
+  //   path, whose tiled path keeps hidden keys out exactly (reference._fused_forward checks the same after its
+  //   kernel call).
   // - the sink joins keys whose log-sum-exp is lse: w = sigmoid(lse - sink) is the weight the keys keep,
   //   lse' = lse - log w = logaddexp(lse, sink) (reference._sink_weight; w = 0, lse' = +inf at a +inf sink).
   float* const o = out.data_ptr<float>();

@@ -1,4 +1,4 @@
-"""The tuning grid of `make gpu-sweep` (issue 17 item 4, docs/DESIGN.md section 8): kernel variants beside the
+"""The tuning grid of `make gpu-sweep` (docs/DESIGN.md section 8): kernel variants beside the
 default tile tables, which csrc/generate_kernels.py compiles with SINKATTN_SWEEP (each its own unit, registered by
 name in a "<family>-sweep" family that dispatch never picks) and bench/sweep/runner.py runs, checks against the oracle
 and times on the target shapes. Off by default: every unit costs every build. A round's winners move into the
@@ -118,7 +118,8 @@ SWEEP_SM80 = [
 ]
 
 # The emulated variant every emulation build holds (the CPU tests run the sweep's variant path through it):
-# FlashAttention-2's hd128 tile, issue 15's open question, so its correctness is checked on the CPU too.
+# FlashAttention-2's hd128 tile (whether ours should take it is open until a GPU round), so its correctness is
+# checked on the CPU too.
 SWEEP_EMU_SMOKE = Sm80Variant(128, 128, 64, 4)
 
 # Which kernel kind (generate_kernels.py KINDS) compiles which list, in the order the units are written: the sm80

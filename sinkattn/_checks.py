@@ -15,6 +15,7 @@ import torch
 from . import fp8
 from .errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
 from .layout import HEADDIM_MAX, HEADDIM_MULTIPLE, headdim_supported
+from .mask import Mask, window_with_causal
 
 # float64 is served by the reference backend only; it exists so gradcheck can run.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -214,11 +215,22 @@ def check_sinks(sinks, q: torch.Tensor) -> None:
     check_same_device("q", q, {"sinks": sinks})
 
 
-def resolve_sinks(sinks, s_aux):
-    if sinks is not None and s_aux is not None:
+def resolve_sinks(sinks, s_aux, learnable_sink=None, who: str = "sinkattn"):
+    """The one rule for the sink logits' names: sinks= (sinkattn), s_aux= (vLLM, transformers) and learnable_sink=
+    (FlashAttention 4) are aliases of one argument; at most one may be given."""
+    given = [(n, t) for n, t in (("sinks", sinks), ("s_aux", s_aux), ("learnable_sink", learnable_sink))
+             if t is not None]
+    if len(given) > 1:
         raise SinkattnValueError(
-            "sinkattn: both sinks= and s_aux= were given; s_aux is an alias of sinks, pass only one")
-    return sinks if sinks is not None else s_aux
+            f"{who}: {' and '.join(f'{n}=' for n, _ in given)} were both given; they are aliases of one argument "
+            f"(the learnable sink logits, (nheads,)); pass only one")
+    return given[0][1] if given else None
+
+
+def default_scale(headdim: int) -> float:
+    """softmax_scale when the caller gives none: 1 / sqrt(headdim) of the caller's head dim. (A head dim < 1 gets 1.0:
+    the head-dim check, which runs after the mask's, refuses that call with its own message.)"""
+    return 1.0 / math.sqrt(headdim) if headdim >= 1 else 1.0
 
 
 def check_int(name: str, value, minimum: int, who: str = "sinkattn") -> None:
@@ -240,8 +252,8 @@ def check_backend(backend) -> None:
             f"sinkattn: backend={backend!r} is not known; accepted: " + ", ".join(repr(b) for b in BACKENDS))
 
 
-def normalize_mask(headdim: int, softmax_scale, causal, window_size, sink_tokens, softcap):
-    """-> (softmax_scale, window_left, window_right, sink_tokens, softcap) as python numbers."""
+def normalize_mask(headdim: int, softmax_scale, causal, window_size, sink_tokens, softcap) -> Mask:
+    """The call's scale, window, sink tokens and softcap, checked, as the one Mask value the layers below carry."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise SinkattnValueError(
             f"sinkattn: window_size must be a pair (left, right); got {window_size!r}; -1 means unbounded")
@@ -250,12 +262,7 @@ def normalize_mask(headdim: int, softmax_scale, causal, window_size, sink_tokens
     check_int("window_size[1] (right)", right, minimum=-1)
     if not isinstance(causal, bool):
         raise SinkattnTypeError(f"sinkattn: causal must be a bool; got {type(causal).__name__} {causal!r}")
-    if causal:
-        if right > 0:
-            raise SinkattnValueError(
-                f"sinkattn: causal=True with window_size[1] (right) = {right}; causal means right = 0; "
-                f"accepted: right in (-1, 0) with causal, or causal=False with window_size=({left}, {right})")
-        right = 0
+    left, right = window_with_causal(left, right, causal, strict=True)
     check_int("sink_tokens", sink_tokens, minimum=0)
     # The kernels take int32 bounds. Positions are int32 too (cu_seqlens, cache_seqlens), so a bound past
     # INT32_MAX reaches past every key and clamping it changes nothing.
@@ -263,10 +270,8 @@ def normalize_mask(headdim: int, softmax_scale, causal, window_size, sink_tokens
     softcap = _check_float("softcap", softcap)
     if softcap < 0:
         raise SinkattnValueError(f"sinkattn: softcap is {softcap}; accepted: 0 (off) or a positive float")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(headdim)
-    softmax_scale = _check_float("softmax_scale", softmax_scale)
-    return softmax_scale, left, right, sink_tokens, softcap
+    softmax_scale = _check_float("softmax_scale", default_scale(headdim) if softmax_scale is None else softmax_scale)
+    return Mask(softmax_scale, left, right, sink_tokens, softcap)
 
 
 def _check_float(name: str, value) -> float:

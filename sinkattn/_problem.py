@@ -30,12 +30,7 @@ class Problem:
     paged: bool = False
     deterministic: bool = False
     device_index: int | None = None
-    headdim_v: int | None = None  # None: the same as headdim
     kv_fp8: bool = False          # the keys and values are an FP8 cache (sinkattn.fp8)
-
-    def __post_init__(self):
-        if self.headdim_v is None:
-            object.__setattr__(self, "headdim_v", self.headdim)
 
     @classmethod
     def of_call(cls, kind: str, q, k, sinks, mask: Mask, *, varlen: bool = False, paged: bool = False,
@@ -44,23 +39,6 @@ class Problem:
         return cls(kind=kind, device_type=q.device.type, dtype=q.dtype, headdim=q.shape[-1], nheads=q.shape[-2],
                    nheads_k=k.shape[-2], mask=mask, has_sinks=sinks is not None, varlen=varlen, paged=paged,
                    deterministic=deterministic, device_index=q.device.index, kv_fp8=fp8.is_fp8(k.dtype))
-
-    # Read-only views of the mask, for the feature tests (registry.needed_features, dispatch).
-    @property
-    def window_left(self) -> int:
-        return self.mask.window_left
-
-    @property
-    def window_right(self) -> int:
-        return self.mask.window_right
-
-    @property
-    def sink_tokens(self) -> int:
-        return self.mask.sink_tokens
-
-    @property
-    def softcap(self) -> float:
-        return self.mask.softcap
 
     @property
     def positive_scale(self) -> bool:

@@ -22,13 +22,12 @@ sm80 launch below passes on as `max_smem`.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
 from . import _checks, _device, _ext, kernels, kvcache, reference, registry
 from ._problem import Problem
-from .errors import SinkattnValueError
+from .errors import SinkattnValueError, warn_once
 from .mask import Mask
 from .layout import KERNEL_HEADDIMS, acc_dtype, kernel_headdim, lse_shape
 
@@ -52,9 +51,6 @@ _FEATURE_WORDS = {"sinks": "learnable sinks", "sink_tokens": "sink tokens", "cau
                   "paged": "a paged KV cache", "deterministic": "a deterministic backward",
                   "fp8_kv": "FP8 KV caches (float8_e4m3fn / float8_e5m2)"}
 _WHAT = {"fwd": "forward", "bwd": "backward", "kvcache": "decode (KV-cache)", "fwd_fp8": "FP8-cache decode"}
-# The head dims the FP8-cache decode kernels exist for (csrc/sm80/fwd_tiles.h FwdFp8TilesOf; a build holds those of
-# them SINKATTN_HEADDIMS names).
-FP8_KV_HEADDIMS = (64, 128)
 
 
 class ReferenceFallbackWarning(UserWarning):
@@ -127,8 +123,6 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
     dtype = registry.dtype_name(problem.dtype)
     if dtype not in ("bf16", "fp16"):
         return f"kernels take bf16 or fp16 (got {problem.dtype}); the reference backend serves fp32"
-    if problem.headdim != problem.headdim_v:
-        return f"kernels need equal q/k and v head dims (got {problem.headdim} and {problem.headdim_v})"
     hd = kernel_headdim(problem.headdim)
     if hd is None or problem.headdim % 8 != 0:
         return (f"kernels serve head dims that are multiples of 8 up to {KERNEL_HEADDIMS[-1]} "
@@ -148,9 +142,10 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
                     + f" (registry features of {described['name']}: {described['features']})")
     if kernel is None and op == "fwd_fp8" and backend != "sm90":
         compiled = sorted({(k["headdim"], k["dtype"]) for k in siblings})
-        if hd not in FP8_KV_HEADDIMS:
+        tiled = registry.fp8_kv_headdims()
+        if hd not in tiled:
             return (f"the {backend} FP8-cache decode kernels exist for head dims "
-                    f"{', '.join(map(str, FP8_KV_HEADDIMS))} only (got head dim {hd}); the reference backend serves it")
+                    f"{', '.join(map(str, tiled))} only (got head dim {hd}); the reference backend serves it")
         return (f"no {backend} FP8-cache decode kernel for head dim {hd} {dtype} in this build (compiled: "
                 f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
                 f"including {dtype}")
@@ -206,7 +201,7 @@ def _smem_gap(backend, op, hd, kernel, cap, capability, allowed) -> str:
 def preference_note(capability: tuple[int, int] | None, problem: Problem | None) -> dict[str, str]:
     """Backends "auto" ranks below the usual order for this problem, with why (the report prints it)."""
     if (capability == (9, 0) and problem is not None and problem.kind == "fwd"
-            and 0 <= problem.window_left < SM90_MIN_WINDOW):
+            and problem.mask.left_window_under(SM90_MIN_WINDOW)):
         return {"sm90": (f"windows under {SM90_MIN_WINDOW} keys run faster on the sm80 kernel on cc 9.0 "
                          "(measured on an H200); backend='sm90' still forces it")}
     if capability == (9, 0) and problem is not None and problem.kind == "bwd" and not SM90_BWD_VALIDATED:
@@ -235,11 +230,8 @@ def _what_would_serve(problem: Problem, refused: str) -> str:
 
 
 def _warn_once(reason: str) -> None:
-    if reason in _warned:
-        return
-    _warned.add(reason)
-    warnings.warn(f"sinkattn: using the PyTorch reference backend (slow): {reason}",
-                  ReferenceFallbackWarning, stacklevel=2)
+    warn_once(_warned, f"sinkattn: using the PyTorch reference backend (slow): {reason}", ReferenceFallbackWarning,
+              stacklevel=2)
 
 
 def plan(problem: Problem, capability: tuple[int, int] | None = None) -> tuple[str, dict[str, str]]:
@@ -315,12 +307,11 @@ def _reference_anyway(q, backend: str) -> bool:
     return backend == "reference" or (backend == "auto" and q.device.type != "cuda")
 
 
-def run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            window_left, window_right, sink_tokens, softcap, deterministic, backend, need_lse=True):
+def run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: Mask, deterministic,
+            backend, need_lse=True):
     """Body of the sinkattn::fwd op (plain and varlen) -> (out, lse); need_lse=False (ops.call_fwd's direct path,
     when the caller drops lse) lets the reference return lse None."""
     varlen = cu_seqlens_q is not None
-    mask = Mask(softmax_scale, window_left, window_right, sink_tokens, softcap)
     if _reference_anyway(q, backend):
         chosen = "reference"
     else:
@@ -332,10 +323,8 @@ def run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         return reference.attention_fwd(q, k, v, sinks, mask, cu_seqlens_q, cu_seqlens_k, need_lse)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device)
-    kernels.launch_fwd(chosen, q, k, v, sinks, out, lse, softmax_scale=softmax_scale, window_left=window_left,
-                       window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
-                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                       max_seqlen_k=max_seqlen_k, max_smem=_device.sm80_max_smem(chosen))
+    kernels.launch_fwd(chosen, q, k, v, sinks, out, lse, mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, max_smem=_device.sm80_max_smem(chosen))
     if varlen:
         _clear_tail_rows(out, lse, cu_seqlens_q)
     return out, lse
@@ -357,9 +346,8 @@ def _clear_tail_rows(out, lse, cu_seqlens_q) -> None:
 
 
 def run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, window_left, window_right, sink_tokens, softcap, deterministic, backend):
+            mask: Mask, deterministic, backend):
     """Body of the sinkattn::bwd op -> (dq, dk, dv, dsinks); dsinks is zeros without sinks."""
-    mask = Mask(softmax_scale, window_left, window_right, sink_tokens, softcap)
     if _reference_anyway(q, backend):
         chosen = "reference"
     else:
@@ -374,21 +362,18 @@ def run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, ma
     dsinks = torch.empty((q.shape[-2],), dtype=torch.float32, device=q.device) if sinks is not None else None
     kernels.launch_bwd(chosen, dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), sinks,
                        out.contiguous(), lse.contiguous(), None if dlse is None else dlse.contiguous(),
-                       dq, dk, dv, dsinks, softmax_scale=softmax_scale, window_left=window_left,
-                       window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
-                       deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, max_smem=_device.sm80_max_smem(chosen))
+                       dq, dk, dv, dsinks, mask, deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                       max_smem=_device.sm80_max_smem(chosen))
     if dsinks is None:
         dsinks = torch.zeros((q.shape[-2],), dtype=sink_dtype, device=q.device)
     return dq, dk, dv, dsinks.to(sink_dtype)
 
 
 def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                rotary_interleaved, softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits,
-                backend, k_descale=None, v_descale=None):
+                rotary_interleaved, mask: Mask, num_splits, backend, k_descale=None, v_descale=None):
     """Body of the sinkattn::kvcache_fwd op -> (out, lse): rotary and the append (kvcache.prepare), then
     attention over the cache on the chosen backend."""
-    mask = Mask(softmax_scale, window_left, window_right, sink_tokens, softcap)
     if _reference_anyway(q, backend):
         chosen = "reference"
     else:
@@ -403,8 +388,6 @@ def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, ro
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(q, False), dtype=torch.float32, device=q.device)
     kernels.launch_kvcache(chosen, q.contiguous(), k_cache, v_cache, sinks, out, lse, cache_seqlens=seqlens_k,
-                           block_table=block_table, softmax_scale=softmax_scale, window_left=window_left,
-                           window_right=window_right, sink_tokens=sink_tokens, softcap=softcap,
-                           num_splits=num_splits, max_smem=_device.sm80_max_smem(chosen),
-                           k_descale=k_descale, v_descale=v_descale)
+                           block_table=block_table, mask=mask, num_splits=num_splits,
+                           max_smem=_device.sm80_max_smem(chosen), k_descale=k_descale, v_descale=v_descale)
     return out, lse

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from .errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
 from .interface import flash_attn_with_sinks
 from .layout import acc_dtype
-from .mask import visible_rectangle
+from ._checks import default_scale, resolve_sinks
+from .mask import visible_rectangle, window_with_causal
 
 _INF = float("inf")
 
@@ -151,9 +152,7 @@ def ring_attention(q, k, v, sinks=None, *, group=None, softmax_scale=None, causa
     if not dist.is_available() or not dist.is_initialized():
         raise SinkattnRuntimeError("sinkattn.ring_attention: torch.distributed is not initialized; call "
                                    "torch.distributed.init_process_group first (gloo on CPU, nccl on GPUs)")
-    if sinks is not None and s_aux is not None:
-        raise SinkattnValueError("sinkattn.ring_attention: both sinks= and s_aux= were given; pass only one")
-    sinks = sinks if sinks is not None else s_aux
+    sinks = resolve_sinks(sinks, s_aux, who="sinkattn.ring_attention")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise SinkattnValueError(f"sinkattn.ring_attention: {name} must be a 4-D tensor (batch, S, heads, "
@@ -165,12 +164,8 @@ def ring_attention(q, k, v, sinks=None, *, group=None, softmax_scale=None, causa
         raise SinkattnTypeError("sinkattn.ring_attention: q, k and v must share a dtype")
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise SinkattnValueError(f"sinkattn.ring_attention: window_size must be (left, right); got {window_size!r}")
-    left, right = int(window_size[0]), int(window_size[1])
-    if causal:
-        if right > 0:
-            raise SinkattnValueError(f"sinkattn.ring_attention: causal=True with window_size[1] = {right}; "
-                                     "causal means right = 0")
-        right = 0
+    left, right = window_with_causal(int(window_size[0]), int(window_size[1]), bool(causal), strict=True,
+                                     who="sinkattn.ring_attention")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     seqlen = q.shape[1]
     sizes = torch.tensor([seqlen, -seqlen], dtype=torch.int64, device=_comm_device(q, group))
@@ -179,7 +174,7 @@ def ring_attention(q, k, v, sinks=None, *, group=None, softmax_scale=None, causa
         raise SinkattnValueError(f"sinkattn.ring_attention: chunk lengths differ across ranks (this rank {seqlen}, "
                                  f"range {-int(sizes[1])}..{int(sizes[0])}); split the sequence into equal chunks")
     if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
+        softmax_scale = default_scale(q.shape[-1])
     opts = dict(softmax_scale=softmax_scale, left=left, right=right, sink_tokens=int(sink_tokens),
                 softcap=softcap, deterministic=deterministic, backend=backend)
     last = []

@@ -46,9 +46,8 @@ _CONVENTIONS = (__doc__ or "").partition("(appended at import, so help() shows t
 
 def _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend, return_lse,
               deterministic=False):
-    """The checks every public function starts with -> (sinks, (scale, left, right, sink_tokens, softcap)). (Each
-    test is the good case inline, the wording only on failure: at a tiny call these checks are a good part of the
-    time; bench/studies/cpu_overhead.py.)"""
+    """The checks every public function starts with -> (sinks, Mask). (Each test is the good case inline, the
+    wording only on failure: at a tiny call these checks are a good part of the time; bench/studies/cpu_overhead.py.)"""
     if s_aux is not None:
         sinks = _checks.resolve_sinks(sinks, s_aux)
     if backend not in _checks.BACKENDS:
@@ -72,19 +71,20 @@ def flash_attn_with_sinks(q, k, v, sinks=None, *, softmax_scale=None, causal=Fal
     Returns out (like q), or (out, lse) with return_lse=True, lse float32 (batch, nheads, seqlen_q),
     natural log, including the sink. See the module docstring for masks and conventions.
     """
-    if _CPU_FRONT is not None and not torch.compiler.is_compiling():
-        served = _CPU_FRONT(q, k, v, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap,
-                            return_lse, deterministic, backend)
+    # The front end takes no alias (s_aux) and a scale already resolved, so the alias rule and the default scale
+    # keep their one owner (_checks); the two tests here cost tens of nanoseconds.
+    if _CPU_FRONT is not None and s_aux is None and type(q) is torch.Tensor and not torch.compiler.is_compiling():
+        scale = softmax_scale if softmax_scale is not None or not q.dim() else _checks.default_scale(q.shape[-1])
+        served = _CPU_FRONT(q, k, v, sinks, scale, causal, window_size, sink_tokens, softcap, return_lse,
+                            deterministic, backend)
         if served is not None:
             return served
     _checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    sinks, (scale, left, right, n, cap) = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size,
-                                                    sink_tokens, softcap, backend, return_lse=return_lse,
-                                                    deterministic=deterministic)
+    sinks, mask = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend,
+                            return_lse=return_lse, deterministic=deterministic)
     _checks.check_batched(q, k, v)
     _checks.check_sinks(sinks, q)
-    out, lse = ops.call_fwd(q, k, v, sinks, None, None, 0, 0, scale, left, right, n, cap, deterministic, backend,
-                            need_lse=return_lse)
+    out, lse = ops.call_fwd(q, k, v, sinks, None, None, 0, 0, mask, deterministic, backend, need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -99,13 +99,12 @@ def flash_attn_varlen_with_sinks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
     (out, lse) with lse float32 (nheads, total_q); rows past cu_seqlens_q[-1] get out 0, lse -inf.
     """
     _checks.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
-    sinks, (scale, left, right, n, cap) = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size,
-                                                    sink_tokens, softcap, backend, return_lse=return_lse,
-                                                    deterministic=deterministic)
+    sinks, mask = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend,
+                            return_lse=return_lse, deterministic=deterministic)
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _checks.check_sinks(sinks, q)
-    out, lse = ops.call_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left,
-                            right, n, cap, deterministic, backend, need_lse=return_lse)
+    out, lse = ops.call_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
+                            deterministic, backend, need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -138,8 +137,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
     _checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _checks.check_tensor("k_cache", k_cache, 4, "(batch, capacity, nheads_k, headdim) or paged "
                                                 "(num_pages, page_size, nheads_k, headdim)")
-    sinks, (scale, left, right, n, cap) = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size,
-                                                    sink_tokens, softcap, backend, return_lse=return_lse)
+    sinks, mask = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend,
+                            return_lse=return_lse)
     if block_table is not None:
         _checks.check_tensor("block_table", block_table, 2, "(batch, max_pages) int32")
     cache_seqlens = _cache_seqlens(q, k_cache, k, cache_seqlens, block_table)
@@ -153,8 +152,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
                                                              "rotary_sin": rotary_sin, "k_descale": k_descale,
                                                              "v_descale": v_descale})
     out, lse = ops.call_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                                rotary_interleaved, scale, left, right, n, cap, num_splits, backend, k_descale,
-                                v_descale)
+                                rotary_interleaved, mask, num_splits, backend, k_descale, v_descale)
     return (out, lse) if return_lse else out
 
 

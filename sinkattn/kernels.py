@@ -16,12 +16,11 @@ import torch
 
 from . import _ext, registry
 from .errors import SinkattnRuntimeError
+from .mask import Mask
 
 
-def launch_fwd(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, window_left: int,
-               window_right: int, sink_tokens: int, softcap: float,
-               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-               max_smem: int = 0) -> None:
+def launch_fwd(backend: str, q, k, v, sinks, out, lse, mask: Mask, *, cu_seqlens_q=None, cu_seqlens_k=None,
+               max_seqlen_q: int = 0, max_seqlen_k: int = 0, max_smem: int = 0) -> None:
     """Run the forward kernel of `backend`, writing `out` (like q) and `lse` (fp32) in place.
 
     q (b, sq, h, d) and k/v (b, sk, hk, d), or packed (total, h, d) with cu_seqlens when varlen; the caller
@@ -32,14 +31,13 @@ def launch_fwd(backend: str, q, k, v, sinks, out, lse, *, softmax_scale: float, 
     target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     cu_seqlens_q, cu_seqlens_k = _dense_index(cu_seqlens_q), _dense_index(cu_seqlens_k)
     C.fwd(backend, q, k, v, sinks, target, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-          float(softmax_scale), int(window_left), int(window_right), int(sink_tokens), float(softcap), int(max_smem))
+          mask.kernel_args(), int(max_smem))
     if target is not out:
         out.copy_(target)
 
 
-def launch_bwd(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, *, softmax_scale: float,
-               window_left: int, window_right: int, sink_tokens: int, softcap: float, deterministic: bool,
-               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+def launch_bwd(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, mask: Mask, *,
+               deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                max_smem: int = 0) -> None:
     """Run the backward kernel of `backend`, writing dq, dk, dv (like q, k, v; dk/dv summed over the query-head
     group) and dsinks (fp32 (nheads,), or None without sinks) in place. dlse (fp32 like lse) or None.
@@ -58,8 +56,7 @@ def launch_bwd(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, d
             torch.empty((q.shape[-2],), dtype=torch.float32, device=q.device)
     C.bwd(backend, dout, q, k, v, sinks, out, lse.contiguous(), None if dlse is None else dlse.float().contiguous(),
           *targets, ds, _dense_index(cu_seqlens_q), _dense_index(cu_seqlens_k), int(max_seqlen_q), int(max_seqlen_k),
-          float(softmax_scale),
-          int(window_left), int(window_right), int(sink_tokens), float(softcap), bool(deterministic), int(max_smem))
+          mask.kernel_args(), bool(deterministic), int(max_smem))
     for t, dst in zip(targets, (dq, dk, dv)):
         if t is not dst:
             dst.copy_(t)
@@ -67,8 +64,7 @@ def launch_bwd(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, d
         dsinks.copy_(ds)
 
 
-def launch_kvcache(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_seqlens, block_table,
-                   softmax_scale: float, window_left: int, window_right: int, sink_tokens: int, softcap: float,
+def launch_kvcache(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_seqlens, block_table, mask: Mask,
                    num_splits: int = 0, max_smem: int = 0, k_descale=None, v_descale=None) -> None:
     """Attention of q (b, sq, h, d) over a KV cache that already holds the new keys, writing out and lse (b, h, sq).
 
@@ -86,9 +82,7 @@ def launch_kvcache(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_
     q = q if _aligned(q) else q.contiguous()
     target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     C.fwd_kvcache(backend, q, k_cache, v_cache, sinks, target, lse, cache_seqlens.to(torch.int32).contiguous(),
-                  _dense_index(block_table), float(softmax_scale),
-                  int(window_left), int(window_right), int(sink_tokens), float(softcap), int(num_splits), int(max_smem),
-                  k_descale, v_descale)
+                  _dense_index(block_table), mask.kernel_args(), int(num_splits), int(max_smem), k_descale, v_descale)
     if target is not out:
         out.copy_(target)
 

@@ -1,11 +1,15 @@
 """Mask geometry in Python: which keys a query row sees (docs/DESIGN.md section 1), the twin of csrc/common/mask.h.
 
-`Mask` is one call's scale, softcap and visibility, built once per call (dispatch.run_*) and carried by the
-Problem (backend choice) and the reference backend. Bottom-right alignment: with off = seqlen_k - seqlen_q, query
-row i sits at key position i + off; key j is visible if j <= i + off + right (right >= 0) and (j >= i + off - left
-or j < sink_tokens) (left >= 0). The functions here answer that question for ranges of rows and keys, on the host:
-the reference backend's tiling (`key_ranges`, `fully_visible`, `visible`) and the chunk-pair cutting of the
-distributed and transformers paths (`visible_rectangle`).
+`Mask` is one call's scale, softcap and visibility: built once per call by the checks (`_checks.normalize_mask`),
+carried as one value through ops, dispatch, the Problem (backend choice), the reference backend and the kernel
+bridge (`kernels`, which hands `kernel_args()` to the compiled module as one tuple). Only the torch.library op
+schemas (ops.py) hold it as loose scalars, because a schema takes scalars; they convert in one place each way.
+
+Bottom-right alignment: with off = seqlen_k - seqlen_q, query row i sits at key position i + off; key j is visible
+if j <= i + off + right (right >= 0) and (j >= i + off - left or j < sink_tokens) (left >= 0). The functions here
+answer that question for ranges of rows and keys, on the host: the reference backend's tiling (`key_ranges`,
+`fully_visible`, `visible`) and the chunk-pair cutting of the distributed and transformers paths
+(`visible_rectangle`).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import SinkattnRuntimeError
+from .errors import SinkattnRuntimeError, SinkattnValueError
 
 _INF = float("inf")
 
@@ -27,6 +31,49 @@ class Mask:
     window_right: int = -1    # -1 = unbounded; causal is window_right == 0
     sink_tokens: int = 0
     softcap: float = 0.0
+
+    def kernel_args(self) -> tuple[float, int, int, int, float]:
+        """(scale, window_left, window_right, sink_tokens, softcap): the order of the op schemas' scalars and of
+        the compiled module's mask tuple (csrc/api.cpp MaskArgs)."""
+        return (self.scale, self.window_left, self.window_right, self.sink_tokens, self.softcap)
+
+    # The questions the layers above ask of a mask (feature tests, backend preferences, the reference's plans), so
+    # that they name no window field.
+    @property
+    def causal(self) -> bool:
+        """The right edge is the diagonal (causal=True, or window_size[1] == 0)."""
+        return self.window_right == 0
+
+    @property
+    def windowed(self) -> bool:
+        """A bounded left edge or a right edge past the diagonal: the kernels' "window" feature."""
+        return self.window_left >= 0 or self.window_right > 0
+
+    @property
+    def left_unbounded(self) -> bool:
+        return self.window_left < 0
+
+    def left_window_under(self, keys: int) -> bool:
+        """A bounded left edge that keeps fewer than `keys` keys behind the diagonal."""
+        return 0 <= self.window_left < keys
+
+    @property
+    def visibility(self) -> tuple[int, int, int]:
+        """(window_left, window_right, sink_tokens): what decides which keys a row sees (a cache key for plans)."""
+        return (self.window_left, self.window_right, self.sink_tokens)
+
+
+def window_with_causal(left: int, right: int, causal: bool, *, strict: bool, who: str = "sinkattn") -> tuple[int, int]:
+    """The window a call means: causal=True is right = 0. strict (sinkattn's own API): a positive right edge with
+    causal is a contradiction and raises; not strict (flash-attn's front end, which the drop-in follows): causal
+    overrides whatever right edge was given."""
+    if not causal:
+        return left, right
+    if strict and right > 0:
+        raise SinkattnValueError(
+            f"{who}: causal=True with window_size[1] (right) = {right}; causal means right = 0; "
+            f"accepted: right in (-1, 0) with causal, or causal=False with window_size=({left}, {right})")
+    return left, 0
 
 
 def key_ranges(i0: int, i1: int, seqlen_k: int, off: int, m: Mask) -> list[tuple[int, int]]:

@@ -10,6 +10,9 @@ autograd is registered on the op, so compiled graphs get the same backward. The 
 dispatch.run_fwd / run_bwd / run_kvcache, which choose the backend at run time, never while tracing.
 Inputs arrive validated by sinkattn.interface; the ops trust their metadata.
 
+The mask travels as one value (sinkattn.mask.Mask) everywhere but in the op schemas, which take scalars: `call_*`
+flattens it with Mask.kernel_args() and each op body rebuilds it with `_mask`, the one conversion each way.
+
 `call_fwd` / `call_kvcache` are how the interface calls the ops: through torch.ops where the op layer has
 something to do (autograd, torch.compile's tracing, fake tensors, a torch function / dispatch mode, a functorch
 transform), else straight into the op's body (`direct`): eager inference on plain tensors, where the op wrapper
@@ -24,6 +27,12 @@ from torch import Tensor
 
 from . import dispatch
 from .layout import acc_dtype, lse_shape
+from .mask import Mask
+
+
+def _mask(softmax_scale: float, window_left: int, window_right: int, sink_tokens: int, softcap: float) -> Mask:
+    """The op schemas' mask scalars (Mask.kernel_args order) as the Mask the layers below take."""
+    return Mask(softmax_scale, window_left, window_right, sink_tokens, softcap)
 
 
 @torch.library.custom_op("sinkattn::fwd", mutates_args=())
@@ -31,8 +40,9 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_seqlens_q: 
         cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
         window_left: int, window_right: int, sink_tokens: int, softcap: float, deterministic: bool,
         backend: str) -> tuple[Tensor, Tensor]:
-    return dispatch.run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                            window_left, window_right, sink_tokens, softcap, deterministic, backend)
+    return dispatch.run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            _mask(softmax_scale, window_left, window_right, sink_tokens, softcap), deterministic,
+                            backend)
 
 
 @fwd.register_fake
@@ -50,7 +60,7 @@ def bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, s
         sink_tokens: int, softcap: float, deterministic: bool,
         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return dispatch.run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, softmax_scale, window_left, window_right, sink_tokens, softcap,
+                            max_seqlen_k, _mask(softmax_scale, window_left, window_right, sink_tokens, softcap),
                             deterministic, backend)
 
 
@@ -90,8 +100,9 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, sinks: Optional[Ten
                 num_splits: int, backend: str, k_descale: Optional[Tensor] = None,
                 v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return dispatch.run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos,
-                                rotary_sin, rotary_interleaved, softmax_scale, window_left, window_right,
-                                sink_tokens, softcap, num_splits, backend, k_descale, v_descale)
+                                rotary_sin, rotary_interleaved,
+                                _mask(softmax_scale, window_left, window_right, sink_tokens, softcap), num_splits,
+                                backend, k_descale, v_descale)
 
 
 @kvcache_fwd.register_fake
@@ -119,27 +130,26 @@ def direct(*tensors) -> bool:
     return True
 
 
-def call_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-             window_right, sink_tokens, softcap, deterministic, backend, need_lse=True):
+def call_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: Mask, deterministic,
+             backend, need_lse=True):
     """sinkattn::fwd, or its body where `direct` allows -> (out, lse). need_lse=False: the caller drops lse, so the
     body may skip it (lse None); the op itself always returns it (autograd and the schema need it)."""
     if direct(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k):
-        return dispatch.run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                window_left, window_right, sink_tokens, softcap, deterministic, backend, need_lse)
+        return dispatch.run_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
+                                deterministic, backend, need_lse)
     return torch.ops.sinkattn.fwd.default(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          softmax_scale, window_left, window_right, sink_tokens, softcap,
-                                          deterministic, backend)
+                                          *mask.kernel_args(), deterministic, backend)
 
 
 def call_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                 rotary_interleaved, softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits,
-                 backend, k_descale=None, v_descale=None):
+                 rotary_interleaved, mask: Mask, num_splits, backend, k_descale=None, v_descale=None):
     """sinkattn::kvcache_fwd, or its body where `direct` allows -> (out, lse). (The op has no autograd: the
     interface refuses inputs that need it before calling.) k_descale/v_descale: an FP8 cache's (batch, nheads_k)
     float32 descales (sinkattn.fp8), else None."""
-    args = (q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
-            softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits, backend, k_descale, v_descale)
     if direct(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, k_descale,
               v_descale):
-        return dispatch.run_kvcache(*args)
-    return torch.ops.sinkattn.kvcache_fwd.default(*args)
+        return dispatch.run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos,
+                                    rotary_sin, rotary_interleaved, mask, num_splits, backend, k_descale, v_descale)
+    return torch.ops.sinkattn.kvcache_fwd.default(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table,
+                                                  rotary_cos, rotary_sin, rotary_interleaved, *mask.kernel_args(),
+                                                  num_splits, backend, k_descale, v_descale)

@@ -292,14 +292,14 @@ def _fused_plan(sq: int, sk: int, g: int, m: Mask):
     one row: decode), else the additive (g * sq, gathered keys) float mask (0 / -inf), cached per shape. None
     when a row sees no key: the fused kernel would give it lse 0 instead of the contract's out 0, lse = sink."""
     off = sk - sq
-    if sk <= 0 or sq <= 0 or (m.window_right >= 0 and off + m.window_right < 0):
+    if sk <= 0 or sq <= 0 or not key_ranges(0, 1, sk, off, m):
         return None  # (row 0 sees the fewest keys: with a right bound, none when off + right < 0)
     ranges = tuple(key_ranges(0, sq, sk, off, m))
     if not ranges:
         return None
     if all(_fully_visible(0, sq, t0, t1, off, m) for t0, t1 in ranges):
         return ranges, None
-    key = (sq, sk, g, ranges, m.window_left, m.window_right, m.sink_tokens)
+    key = (sq, sk, g, ranges, m.visibility)
     mask = _MASKS.get(key)
     if mask is None:
         pos = torch.cat([torch.arange(t0, t1) for t0, t1 in ranges])
@@ -313,7 +313,7 @@ def _fused_plan(sq: int, sk: int, g: int, m: Mask):
     return ranges, mask
 
 
-# (sq, sk, g, ranges, window_left, window_right, sink_tokens) -> the additive mask of _fused_plan. The masks of a
+# (sq, sk, g, ranges, Mask.visibility) -> the additive mask of _fused_plan. The masks of a
 # model's few shapes are built once; the cache is cleared when it holds _MASKS_MAX of them (at most 16 MiB each).
 _MASKS: dict = {}
 _MASKS_MAX = 32
@@ -395,7 +395,7 @@ def _sink_weight(lse, sink, need_lse: bool):
 
 def _plain_causal(m: Mask) -> bool:
     """The mask is causal and nothing else: right edge 0, no left edge (sink tokens then change nothing)."""
-    return m.window_right == 0 and m.window_left < 0
+    return m.causal and m.left_unbounded
 
 
 def _flash_cpu_heads(qs, k, v, sink, scale, sq, need_lse=True, mask=None, is_causal=False):

@@ -49,9 +49,9 @@ def op_of(problem: Problem, family: str | None = None) -> str:
 
 def needed_features(problem: Problem) -> list[str]:
     """The registry features a kernel must list to serve `problem`."""
-    wanted = [("sinks", problem.has_sinks), ("sink_tokens", problem.sink_tokens > 0),
-              ("causal", problem.window_right == 0), ("window", problem.window_left >= 0 or problem.window_right > 0),
-              ("softcap", problem.softcap > 0), ("gqa", problem.nheads != problem.nheads_k),
+    m = problem.mask
+    wanted = [("sinks", problem.has_sinks), ("sink_tokens", m.sink_tokens > 0), ("causal", m.causal),
+              ("window", m.windowed), ("softcap", m.softcap > 0), ("gqa", problem.nheads != problem.nheads_k),
               ("varlen", problem.varlen), ("kvcache", problem.kind == "kvcache"), ("paged", problem.paged),
               ("deterministic", problem.kind == "bwd" and problem.deterministic),
               ("fp8_kv", problem.kv_fp8)]
@@ -123,6 +123,13 @@ def _feature_set(listed: str) -> frozenset[str]:
 
 def smem_bytes(kernel: dict) -> int:
     return int(kernel.get("smem_bytes", 0) or 0)
+
+
+def fp8_kv_headdims() -> tuple[int, ...]:
+    """The head dims the FP8-cache decode tiles exist for (the C++ tile table, csrc/sm80/fwd_tiles.h FwdFp8TilesOf,
+    as the binary reports it), whether or not this build compiled them."""
+    info = _ext.build_info() or {}
+    return tuple(int(h) for h in info.get("fp8_kv_headdims", ()))
 
 
 def requested(key: str) -> list[str]:

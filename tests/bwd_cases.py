@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sinkattn.mask import Mask
+
 from kernel_cases import Case, make_sinks
 from oracle import attention_oracle, attention_oracle_varlen, tolerance_check
 
@@ -126,9 +128,9 @@ def run_bwd_case(case: BwdCase, backend: str, device: str, backward, seed=None, 
     for _ in range(repeats):
         dq, dk, dv = (torch.full_like(t, NAN) for t in (q, k, v))
         dsinks = None if sinks is None else torch.full((case.nheads,), NAN, device=device)
-        backward(backend, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, softmax_scale=scale,
-                 window_left=left, window_right=right, sink_tokens=case.sink_tokens, softcap=case.softcap,
-                 deterministic=deterministic, max_smem=case.max_smem, **vl)
+        backward(backend, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks,
+                 mask=Mask(scale, left, right, case.sink_tokens, case.softcap), deterministic=deterministic,
+                 max_smem=case.max_smem, **vl)
         runs.append((dq, dk, dv, dsinks))
     dq, dk, dv, dsinks = runs[0]
     # FlashAttention-2's backward takes D_i = rowsum(dO_i * O_i) from the forward's out in the input dtype;

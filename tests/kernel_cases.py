@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sinkattn.mask import Mask
+
 from oracle import attention_oracle, attention_oracle_varlen, tolerance_check
 
 NAN = float("nan")
@@ -60,6 +62,7 @@ def run_case(case: Case, backend: str, device: str, forward, seed: int | None = 
         right = 0
     sinks = make_sinks(case.sinks, h, device)
     scale = 1.0 / math.sqrt(d)
+    mask = Mask(scale, left, right, case.sink_tokens, case.softcap)
     kw = dict(softmax_scale=scale, causal=case.causal, window_size=case.window, sink_tokens=case.sink_tokens,
               softcap=case.softcap)
     if case.varlen is None:
@@ -68,8 +71,7 @@ def run_case(case: Case, backend: str, device: str, forward, seed: int | None = 
         v = torch.randn(case.batch, case.seqlen_k, hk, d, device=device, dtype=case.dtype)
         out, guard = _guarded_like(q)
         lse = torch.full((case.batch, h, case.seqlen_q), NAN, device=device)
-        forward(backend, q, k, v, sinks, out, lse, softmax_scale=scale, window_left=left, window_right=right,
-                sink_tokens=case.sink_tokens, softcap=case.softcap, max_smem=case.max_smem)
+        forward(backend, q, k, v, sinks, out, lse, mask=mask, max_smem=case.max_smem)
         ref_out, ref_lse = attention_oracle(q.cpu(), k.cpu(), v.cpu(), None if sinks is None else sinks.cpu(), **kw)
         base_out, base_lse = attention_oracle(q.cpu(), k.cpu(), v.cpu(), None if sinks is None else sinks.cpu(),
                                               compute_dtype=case.dtype, **kw)
@@ -83,8 +85,7 @@ def run_case(case: Case, backend: str, device: str, forward, seed: int | None = 
         v = torch.randn(sum(lk), hk, d, device=device, dtype=case.dtype)
         out, guard = _guarded_like(q)
         lse = torch.full((h, sum(lq)), NAN, device=device)
-        forward(backend, q, k, v, sinks, out, lse, softmax_scale=scale, window_left=left, window_right=right,
-                sink_tokens=case.sink_tokens, softcap=case.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        forward(backend, q, k, v, sinks, out, lse, mask=mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                 max_seqlen_q=max(lq), max_seqlen_k=max(lk), max_smem=case.max_smem)
         cs = None if sinks is None else sinks.cpu()
         ref_out, ref_lse = attention_oracle_varlen(q.cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), cs, **kw)

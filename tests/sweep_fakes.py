@@ -31,9 +31,9 @@ def _log(name: str, q) -> None:
             f.write(f"{name} {_phase(q)}\n")
 
 
-def correct(q, k, v, sinks, out, lse, *, softmax_scale, window_left, window_right, sink_tokens, softcap):
-    o, l = attention_oracle(q, k, v, sinks, softmax_scale=softmax_scale, window_size=(window_left, window_right),
-                            sink_tokens=sink_tokens, softcap=softcap, compute_dtype=torch.float32)
+def correct(q, k, v, sinks, out, lse, *, mask):
+    o, l = attention_oracle(q, k, v, sinks, softmax_scale=mask.scale, window_size=(mask.window_left, mask.window_right),
+                            sink_tokens=mask.sink_tokens, softcap=mask.softcap, compute_dtype=torch.float32)
     out.copy_(o.to(out.dtype))
     lse.copy_(l)
 

@@ -53,6 +53,9 @@ BATCHED = [
      SinkattnValueError, ["q", "head dim", "264", "256"]),
     ("headdim-odd", lambda: attn(*qkv(q=(B, S, H, 36), k=(B, S, HK, 36), v=(B, S, HK, 36))),
      SinkattnValueError, ["q", "head dim", "36", "multiple of 8"]),
+    # (the default scale 1/sqrt(0) must not come first as a ZeroDivisionError)
+    ("headdim-zero", lambda: attn(*qkv(q=(B, S, H, 0), k=(B, S, HK, 0), v=(B, S, HK, 0))),
+     SinkattnValueError, ["q", "head dim", "0", "multiple of 8"]),
     ("sinks-shape", lambda: attn(q0, k0, v0, torch.zeros(HK)), SinkattnValueError, ["sinks", "(2,)", "(4,)"]),
     ("sinks-2d", lambda: attn(q0, k0, v0, torch.zeros(1, H)), SinkattnValueError, ["sinks"]),
     ("sinks-dtype", lambda: attn(q0, k0, v0, torch.zeros(H, dtype=torch.int64)), SinkattnTypeError, ["sinks", "int64"]),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sinkattn
-from sinkattn import _ext, interface, layout, reference
+from sinkattn import _checks, _ext, interface, layout, reference
 from sinkattn.errors import SinkattnError
 from oracle import attention_oracle, single_thread  # noqa: F401
 
@@ -26,14 +26,16 @@ if _ext._C is not None and FRONT is None:  # a stale build from before the front
                 pytrace=False)
 
 SRC = Path(__file__).resolve().parents[1] / "csrc" / "cpu_front.cpp"
-DEFAULTS = dict(sinks=None, s_aux=None, softmax_scale=None, causal=False, window_size=(-1, -1), sink_tokens=0,
+DEFAULTS = dict(sinks=None, softmax_scale=None, causal=False, window_size=(-1, -1), sink_tokens=0,
                 softcap=0.0, return_lse=False, deterministic=False, backend="auto")
 
 
 def front(q, k, v, **kw):
+    """The front end called as interface.flash_attn_with_sinks calls it: the default scale resolved by its owner."""
     a = {**DEFAULTS, **kw}
-    return FRONT(q, k, v, a["sinks"], a["s_aux"], a["softmax_scale"], a["causal"], a["window_size"],
-                 a["sink_tokens"], a["softcap"], a["return_lse"], a["deterministic"], a["backend"])
+    scale = a["softmax_scale"] if a["softmax_scale"] is not None else _checks.default_scale(q.shape[-1])
+    return FRONT(q, k, v, a["sinks"], scale, a["causal"], a["window_size"], a["sink_tokens"], a["softcap"],
+                 a["return_lse"], a["deterministic"], a["backend"])
 
 
 def qkv(b=2, sq=5, sk=7, h=3, d=64, dtype=torch.float32, hk=None):
@@ -91,8 +93,7 @@ def test_served_cases_match_the_oracle_and_the_python_path(monkeypatch, kw, sink
     ref_out, ref_lse = attention_oracle(q, k, v, sinks, softmax_scale=kw.get("softmax_scale"), causal=causal)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
-    public = {k_: v_ for k_, v_ in call.items() if k_ != "s_aux"}
-    py_ = python_path(monkeypatch, q, k, v, **public)
+    py_ = python_path(monkeypatch, q, k, v, **call)
     py_out, py_lse = py_ if kw.get("return_lse") else (py_, None)
     torch.testing.assert_close(out, py_out, atol=1e-6, rtol=1e-5)
     if lse is not None:
@@ -101,14 +102,26 @@ def test_served_cases_match_the_oracle_and_the_python_path(monkeypatch, kw, sink
         torch.testing.assert_close(lse, py_lse, atol=1e-6, rtol=1e-6)
 
 
-def test_s_aux_is_the_sinks_alias():
+def test_s_aux_takes_the_python_path_with_the_same_answer(monkeypatch):
+    """The alias rule has one owner (_checks.resolve_sinks): a call with s_aux never reaches the front end, and gives
+    what the front end gives for sinks=."""
+    calls = []
+    monkeypatch.setattr(interface, "_CPU_FRONT", lambda *a: calls.append(a) or FRONT(*a))
     q, k, v = qkv()
     sinks = torch.randn(3)
-    a = front(q, k, v, sinks=sinks)
-    b = front(q, k, v, s_aux=sinks)
-    assert a is not None and b is not None
-    assert torch.equal(a, b)
-    assert not torch.equal(a, front(q, k, v))
+    a = sinkattn.flash_attn_with_sinks(q, k, v, sinks)
+    assert len(calls) == 1
+    b = sinkattn.flash_attn_with_sinks(q, k, v, s_aux=sinks)
+    assert len(calls) == 1
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(a, sinkattn.flash_attn_with_sinks(q, k, v))
+
+
+def test_a_scale_left_to_the_front_end_declines():
+    """The default scale has one owner (_checks.default_scale): the caller resolves it; None here is declined."""
+    q, k, v = qkv()
+    assert FRONT(q, k, v, None, None, False, (-1, -1), 0, 0.0, False, False, "auto") is None
+    assert FRONT(q, k, v, None, 0.125, False, (-1, -1), 0, 0.0, False, False, "auto") is not None
 
 
 def test_the_public_call_goes_through_the_front_end(monkeypatch):
@@ -151,7 +164,6 @@ def _declined():
         "bf16 sinks": ((q, k, v), dict(sinks=torch.zeros(3, dtype=torch.bfloat16))),
         "sinks wrong shape": ((q, k, v), dict(sinks=torch.zeros(4))),
         "sinks 2-D": ((q, k, v), dict(sinks=torch.zeros(1, 3))),
-        "sinks and s_aux": ((q, k, v), dict(sinks=torch.zeros(3), s_aux=torch.zeros(3))),
         "causal int": ((q, k, v), dict(causal=1)),
         "return_lse str": ((q, k, v), dict(return_lse="yes")),
         "deterministic None": ((q, k, v), dict(deterministic=None)),

@@ -138,12 +138,12 @@ def test_kernel_launch_points_are_called(gpu, monkeypatch):
     gpu["serve"]("sm80-emulated")
     calls = {}
 
-    def fake_forward(backend, q, k, v, sinks, out, lse, **kw):
-        calls["fwd"] = (backend, out.shape, out.dtype, lse.shape, lse.dtype, kw)
+    def fake_forward(backend, q, k, v, sinks, out, lse, *args, **kw):
+        calls["fwd"] = (backend, out.shape, out.dtype, lse.shape, lse.dtype, args)
         out.fill_(1.0)
         lse.fill_(2.0)
 
-    def fake_backward(backend, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, **kw):
+    def fake_backward(backend, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, mask, **kw):
         calls["bwd"] = (backend, dlse is None, kw["deterministic"])
         for t in (dq, dk, dv, dsinks):
             t.fill_(3.0)
@@ -155,9 +155,9 @@ def test_kernel_launch_points_are_called(gpu, monkeypatch):
     s = torch.zeros(4, requires_grad=True)
     out, lse = sinkattn.flash_attn_with_sinks(q, k, k, s, causal=True, window_size=(3, 0), return_lse=True,
                                               deterministic=True, backend="sm80-emulated")
-    backend, oshape, odtype, lshape, ldtype, kw = calls["fwd"]
+    backend, oshape, odtype, lshape, ldtype, args = calls["fwd"]
     assert (backend, oshape, odtype, lshape, ldtype) == ("sm80-emulated", q.shape, q.dtype, (2, 4, 5), torch.float32)
-    assert kw["window_left"] == 3 and kw["window_right"] == 0 and kw["softmax_scale"] == pytest.approx(64 ** -0.5)
+    assert args == (Mask(pytest.approx(64 ** -0.5), 3, 0, 0, 0.0),)
     assert (out == 1).all() and (lse == 2).all()
     out.float().sum().backward()
     assert calls["bwd"] == ("sm80-emulated", False, True)
@@ -166,7 +166,7 @@ def test_kernel_launch_points_are_called(gpu, monkeypatch):
 
 # ---- why_not reads the registry: features, shared memory ----------------------------------------------------
 KVCACHE_PROBLEM = dataclasses.replace(CUDA_PROBLEM, kind="kvcache", nheads_k=2, mask=Mask(0.125, 127, 0))
-BWD_256 = dataclasses.replace(CUDA_PROBLEM, kind="bwd", headdim=256, headdim_v=256)
+BWD_256 = dataclasses.replace(CUDA_PROBLEM, kind="bwd", headdim=256)
 
 
 def test_kvcache_needs_the_kvcache_feature(gpu, fake_registry):
@@ -187,20 +187,21 @@ def test_kvcache_needs_the_kvcache_feature(gpu, fake_registry):
     assert dispatch.choose(KVCACHE_PROBLEM, "auto") == "sm90"
 
 
-def test_fp8_cache_runs_on_the_fwd_fp8_kernels(gpu, fake_registry):
+def test_fp8_cache_runs_on_the_fwd_fp8_kernels(gpu, fake_registry, monkeypatch):
     """An FP8-cache decode is served by the family's "fwd_fp8" kernels (csrc/sm80/fp8_kv.h) where the build has them:
     "auto" picks sm80 on cc 8.x and 9.0 (the sm90 kernels read no FP8), a head dim with no FP8 tile or not a multiple
     of 16 is refused with the reason; without fwd_fp8 kernels the forward kernels serve it only if they list fp8_kv."""
     fp8 = dataclasses.replace(KVCACHE_PROBLEM, kv_fp8=True)
     fp8_entries = tuple(entry("sm80", "fwd_fp8", h, "bf16") for h in (64, 128))
     fake_registry(build("sm90", "sm80") + fp8_entries)
+    monkeypatch.setattr(_ext, "build_info", lambda: {"fp8_kv_headdims": [64, 128]})  # the binary's FP8 tile table
     for cap in ((8, 0), (8, 6), (9, 0)):
         gpu["cap"] = cap
         assert dispatch.why_not("sm80", fp8) is None
         assert dispatch.choose(fp8, "auto") == "sm80"
     assert "decode over a KV cache" in dispatch.why_not("sm90", fp8) and "FP8 KV caches" in dispatch.why_not("sm90", fp8)
-    assert "head dims 64, 128 only" in dispatch.why_not("sm80", dataclasses.replace(fp8, headdim=256, headdim_v=256))
-    assert "multiple of 16" in dispatch.why_not("sm80", dataclasses.replace(fp8, headdim=120, headdim_v=120))
+    assert "head dims 64, 128 only" in dispatch.why_not("sm80", dataclasses.replace(fp8, headdim=256))
+    assert "multiple of 16" in dispatch.why_not("sm80", dataclasses.replace(fp8, headdim=120))
     assert "bf16 or fp16" in dispatch.why_not("sm80", dataclasses.replace(fp8, dtype=torch.float32))
     # the build without the dtype's FP8 kernel says which to rebuild
     assert "SINKATTN_DTYPES including fp16" in dispatch.why_not("sm80", dataclasses.replace(fp8, dtype=torch.float16))
@@ -279,7 +280,7 @@ def test_shared_memory_of_the_kernel_against_the_device(gpu, fake_registry):
     gpu["cap"] = (8, 0)
     assert "needs 166 KB" in dispatch.why_not("sm80", BWD_256) and "allows 163 KB" in dispatch.why_not("sm80", BWD_256)
     # Decode runs on the forward kernels: their shared memory decides.
-    decode = dataclasses.replace(KVCACHE_PROBLEM, headdim=256, headdim_v=256)
+    decode = dataclasses.replace(KVCACHE_PROBLEM, headdim=256)
     fake_registry((entry("sm80", "fwd", headdim=256, smem_bytes=120 * 1024),))
     gpu["cap"] = (8, 9)
     assert dispatch.why_not("sm80", decode).startswith("the sm80 forward for head dim 256 needs 120 KB")
@@ -301,7 +302,7 @@ def test_sm80_smem_cap_declines_like_a_99k_device(gpu, fake_registry):
                    entry("sm80", "fwd", headdim=256, smem_bytes=96 * 1024),
                    entry("sm90", "fwd", headdim=256, smem_bytes=161 * 1024)))
     gpu["cap"] = (9, 0)
-    fwd_256 = dataclasses.replace(CUDA_PROBLEM, headdim=256, headdim_v=256)
+    fwd_256 = dataclasses.replace(CUDA_PROBLEM, headdim=256)
     assert dispatch.why_not("sm80", BWD_256) is None
     with sinkattn.sm80_smem_limit("99K"):
         assert dispatch.why_not("sm80", BWD_256) == (
@@ -336,16 +337,16 @@ def test_sm80_launches_get_the_cap(gpu, monkeypatch):
     monkeypatch.setattr(dispatch, "choose", lambda problem, requested: requested)
     monkeypatch.setattr(dispatch, "choose_backward", lambda problem, requested: requested)
     q = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16)
-    scalars = dict(softmax_scale=0.125, window_left=-1, window_right=0, sink_tokens=0, softcap=0.0)
+    mask = Mask(0.125, -1, 0, 0, 0.0)
     cache_seqlens = torch.tensor([4], dtype=torch.int32)
     for cap in (None, 99 * 1024):
         with sinkattn.sm80_smem_limit(cap):
             for backend in ("sm80", "sm90"):
-                dispatch.run_fwd(q, q, q, None, None, None, 0, 0, *scalars.values(), False, backend)
-            dispatch.run_bwd(q, None, q, q, q, None, q, torch.zeros(1, 2, 4), None, None, 0, 0, *scalars.values(),
-                             False, "sm80")
+                dispatch.run_fwd(q, q, q, None, None, None, 0, 0, mask, False, backend)
+            dispatch.run_bwd(q, None, q, q, q, None, q, torch.zeros(1, 2, 4), None, None, 0, 0, mask, False,
+                             "sm80")
             dispatch.run_kvcache(q, q.clone(), q.clone(), None, None, None, cache_seqlens, None, None, None, False,
-                                 *scalars.values(), 0, "sm80")
+                                 mask, 0, "sm80")
     assert seen == {"launch_fwd": [("sm80", 0), ("sm90", 0), ("sm80", 99 * 1024), ("sm90", 0)],
                     "launch_bwd": [("sm80", 0), ("sm80", 99 * 1024)],
                     "launch_kvcache": [("sm80", 0), ("sm80", 99 * 1024)]}

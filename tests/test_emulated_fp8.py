@@ -17,6 +17,7 @@ import sinkattn
 from decode_cases import FP8_DECODE_CASES, FP8_FORMATS, run_fp8_decode
 from oracle import attention_oracle, tolerance_check
 from sinkattn import _ext, kernels
+from sinkattn.mask import Mask
 
 FP8 = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry()
               if k["family"] == "sm80-emulated" and k["op"] == "fwd_fp8"})
@@ -96,8 +97,8 @@ def _bridge_call(fmt, *, lens=(5, 90), d=64, h=8, hk=2, capacity=128, sinks=True
     out, guard = storage[: q.numel()].view(q.shape), storage[q.numel():]
     lse = torch.full((b, h, 1), float("nan"))
     kernels.launch_kvcache("sm80-emulated", q, kc, vc, s, out, lse, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
-                           block_table=None, softmax_scale=1 / math.sqrt(d), window_left=-1, window_right=0,
-                           sink_tokens=0, softcap=0.0, num_splits=2, k_descale=kd, v_descale=vd)
+                           block_table=None, mask=Mask(1 / math.sqrt(d), -1, 0, 0, 0.0), num_splits=2, k_descale=kd,
+                           v_descale=vd)
     return q, kc, vc, kd, vd, s, out, guard, lse
 
 

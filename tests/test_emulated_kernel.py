@@ -11,6 +11,7 @@ import torch
 
 from kernel_cases import Case, kernel_cases, run_case
 from sinkattn import _ext, kernels
+from sinkattn.mask import Mask
 from sinkattn.layout import kernel_headdim
 
 EMU = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry() if k["family"] == "sm80-emulated"})
@@ -54,7 +55,6 @@ def test_sinks_neg_inf_is_plain_attention_bit_for_bit(rng_seed):
     for sinks in (None, torch.full((2,), float("-inf"))):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((1, 2, 70), float("nan"))
-        kernels.launch_fwd("sm80-emulated", q, k, v, sinks, out, lse, softmax_scale=0.1, window_left=-1,
-                         window_right=0, sink_tokens=0, softcap=0.0)
+        kernels.launch_fwd("sm80-emulated", q, k, v, sinks, out, lse, mask=Mask(0.1, -1, 0, 0, 0.0))
         outs.append((out, lse))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

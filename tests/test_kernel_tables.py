@@ -204,3 +204,12 @@ def test_layout_kernel_headdims_are_the_binarys():
     info = _ext.build_info()
     assert "kernel_headdims" in info, "this binary predates build_info's kernel_headdims: rebuild it"
     assert tuple(info["kernel_headdims"]) == layout.KERNEL_HEADDIMS == gen.ALL_HEADDIMS
+
+
+def test_fp8_kv_headdims_are_the_tile_tables():
+    """dispatch words its FP8 refusal with the head dims the C++ FP8 tile table defines, as the binary reports them
+    (api.cpp table_headdims<FwdFp8TilesOf>); the generator reads the same table from the source."""
+    from sinkattn import _ext, registry
+    if not _ext.loaded():
+        pytest.skip(f"no sinkattn._C ({_ext.IMPORT_ERROR})")
+    assert registry.fp8_kv_headdims() == gen.TILE_HEADDIMS["fwd_fp8_sm80"] == (64, 128)

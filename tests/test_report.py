@@ -378,7 +378,7 @@ def test_preferred_backends():
     assert dispatch.preferred_backends((9, 0)) == ("sm90", "sm80")
     # Short forward windows go to sm80 first on cc 9.0 (measured faster there); everything else to sm90 first.
     short = capability._problem("learnable_sinks", 0)
-    assert short.window_left == 127 and dispatch.preferred_backends((9, 0), short) == ("sm80", "sm90")
+    assert short.mask.window_left == 127 and dispatch.preferred_backends((9, 0), short) == ("sm80", "sm90")
     assert "sm80" in dispatch.preference_note((9, 0), short)["sm90"]
     for feature in ("sink_tokens", "decode"):
         p = capability._problem(feature, 0)

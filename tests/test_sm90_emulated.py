@@ -20,6 +20,7 @@ import torch
 
 from kernel_cases import Case, kernel_cases, run_case
 from sinkattn import _ext, kernels
+from sinkattn.mask import Mask
 from sinkattn.layout import kernel_headdim
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -110,16 +111,14 @@ def test_sm90_emulated_no_query_or_no_key_rows():
     q = torch.randn(2, 0, 2, hd, dtype=dtype)
     k = torch.randn(2, 50, 2, hd, dtype=dtype)
     out, lse = torch.empty_like(q), torch.empty(2, 2, 0)
-    kernels.launch_fwd("sm90-emulated", q, k, k.clone(), None, out, lse, softmax_scale=0.1, window_left=-1,
-                       window_right=-1, sink_tokens=0, softcap=0.0)
+    kernels.launch_fwd("sm90-emulated", q, k, k.clone(), None, out, lse, mask=Mask(0.1, -1, -1, 0, 0.0))
     # seqlen_k == 0: every row is empty; with a sink the output is 0 and the lse the sink's.
     q = torch.randn(1, 70, 2, hd, dtype=dtype)
     k = torch.randn(1, 0, 2, hd, dtype=dtype)
     sinks = torch.tensor([0.5, -1.0])
     out = torch.full_like(q, float("nan"))
     lse = torch.full((1, 2, 70), float("nan"))
-    kernels.launch_fwd("sm90-emulated", q, k, k.clone(), sinks, out, lse, softmax_scale=0.1, window_left=-1,
-                       window_right=-1, sink_tokens=0, softcap=0.0)
+    kernels.launch_fwd("sm90-emulated", q, k, k.clone(), sinks, out, lse, mask=Mask(0.1, -1, -1, 0, 0.0))
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.allclose(lse, sinks.view(1, 2, 1).expand(1, 2, 70))
 
@@ -134,8 +133,7 @@ def test_sm90_emulated_is_deterministic_and_sinks_neg_inf_is_plain_attention(rng
     for sinks in (None, torch.full((2,), float("-inf")), None):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((1, 2, 200), float("nan"))
-        kernels.launch_fwd("sm90-emulated", q, k, v, sinks, out, lse, softmax_scale=0.1, window_left=-1,
-                           window_right=0, sink_tokens=0, softcap=0.0)
+        kernels.launch_fwd("sm90-emulated", q, k, v, sinks, out, lse, mask=Mask(0.1, -1, 0, 0, 0.0))
         outs.append((out, lse))
     for o, l in outs[1:]:
         assert torch.equal(outs[0][0], o) and torch.equal(outs[0][1], l)
@@ -187,8 +185,7 @@ def test_an_unknown_mutation_is_refused(monkeypatch):
     q = torch.randn(1, 10, 1, hd, dtype=DTYPES[dt])
     with pytest.raises(ValueError, match="not a mutation"):
         kernels.launch_fwd("sm90-emulated", q, q.clone(), q.clone(), None, torch.empty_like(q),
-                           torch.empty(1, 1, 10), softmax_scale=1 / math.sqrt(hd), window_left=-1, window_right=-1,
-                           sink_tokens=0, softcap=0.0)
+                           torch.empty(1, 1, 10), mask=Mask(1 / math.sqrt(hd), -1, -1, 0, 0.0))
 
 
 def test_emulated_sm90_units_share_no_code_with_the_other_units():

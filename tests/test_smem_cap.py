@@ -129,8 +129,8 @@ def test_the_cap_picks_other_tiles():
 def _direct_fwd(q, k, v, sinks, max_smem, scale, left, right):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"))
-    kernels.launch_fwd("sm80-emulated", q, k, v, sinks, out, lse, softmax_scale=scale, window_left=left,
-                       window_right=right, sink_tokens=0, softcap=0.0, max_smem=max_smem)
+    kernels.launch_fwd("sm80-emulated", q, k, v, sinks, out, lse, mask=Mask(scale, left, right, 0, 0.0),
+                       max_smem=max_smem)
     return out, lse
 
 
@@ -174,8 +174,7 @@ def test_capped_kvcache_runs_the_99k_tile(rng_seed):
     def direct(max_smem):
         out, lse = torch.full_like(q, float("nan")), torch.full((b, h, sq), float("nan"))
         kernels.launch_kvcache("sm80-emulated", q, k_cache, v_cache, sinks, out, lse, cache_seqlens=lens,
-                               block_table=None, softmax_scale=d ** -0.5, window_left=-1, window_right=0,
-                               sink_tokens=0, softcap=0.0, num_splits=0, max_smem=max_smem)
+                               block_table=None, mask=Mask(d ** -0.5, -1, 0, 0, 0.0), num_splits=0, max_smem=max_smem)
         return out, lse
 
     with sinkattn.sm80_smem_limit("99K"):

@@ -27,6 +27,7 @@ sys.path.insert(0, ROOT)
 import sweep_fakes  # noqa: E402
 from bench.sweep import runner as sweep  # noqa: E402
 from sinkattn import _ext, kernels  # noqa: E402
+from sinkattn.mask import Mask
 
 EMU64 = any(k["family"] == "sm80-emulated" and k["op"] == "fwd" and k["headdim"] == 64 and k["dtype"] == "bf16"
             for k in _ext.registry())
@@ -164,7 +165,7 @@ def test_features_are_respected_in_checks_and_timing():
     verdict = sweep.check([plain], CPU, sweep.Clock(300), checks=checks, **QUIET)[plain.name]
     assert verdict.status == "PASS" and verdict.checked == ["odd-noncausal"]
     assert verdict.skipped == ["window127-sinktok4-sinks: lacks window", "softcap: lacks softcap"]
-    assert len(calls) == 1 and calls[0]["softcap"] == 0 and calls[0]["window_left"] < 0
+    assert len(calls) == 1 and calls[0]["mask"].softcap == 0 and calls[0]["mask"].window_left < 0
     rows = sweep.time_shapes([plain], {plain.name: verdict}, _one_shape("gptoss-sliding"), CPU, sweep.Clock(300),
                              {"budget_ms": 1, "max_reps": 1, "min_reps": 1}, **QUIET)
     (row,) = [r for r in rows if r["variant"] == plain.name]
@@ -428,8 +429,7 @@ def test_the_variant_backend_refuses_what_it_does_not_serve():
     def call(name, headdim=d, softcap=0.0):
         q = torch.randn(1, 5, 2, headdim, dtype=torch.bfloat16)
         out, lse = torch.empty_like(q), torch.empty(1, 2, 5)
-        kernels.launch_fwd("variant:" + name, q, q, q, None, out, lse, softmax_scale=0.1, window_left=-1,
-                           window_right=-1, sink_tokens=0, softcap=softcap)
+        kernels.launch_fwd("variant:" + name, q, q, q, None, out, lse, mask=Mask(0.1, -1, -1, 0, softcap))
         return out
 
     with pytest.raises(RuntimeError, match="no tuning-grid forward variant named 'nope'"):

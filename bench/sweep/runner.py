@@ -438,6 +438,7 @@ def check_case(v: Variant, c: Check, device: torch.device) -> None:
       off by 0.01. Measured on the emulated sm80 kernel (20 runs of these cases, hd 64/128/256): its error is at
       most 0.59 of the fp32 bound on out and 0.01 on lse (0.21 and 1e-5 of the bf16 ones). Not applied with
       softcap: with --use_fast_math the device's tanhf may be approximate."""
+    from sinkattn.mask import Mask
     dt = DTYPES[v.dtype]
     b, sq, sk, h, hk, d = c.batch, c.seqlen_q, c.seqlen_k, c.nheads, c.nheads_k, v.headdim
     q = torch.randn(b, sq, h, d, device=device, dtype=dt)
@@ -448,8 +449,7 @@ def check_case(v: Variant, c: Check, device: torch.device) -> None:
     out, guard = storage[: q.numel()].view(q.shape), storage[q.numel():]
     lse = torch.full((b, h, sq), math.nan, device=device)
     left, right = c.window[0], 0 if c.causal else c.window[1]
-    v.run(q, k, vv, sinks, out, lse, softmax_scale=1.0 / math.sqrt(d), window_left=left, window_right=right,
-          sink_tokens=c.sink_tokens, softcap=c.softcap)
+    v.run(q, k, vv, sinks, out, lse, mask=Mask(1.0 / math.sqrt(d), left, right, c.sink_tokens, c.softcap))
     if not bool(torch.isnan(guard).all()):
         raise AssertionError(f"{c.name}: the kernel wrote past the end of out")
     kw = dict(causal=c.causal, window_size=c.window, sink_tokens=c.sink_tokens, softcap=c.softcap)
@@ -554,6 +554,7 @@ def time_shapes(variants: list[Variant], verdicts: dict[str, Verdict], shapes: l
     (does not serve the shape), "NOT RUN" (deadline, an error while timing, or it hung, crashed or faulted a
     process: then on later shapes too). Rows go into `rows` as they come, so a caller keeps them when something
     breaks. A row in `journal` is taken as it is; each timed one (or error) goes into it."""
+    from sinkattn.mask import Mask
     rows = [] if rows is None else rows
     cuda = device.type == "cuda"
     floor = 1.5 * (timing_kw.get("budget_ms", 300) + 100) / 1e3 if cuda else 1.0
@@ -584,8 +585,8 @@ def time_shapes(variants: list[Variant], verdicts: dict[str, Verdict], shapes: l
                            case.window_left, case.window_right, case.sink_tokens, 0.0, case.sinks)
         default = default_backend(problem)
         flops = comparators.case_fwd_flops(case)
-        mask = dict(softmax_scale=1.0 / math.sqrt(case.headdim), window_left=case.window_left,
-                    window_right=case.window_right, sink_tokens=case.sink_tokens, softcap=0.0)
+        mask = dict(mask=Mask(1.0 / math.sqrt(case.headdim), case.window_left, case.window_right, case.sink_tokens,
+                              0.0))
         x = out = lse = None
         no_inputs = None
         # The defaults first: each variant's "x default" needs them; then SDPA, the anchor, then the variants.

@@ -1,5 +1,5 @@
-// sm90_runtime.h: the Hopper CTA model on the host, for running the sm90 kernel bodies on the CPU (issue 28; the
-// primitives on top of it are emu/sm90_prims.h). No CuTe, no CUDA, no torch.
+// sm90_runtime.h: the Hopper CTA model on the host, for running the sm90 kernel bodies on the CPU (the primitives
+// on top of it are emu/sm90_prims.h). No CuTe, no CUDA, no torch.
 //
 // One std::thread per CUDA thread of a CTA (384 or 512); the CTAs of a persistent grid run one after another on
 // the same threads, with the block index and grid size a real launch would give. Every wait blocks on a condition

@@ -6,9 +6,8 @@
 //   - wait_full / wait_empty: the two ways a ring's mbarrier is waited on, the parity rule written once;
 //   - WarpRoles: which threads of a CTA are the producer, its TMA thread, the backward's row warp and the consumers.
 // The other half is the implementation of the primitives, a struct of static functions the kernel bodies take as
-// their template parameter `Hw` (as the sm80 bodies take `Prims`): sm90/prims_gpu.cuh's GpuPrims on the GPU; a host
-// implementation (issue 28, Deliver 4) would give the same bodies real threads on the CPU. Nothing here issues an
-// instruction; tests/test_build_grid.py checks that no sm90 file but prims_gpu.cuh reaches the hardware directly.
+// their template parameter `Hw` (as the sm80 bodies take `Prims`): sm90/prims_gpu.cuh's GpuPrims on the GPU,
+// emu/sm90_prims.h's HostPrims on CPU threads (the host emulation). Nothing here issues an instruction; tests/test_build_grid.py checks that no sm90 file but prims_gpu.cuh reaches the hardware directly.
 #pragma once
 #include <cstdint>
 

@@ -6,8 +6,8 @@
 //
 // Each primitive is the instruction sequence the kernels issued before the seam, through the same CUTLASS / CuTe
 // calls, force-inlined: the seam changes no SASS (checked with tools/sass_report.py and cuobjdump -sass per kernel).
-// A host implementation (issue 28, Deliver 4) gives each of them its meaning on CPU threads; the comments say
-// what that meaning is.
+// The host implementation (emu/sm90_prims.h HostPrims) gives each of them its meaning on CPU threads; the comments
+// here say what that meaning is.
 #pragma once
 #include <cstdint>
 #include <cstdio>

@@ -33,7 +33,6 @@ transformers is imported by this module only; `import sinkattn` never needs it.
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +46,9 @@ except ImportError as _e:  # pragma: no cover - exercised only without transform
                       "pip install 'transformers>=5.24,<6'") from _e
 
 from .. import reference
+from .._checks import default_scale
 from ..mask import Mask, visible_rectangle
-from ..errors import SinkattnValueError
+from ..errors import SinkattnValueError, warn_once
 from ..interface import flash_attn_varlen_with_sinks, flash_attn_with_sinks
 from ..layout import acc_dtype
 from .transformers_streaming import (STREAM_KWARG, SinkCache, SinkCacheLayer, chunk_attention,  # noqa: F401
@@ -181,10 +181,8 @@ def _run_ranges(q, k, v, sinks, ranges, left, right, kw):
 
 
 def _warn_once(reason):
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"sinkattn (transformers): {reason}; computing attention with a dense PyTorch fallback",
-                      MaskFallbackWarning, stacklevel=3)
+    warn_once(_warned, f"sinkattn (transformers): {reason}; computing attention with a dense PyTorch fallback",
+              MaskFallbackWarning, stacklevel=3)
 
 
 def _dense(q, k, v, sinks, mask, scale, softcap):
@@ -275,7 +273,7 @@ def sinkattn_attention_forward(module, query, key, value, attention_mask, dropou
     else:
         left, right = (-1, 0) if causal else (-1, -1)
     cap = float(softcap) if softcap else 0.0
-    scale = float(scaling) if scaling is not None else d ** -0.5
+    scale = float(scaling) if scaling is not None else default_scale(d)
     stream = kwargs.get(STREAM_KWARG)
     if stream is not None and needs_chunk_path(stream, module.layer_idx):
         # (SinkCache streams equal-length rows without padding, so the mask is the causal band: not read)
