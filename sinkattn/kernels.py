@@ -47,8 +47,8 @@ def launch_bwd(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, d
     `max_smem` overrides the shared-memory limit that picks the tile configuration (tests: the sm86 one)."""
     C = _ext.require()
     dout, q, k, v, out = _readable(backend, "bwd", q, (dout, q, k, v, out))
-    if out.stride() != dout.stride():
-        out, dout = out.contiguous(), dout.contiguous()
+    if out.stride() != dout.stride():  # the kernels read both with one set of strides
+        out, dout = _dense(out), _dense(dout)
     targets = [t if _aligned(t) else torch.empty_like(t, memory_format=torch.contiguous_format) for t in (dq, dk, dv)]
     ds = None
     if sinks is not None:
@@ -96,6 +96,14 @@ def _readable(backend: str, op: str, q, tensors: tuple) -> tuple:
                                                                                     q.dtype)):
         return tuple(t.contiguous() if (b or not _aligned(t)) else t for t, b in zip(tensors, broadcast))
     return tuple(t if _aligned(t) else t.contiguous() for t in tensors)
+
+
+def _dense(t):
+    """t with the strides of a contiguous tensor of its shape. (An empty tensor counts as contiguous whatever its
+    strides, so .contiguous() keeps them: a (b, 0, h, d) out and dout from different producers would still differ.)"""
+    if t.stride() == torch.empty(t.shape, device="meta").stride():
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _dense_index(t):

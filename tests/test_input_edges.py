@@ -12,7 +12,11 @@ from oracle import single_thread  # noqa: F401  (autouse: one torch thread per t
 
 B, S, H, HK, D = 2, 8, 4, 2, 32
 EMU = any(k["family"] == "sm80-emulated" and k["headdim"] == 64 and k["dtype"] == "bf16" for k in _ext.registry())
+EMU90_BWD = any(k["family"] == "sm90-emulated" and k["op"] == "bwd" and k["headdim"] == 64 and k["dtype"] == "bf16"
+                for k in _ext.registry())
 BACKENDS = ["reference", pytest.param("sm80-emulated", marks=pytest.mark.skipif(not EMU, reason="no emulated kernels"))]
+BWD_BACKENDS = BACKENDS + [pytest.param("sm90-emulated", marks=pytest.mark.skipif(
+    not EMU90_BWD, reason="no emulated sm90 backward"))]
 
 
 def i32(*xs):
@@ -50,6 +54,22 @@ def test_bounds_past_int32_mean_unbounded(backend):
     want = A(q, k, v, causal=True, backend=backend)
     assert torch.equal(A(q, k, v, causal=True, window_size=(2**40, 0), backend=backend), want)
     assert torch.equal(A(q, k, v, causal=True, window_size=(3, 0), sink_tokens=2**40, backend=backend), want)
+
+
+@pytest.mark.parametrize("backend", BWD_BACKENDS)
+def test_no_query_rows_over_keys_gives_zero_gradients(backend):
+    """seqlen_q = 0 over 50 keys (GQA 8:1, sinks): an empty out and lse, and zero dk, dv, dsinks with no error. (The
+    kernel backends refused it: out and dout, both empty, came with different strides, which .contiguous() keeps.)"""
+    dt = torch.bfloat16 if backend != "reference" else torch.float32
+    q = torch.randn(2, 0, 8, 64, dtype=dt, requires_grad=True)
+    k, v = (torch.randn(2, 50, 1, 64, dtype=dt, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(8, requires_grad=True)
+    out, lse = A(q, k, v, sinks, causal=True, return_lse=True, backend=backend)
+    assert out.shape == q.shape and lse.shape == (2, 8, 0)
+    (out.float().sum() + lse.sum()).backward()
+    assert q.grad.shape == q.shape
+    for t in (k, v, sinks):
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any(), t.grad
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -33,10 +33,9 @@ SM90_P = pytest.param(("sm90", "cuda"), id="sm90", marks=[pytest.mark.gpu, pytes
 EMU90 = any(k["family"] == "sm90-emulated" and k["headdim"] == 64 and k["dtype"] == "bf16" for k in _ext.registry())
 SM90_EMU = pytest.param(("sm90-emulated", "cpu"), id="sm90-emulated",
                         marks=pytest.mark.skipif(not EMU90, reason="no emulated sm90 hd64 bf16 kernel in this build"))
-# The sm90 forward loads K/V for varlen through one TMA box over the packed tensor: a key block that runs past its
-# sequence's end holds the next sequence's rows (masked to p = 0), and a non-finite V there makes P.V NaN
-# (csrc/sm90/fwd_launch.cuh: rows = total_k for varlen). Known in issue 19; FlashAttention-3 does the same.
-SM90_VARLEN_V = "sm90 varlen reads the next sequence's V rows in a key block; 0 * inf = NaN"
+# The sm90 kernels load varlen K/V through one TMA box over the packed tensor: a key block that runs past its
+# sequence's end holds the next sequence's rows (masked to p = 0). Both zero those V rows before P.V reads them
+# (csrc/sm90/fwd_kernel.cuh VTail, bwd_kernel.cuh zero_tail); before, a non-finite V there made P.V NaN (0 * inf).
 
 
 def _poison(t, idx, value):
@@ -84,10 +83,8 @@ MASKS = [dict(), dict(causal=True, window_size=(6, 0), sink_tokens=2)]
 @pytest.mark.parametrize("which", ["k", "v"])
 @pytest.mark.parametrize("poison", POISONS, ids=str)
 @pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P, SM90_EMU])
-def test_varlen_next_sequence_never_leaks(bk, poison, which, mask, request):
+def test_varlen_next_sequence_never_leaks(bk, poison, which, mask):
     backend, device = bk
-    if backend.startswith("sm90") and which == "v":
-        request.applymarker(pytest.mark.xfail(strict=False, reason=SM90_VARLEN_V))
     k, v = _kv(sum(LK))
     sinks = torch.randn(4)
     rows = slice(LK[0], LK[0] + LK[1])
@@ -102,18 +99,16 @@ def test_varlen_next_sequence_never_leaks(bk, poison, which, mask, request):
 @pytest.mark.parametrize("poison", POISONS, ids=str)
 @pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P, SM90_EMU])
 def test_varlen_backward_never_reads_an_unseen_sequence(bk, poison):
-    """Sequence 1 has keys but no queries: nothing sees it, so every gradient (and dsinks) stays exact. On sm90
-    only its K is poisoned (the forward's known V limit, SM90_VARLEN_V, would fail the forward first); sequence 0's
-    key block holds sequence 1's keys, which the sm90 backward zeroes (csrc/sm90/bwd_kernel.cuh zero_tail): before,
-    dQ = dS K took 0 * inf there."""
+    """Sequence 1 has keys but no queries: nothing sees it, so every gradient (and dsinks) stays exact. Sequence 0's
+    last key block holds sequence 1's keys and values, which the sm90 kernels zero (csrc/sm90/fwd_kernel.cuh VTail,
+    bwd_kernel.cuh zero_tail): before, P V and dQ = dS K took 0 * inf there."""
     backend, device = bk
     lq = [17, 0, 30]
     k, v = _kv(sum(LK))
     rows = slice(LK[0], LK[0] + LK[1])
     sinks = torch.randn(4)
     got = []
-    bad_v = v if backend.startswith("sm90") else _poison(v, rows, poison)
-    for kk, vv in ((k, v), (_poison(k, rows, poison), bad_v)):
+    for kk, vv in ((k, v), (_poison(k, rows, poison), _poison(v, rows, poison))):
         s = sinks.clone().requires_grad_()
         res = _varlen(backend, device, kk, vv, s, grad=True, lq=lq, causal=True, window_size=(9, 0))
         got.append((*res, s.grad))
@@ -167,13 +162,11 @@ def check_rows_past_a_sequence_never_leak(backend, device, which, poison, headdi
 @pytest.mark.parametrize("which", ["q", "k", "v", "dout"])
 @pytest.mark.parametrize("poison", POISONS, ids=str)
 @pytest.mark.parametrize("bk", [REF, EMULATED, SM80, SM90_P, SM90_EMU])
-def test_varlen_backward_rows_past_a_sequence_never_leak(bk, poison, which, mask, request):
-    """The backward's tiles run past a sequence's end into the next sequence's rows (sm90: one TMA box over the
-    packed tensors; it zeroes them since issue 28, as the sm80 backward's loads zero-fill them). Before, an inf in
-    sequence 1's K, Q or dO turned sequence 0's dQ / dK / dV into NaN (0 * inf inside the products)."""
+def test_varlen_backward_rows_past_a_sequence_never_leak(bk, poison, which, mask):
+    """The tiles run past a sequence's end into the next sequence's rows (sm90: one TMA box over the packed tensors;
+    both sm90 kernels zero them, as the sm80 kernels' loads zero-fill them). Before, an inf in sequence 1's K, Q, V
+    or dO turned sequence 0's out / dQ / dK / dV into NaN (0 * inf inside the products)."""
     backend, device = bk
-    if backend.startswith("sm90") and which == "v":
-        request.applymarker(pytest.mark.xfail(strict=False, reason=SM90_VARLEN_V))
     check_rows_past_a_sequence_never_leak(backend, device, which, poison, **mask)
 
 

@@ -39,7 +39,7 @@ __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::E
     if (get<1>(tOcO(r, 0)) == 0 && m0 + row < ext.seqlen_q) p.lse[lse_head + m0 + row] = lse[r];
   }
 
-  Hw::named_sync(128, FwdNamedBarriers<Kt::kConsumerWarpgroups>::o_stored(wg));
+  Hw::named_sync(128, FwdNamedBarriers<Kt::kConsumerWarpgroups>::own(wg));
   Element* o_seq =
       static_cast<Element*>(p.out) + ext.q_row(batch, p.o_batch_stride, p.o_row_stride, p.o_head_stride, head);
   constexpr int kVecsPerRow = kHeadDim / 8;

@@ -3,14 +3,16 @@
 // Warpgroup 0 produces: one thread loads, per tile, Q once and the K/V blocks of the mask policy's range
 // (window blocks from the last down, then sink-token blocks) through a kStages-deep mbarrier pipeline
 // (full barriers: TMA bytes landed; empty barriers: both consumer warpgroups are done with the stage).
-// Warpgroups 1 and 2 consume 64 rows each:
+// The other warpgroups (kConsumerWarpgroups: 1 to 3 by tile, 2 in the default tiles) consume 64 rows each:
 //   - S = Q K^T and O += P V on wgmma; within a warpgroup the softmax of block j runs while the P V wgmma of
 //     block j-1 is still in flight (FlashAttention-3's intra-warpgroup overlap);
 //   - across the two warpgroups, named barriers hand the tensor cores back and forth (ping-pong): one issues
 //     its GEMMs while the other does its softmax;
 //   - the learnable sink joins once per row in the finalize (common/online_softmax.h), exactly as in the sm80 kernel;
 //   - O goes back through Q's shared memory and out in 16-byte stores, predicated on the sequence's rows
-//     (varlen rows past the end belong to the next sequence), with the LSE per row.
+//     (varlen rows past the end belong to the next sequence), with the LSE per row;
+//   - varlen: the V rows of a sequence's last key block past its end (the next sequence's: a TMA box stops only
+//     at the packed tensor's end) are zeroed before a product reads them (VTail below).
 // The grid is persistent: CTA c takes tiles c, c + gridDim.x, ... in the forward's tile order
 // (common/tile_order.h: last M tiles first; under a causal mask they are the heaviest).
 // Every hardware primitive goes through Hw (sm90/prims_gpu.cuh GpuPrims on the GPU), the ring positions, barrier ids
@@ -182,6 +184,36 @@ struct PingPong {
   }
 };
 
+// Varlen: the key block that holds a sequence's end also holds the next sequence's first rows (a TMA box stops only
+// at the packed tensor's end). Their scores are masked, so K is harmless (the score becomes -inf whatever it was),
+// but P = 0 does not survive 0 * inf in P V: one request's inf or NaN values would reach another's output. So the
+// rows past the end are zeroed in the V stage before any product reads it, as the sm80 kernels' loads zero-fill
+// them and the sm90 backward zeroes its tails. The block is a tile's first (the range runs from the last block
+// down), read first by its P V product one turn later. Warpgroup 0 zeroes (its 128 threads, then its own barrier,
+// so all of them are done before its product) and arrives on each other warpgroup's v_tail barrier; warpgroup w
+// syncs on its own before its product. No warpgroup waits for another that needs the turn it holds: warpgroup 0
+// only arrives, and warpgroup w waits for warpgroup 0 alone, which (with ping-pong) had its turn before.
+template <class Kt, class Hw>
+struct VTail {
+  using Ids = FwdNamedBarriers<Kt::kConsumerWarpgroups>;
+  int valid;  // rows of the stage that are the sequence's; kBlockN when the block does not cross its end
+  __device__ VTail(bool varlen, int first_block, int seqlen_k)
+      : valid(varlen ? min_i(Kt::kBlockN, seqlen_k - first_block * Kt::kBlockN) : Kt::kBlockN) {}
+  template <class StageV>
+  __device__ void zero(StageV const& sv, int wg, int ctid) const {
+    if (valid >= Kt::kBlockN) return;
+    if (wg == 0) {
+      zero_tail_rows<Hw, 128>(sv, valid, WarpRoles::thread_in_warpgroup(ctid));
+      Hw::fence_async_shared();
+      Hw::named_sync(128, Ids::own(0));
+      CUTE_UNROLL
+      for (int w = 1; w < Kt::kConsumerWarpgroups; ++w) Hw::named_arrive(256, Ids::v_tail(w));
+    } else {
+      Hw::named_sync(256, Ids::v_tail(wg));
+    }
+  }
+};
+
 template <class Kt, class Hw>
 SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, typename Kt::SharedStorage& ss,
                          int ctid) {
@@ -197,6 +229,8 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQs{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutVt{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutKV{});  // (N, d, stage): the V tail's rows
+  bool const varlen = p.cu_seqlens_q != nullptr;
   Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors (MMA, MMA_M, MMA_K, Q buffer)
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
@@ -249,6 +283,7 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
     wait_full<Hw>(ss.q_full, qs, BarrierId::kQFull);
     int const nblocks = w.range.count();
     if (nblocks > 0) {
+      VTail<Kt, Hw> const tail(varlen, w.range.block(0), w.ext.seqlen_k);
       turn.tile_start();
       wait_full<Hw>(ss.k_full, kv, BarrierId::kKFull);
       turn.begin();
@@ -267,6 +302,7 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
         turn.begin();
         Hw::template wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, kv.index()), tSrS);
         wait_full<Hw>(ss.v_full, prev, BarrierId::kVFull);
+        if (i == 1) tail.zero(sV(_, _, prev.index()), wg, ctid);
         Hw::fence_operand(tOrP);
         Hw::template wgmma<false>(mma_o, tOrP, tOrV(_, _, _, prev.index()), tOrO);
         turn.end(false);
@@ -284,6 +320,7 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
 
       wait_full<Hw>(ss.v_full, kv, BarrierId::kVFull);
       turn.begin();
+      if (nblocks == 1) tail.zero(sV(_, _, kv.index()), wg, ctid);
       Hw::fence_operand(tOrP);
       Hw::template wgmma<false>(mma_o, tOrP, tOrV(_, _, _, kv.index()), tOrO);
       turn.end(true);

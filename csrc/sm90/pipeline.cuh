@@ -46,20 +46,27 @@ SA_HOST_DEVICE char const* barrier_name(BarrierId id) {
 // their ids); the backward's are single. The two kernels never share a CTA, so their ids may overlap.
 enum class NamedBarrier : uint32_t {
   kFwdTurn0 = 0,  // forward: kFwdTurn0 + w gives consumer warpgroup w the tensor cores (ping-pong); then, one per
-                  // warpgroup after the turns, warpgroup w's O in shared memory before its own global stores
+                  // warpgroup after the turns, warpgroup w's own (its zeroed V tail before its product, its O in
+                  // shared memory before its global stores); then, one per warpgroup w >= 1, warpgroup 0's zeroed
+                  // V tail for warpgroup w
   kBwdDs = 0,      // backward: both consumer warpgroups' dS^T written (the dQ product reads both)
   kBwdDqTurn = 1,  // backward, deterministic: this key block's turn on the M tile's dq_accum rows
   kBwdTail = 2,    // backward, varlen: a tile's rows past its sequence zeroed before any product reads them
 };
 SA_HOST_DEVICE constexpr uint32_t id_of(NamedBarrier b) { return static_cast<uint32_t>(b); }
 
-// The forward's ids for kWarpgroups consumer warpgroups: turns 0 .. W-1, then the O stores W .. 2W-1 (2 + w in
-// the two-warpgroup tiles). 16 hardware barriers minus CUTLASS's 8 reserved leave 8: up to 4 warpgroups.
+// The forward's ids for kWarpgroups consumer warpgroups: turns 0 .. W-1, then each warpgroup's own W .. 2W-1 (2 + w
+// in the two-warpgroup tiles; 128 threads), then the V tails 2W .. 3W-2 (warpgroup 0 arrives, warpgroup w >= 1
+// syncs: 256 threads). One V-tail barrier per warpgroup, not one for all: with ping-pong, warpgroup 1 reaches it
+// holding the turn that warpgroup 2 needs to get there, so a barrier counting both would never complete (the host
+// emulation found that deadlock in the three-warpgroup tile). 16 hardware barriers minus CUTLASS's 8 reserved
+// leave 8: up to 3 warpgroups.
 template <int kWarpgroups>
 struct FwdNamedBarriers {
-  static_assert(2 * kWarpgroups <= 8, "the forward's named barriers past the 8 the hardware leaves after CUTLASS's");
+  static_assert(3 * kWarpgroups - 1 <= 8, "the forward's named barriers past the 8 the hardware leaves after CUTLASS's");
   static SA_HOST_DEVICE uint32_t turn(int w) { return id_of(NamedBarrier::kFwdTurn0) + w; }
-  static SA_HOST_DEVICE uint32_t o_stored(int w) { return id_of(NamedBarrier::kFwdTurn0) + kWarpgroups + w; }
+  static SA_HOST_DEVICE uint32_t own(int w) { return id_of(NamedBarrier::kFwdTurn0) + kWarpgroups + w; }
+  static SA_HOST_DEVICE uint32_t v_tail(int w) { return id_of(NamedBarrier::kFwdTurn0) + 2 * kWarpgroups + w - 1; }
 };
 
 // A stage ring's position: how many stages the walk has passed. The stage is count % kStages and the phase

@@ -30,4 +30,18 @@ __device__ __forceinline__ void zero_tail_rows(TileA const& a, TileB const& b, i
   }
 }
 
+// Rows [valid, rows) of one such tile, two 16-byte stores at a time (a row holds an even number of 16-byte
+// chunks at every head dim the kernels have, so both stores of a pair are in one row). Same contract as above.
+template <class Hw, int kThreads, class Tile>
+__device__ __forceinline__ void zero_tail_rows(Tile const& a, int valid, int tid) {
+  using namespace cute;
+  constexpr int kRows = decltype(size<0>(a))::value, kVecs = decltype(size<1>(a))::value / 8;
+  static_assert(decltype(size<1>(a))::value % 8 == 0 && kVecs % 2 == 0);
+#pragma unroll 1
+  for (int v = valid * kVecs + 2 * tid; v < kRows * kVecs; v += 2 * kThreads) {
+    int const r = v / kVecs, c = v % kVecs * 8;
+    Hw::sts128_zero2(Hw::smem_address(&a(r, c)), Hw::smem_address(&a(r, c + 8)));
+  }
+}
+
 }  // namespace sinkattn::sm90
