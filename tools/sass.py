@@ -97,7 +97,7 @@ def control_bits(hi: int) -> int:
 _INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;\s*(?:/\*\s*0x([0-9a-f]{16})\s*\*/)?")
 _HEX = re.compile(r"^\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
 _FUNC = re.compile(r"^\s*Function : (\S+)")
-_ARCH = re.compile(r"^\s*arch = (sm_\w+)")
+_ARCH = re.compile(r"^\s*(?:arch =|code for) (sm_\w+)")
 _NVD_FUNC = re.compile(r"^\s*\.section\s+\.text\.([^,\s]+)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRA_ADDR = re.compile(r"(?:^|[\s,])(0x[0-9a-f]+)\s*$")
