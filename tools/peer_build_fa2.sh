@@ -39,6 +39,6 @@ for k in ${@:-fwd bwd fwd_causal}; do
     *) echo "peer_build_fa2.sh: unknown unit $k" >&2; exit 2;;
   esac
   [ -f "$O/fa2_$k.o" ] && [ "$O/fa2_$k.o" -nt "$F/flash_attn/src/$src" ] && continue
-  ( time $NVCC $FLAGS $DIS $INC $GEN -c "$F/flash_attn/src/$src" -o "$O/fa2_$k.o" ) > "$O/fa2_$k.ptxas.log" 2>&1
+  ( time nice -n 19 $NVCC $FLAGS $DIS $INC $GEN -c "$F/flash_attn/src/$src" -o "$O/fa2_$k.o" ) > "$O/fa2_$k.ptxas.log" 2>&1
 done
 echo "FA2 objects in $O"
