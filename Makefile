@@ -91,13 +91,12 @@ report: ## the capability report of what is installed (builds only when sinkattn
 bench: install ## the benchmark grid (BENCH_ARGS=...; python -m bench --help)
 	$(PYTHON) -m bench $(BENCH_ARGS)
 
-# The whole instantiation grid, with ptxas's resource report and the SASS evidence per kernel. The SASS report
-# tool is not part of this repository: it is ../shared/tools/sass_report.py, beside the clone (SASS_REPORT=path).
-SASS_REPORT ?= ../shared/tools/sass_report.py
-build-all: ## the whole kernel grid with ptxas's resource report and the SASS report (needs SASS_REPORT)
-	@test -f "$(SASS_REPORT)" || { echo "build-all: the SASS report tool is not in this repository; it is \
-	../shared/tools/sass_report.py, beside the clone, and $(SASS_REPORT) does not exist. Give its path: \
-	make build-all SASS_REPORT=/path/to/sass_report.py" >&2; exit 1; }
+# The whole instantiation grid, with ptxas's resource report and the SASS evidence per kernel (tools/sass_report.py:
+# registers, spills, stack, local memory, HGMMA/HMMA/UTMALDG/LDGSTS/LDSM/BAR/MUFU per kernel).
+SASS_REPORT ?= tools/sass_report.py
+build-all: ## the whole kernel grid with ptxas's resource report and the SASS report (tools/sass_report.py)
+	@test -f "$(SASS_REPORT)" || { echo "build-all: the SASS report tool $(SASS_REPORT) does not exist \
+	(the repository's own is tools/sass_report.py; SASS_REPORT=path picks another)" >&2; exit 1; }
 	$(MAKE) deps cutlass
 	SINKATTN_PTXAS_VERBOSE=1 SINKATTN_CUDA_ARCHS="80;86;90a" SINKATTN_HEADDIMS=64,128,256 SINKATTN_DTYPES=bf16,fp16 \
 	  $(PYTHON) -m pip install --no-build-isolation --no-deps -v -e . 2>&1 | tee build/build-all.log | grep -E "ptxas info|spill|error" || true

@@ -782,12 +782,17 @@ def test_make_report_builds_only_when_sinkattn_does_not_import(tmp_path):
     assert "make[1]: Entering directory" in r.stdout and r.stdout.count(f"{exe} -m sinkattn.report") == 1, r.stdout
 
 
-def test_make_build_all_without_the_sass_tool_fails_first_and_says_where_it_is(tmp_path):
+def test_make_build_all_uses_the_repositorys_sass_report_and_fails_first_without_it(tmp_path):
+    # The SASS report is the repository's own (issue 43): build-all defaults to it and names it when a given path
+    # is wrong, before building anything.
+    assert (ROOT / "tools" / "sass_report.py").is_file()
+    r = _make("-n", "build-all")
+    assert r.returncode == 0 and "tools/sass_report.py sinkattn/_C" in r.stdout, r.stdout
     exe, log = _fake_python(tmp_path, import_ok=True)
     r = _make("build-all", f"PYTHON={exe}", SASS_REPORT=str(tmp_path / "absent.py"))
     assert r.returncode != 0
-    assert "../shared/tools/sass_report.py" in r.stderr and str(tmp_path / "absent.py") in r.stderr, r.stderr
-    assert "SASS_REPORT=" in r.stderr and "tools/sass_report.py sinkattn" not in r.stdout
+    assert str(tmp_path / "absent.py") in r.stderr and "tools/sass_report.py" in r.stderr, r.stderr
+    assert "shared/tools" not in r.stderr  # nothing outside the repository
     assert not log.exists(), log.read_text()  # nothing built or installed before failing
 
 

@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""The peer comparison of ../shared/tools/peer_sass (sinkattn's sm80-family hd128 bf16 kernels beside
-FlashAttention-2's, instruction by instruction, no GPU) pointed at this tree.
+"""The peer comparison (tools/peer_compare.py: sinkattn's sm80-family hd128 bf16 kernels beside FlashAttention-2's,
+instruction by instruction, no GPU) pointed at this tree.
 
-That tool names our kernels by mangled-name patterns and the source lines of run-time-disabled features by fixed
+The comparison names our kernels by mangled-name patterns and the source lines of run-time-disabled features by fixed
 line numbers, both as the kernels stood when it was written; every change to the templates or files breaks them
 (issue 14 renamed the traits' template arguments to tile types). This wrapper derives both from the tree: the
 kernels from the tile tables (sm80/fwd_tiles.h, sm80/bwd_tiles.h: name, sizes, shared memory), the cold lines by
-searching each file for the code they hold. Then it runs the shared compare.py unchanged.
+searching each file for the code they hold. Then it runs tools/peer_compare.py.
 
-    bash ../shared/tools/peer_sass/build_sinkattn.sh   # after a build (csrc/instantiations/ exists)
-    bash ../shared/tools/peer_sass/build_fa2.sh        # FA2 2.8.3 sdist from PyPI, 2-5 min per unit
+    bash tools/peer_build_sinkattn.sh   # after `make cutlass`: this tree's hd128 bf16 sm80 units, build flags
+    bash tools/peer_build_fa2.sh        # FA2 2.8.3.post2 from its sdist (fetched at run time), 2-5 min per unit
     python3 tools/peer_sass.py [--lines 15] [--pairs fwd,bwd,fwd_causal] [--fwd-tile Hd128Rows] [--bwd-tile Hd128]
 """
 from __future__ import annotations
@@ -19,10 +19,9 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.environ.get("PEER_SASS_TOOL", os.path.join(ROOT, "..", "shared", "tools", "peer_sass"))
 
 # Code that a dense, non-causal, unmasked bf16 run never executes, found by what it says (file, regex of its first
-# line, lines after it that belong to it): compare.py drops basic blocks attributed only to these lines from its
+# line, lines after it that belong to it): peer_compare.py drops basic blocks attributed only to these lines from its
 # "hot" loop count.
 COLD = [
     # Interior tiles (key blocks of the forward, Q/dO tiles of the backward) load through load_tile; load_rows
@@ -85,11 +84,8 @@ def main(argv=None) -> None:
         return default
 
     fwd_name, bwd_name = take("--fwd-tile", "Hd128Rows"), take("--bwd-tile", "Hd128")
-    sys.path.insert(0, SHARED)
-    try:
-        import compare
-    except ImportError as e:
-        sys.exit(f"peer_sass: the shared tool is not at {SHARED} ({e}); set PEER_SASS_TOOL")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import peer_compare as compare
     f = tiles("fwd_tiles.h", "SINKATTN_FWD_TILE", ["head_dim", "block_m", "block_n", "warps", "stages", "key_groups"])[fwd_name]
     b = tiles("bwd_tiles.h", "SINKATTN_BWD_TILE", ["head_dim", "block_m", "block_n", "warps_m", "warps_n", "stages"])[bwd_name]
     f.setdefault("stages", 2)

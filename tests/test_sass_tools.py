@@ -1,0 +1,138 @@
+"""The project's SASS reader (tools/sass.py), report (tools/sass_report.py) and performance model
+(tools/perf_model.py), without a GPU: on a fixture of cuobjdump text whose control bits are decoded by hand, and on
+a small kernel compiled here (needs nvcc and cuobjdump: the toolkit and the triton wheel)."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import sass  # noqa: E402
+
+# Two instructions as cuobjdump -sass prints them (an sm_90 MUFU.EX2 and the FMUL that reads its result).
+# The high words' top 23 bits, decoded by hand:
+#   0x000e620000000800 >> 41 = 0x731: stall 1, yield 1, write scoreboard 1, read scoreboard 7 (none), wait 0
+#   0x002fca0000400000 >> 41 = 0x17e5: stall 5, yield 0, write 7, read 7, wait mask 0b000010 (scoreboard 1)
+FIXTURE = """
+	code for sm_90
+		Function : _Z4demoPf
+	.headerflags	@"EF_CUDA_TEXMODE_UNIFIED EF_CUDA_64BIT_ADDRESS EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   MUFU.EX2 R5, R4 ;                              /* 0x0000000400057308 */
+                                                                                  /* 0x000e620000000800 */
+        /*0010*/                   FMUL R7, R5, 0.5 ;                             /* 0x3f00000005077820 */
+                                                                                  /* 0x002fca0000400000 */
+        /*0020*/              @!P0 BRA 0x0 ;                                      /* 0xfffffff400f80947 */
+                                                                                  /* 0x000fea000383ffff */
+        /*0030*/                   EXIT ;                                         /* 0x000000000000794d */
+                                                                                  /* 0x000fea0003800000 */
+"""
+
+
+def test_control_bits_decode_as_documented():
+    funcs = sass.parse_sass(FIXTURE, default_arch="sm_90")
+    (key, insns), = funcs.items()
+    assert key == ("sm_90", "_Z4demoPf") and [i.op for i in insns] == ["MUFU.EX2", "FMUL", "BRA", "EXIT"]
+    mufu, fmul, bra, _ = insns
+    assert (mufu.stall, mufu.yield_bit, mufu.wbar, mufu.rbar, mufu.wait) == (1, 1, 1, 7, 0)
+    assert (fmul.stall, fmul.yield_bit, fmul.wbar, fmul.rbar, fmul.wait) == (5, 0, 7, 7, 0b10)
+    assert bra.pred == "@!P0" and bra.target == 0
+    # the branch back to 0 makes a loop of the first three instructions; it holds no MMA, so no hot loop
+    (idx, _, _), = sass.loops(insns)
+    assert idx == [0, 1, 2] and sass.hot_loop(insns) is None
+    assert sass.class_counts(insns)["MUFU.EX2"] == 1 and sass.class_counts(insns)["MUFU"] == 0
+
+
+def test_resource_lines_parse():
+    text = """
+ Resource usage:
+ Common:
+  GLOBAL:0
+ Function _Z4demoPf:
+  REG:40 STACK:16 SHARED:1024 LOCAL:8 CONSTANT[0]:904 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+    assert sass.parse_resources(text, "sm_80") == {("sm_80", "_Z4demoPf"): {"reg": 40, "stack": 16, "shared": 1024, "local": 8}}
+
+
+def test_missing_tool_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.delenv("NVDISASM", raising=False)
+    monkeypatch.setattr(sass.sys, "path", [str(tmp_path)])
+    monkeypatch.setattr(sass.sysconfig, "get_paths", lambda: {"purelib": str(tmp_path), "platlib": str(tmp_path)})
+    monkeypatch.setattr(sass.os.path, "isfile", lambda p: False)
+    assert sass.find_tool("nvdisasm", required=False) is None
+    with pytest.raises(SystemExit) as e:
+        sass.find_tool("nvdisasm")
+    assert "nvidia-cuda-nvdisasm" in str(e.value) and "triton" in str(e.value) and "$NVDISASM" in str(e.value)
+
+
+# A kernel with one of each class the report counts: ldmatrix (LDSM), mma.sync (HMMA), cp.async (LDGSTS), a
+# barrier (BAR), exp2 (MUFU.EX2), and a stack array indexed at run time (LDL/STL: local memory).
+KERNEL = r"""
+#include <cuda_bf16.h>
+__global__ void demo(const float4* g, float* out, int k) {
+  __shared__ __align__(16) unsigned short s[16 * 16 * 2];
+  unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(s + threadIdx.x * 8));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(sa), "l"(g + threadIdx.x));
+  asm volatile("cp.async.wait_all;\n" ::);
+  __syncthreads();
+  unsigned a0, a1, a2, a3;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(sa));
+  float c[4] = {0, 0, 0, 0};
+  for (int i = 0; i < k; ++i)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(a0), "r"(a1));
+  float local[32];
+  for (int i = 0; i < 32; ++i) local[i] = exp2f(c[i & 3] * i);
+  out[threadIdx.x] = local[k & 31];
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cubin(tmp_path_factory):
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not pathlib.Path(nvcc).exists():
+        pytest.skip("no nvcc")
+    if sass.find_tool("cuobjdump", required=False) is None:
+        pytest.skip("no cuobjdump (the triton wheel or nvidia-cuda-cuobjdump carries one)")
+    d = tmp_path_factory.mktemp("cubin")
+    (d / "demo.cu").write_text(KERNEL)
+    out = d / "demo.sm_80.cubin"
+    subprocess.run([nvcc, "-cubin", "-O3", "-arch=sm_80", "-o", str(out), str(d / "demo.cu")], check=True,
+                   capture_output=True, timeout=300)
+    return out
+
+
+def test_report_on_a_compiled_cubin(cubin):
+    spec = importlib.util.spec_from_file_location("sass_report", ROOT / "tools" / "sass_report.py")
+    rep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rep)
+    (r,) = rep.rows(str(cubin))
+    assert r["arch"] == "sm_80" and r["kernel"].startswith("demo(")
+    assert r["HMMA"] >= 1 and r["LDSM"] == 1 and r["LDGSTS"] == 1 and r["BAR"] >= 1 and r["MUFU.EX2"] >= 1
+    assert r["HGMMA"] == 0 and r["UTMALDG"] == 0
+    assert r["shared"] == 1024 and 0 < r["reg"] <= 255
+    # the run-time-indexed array lives in local memory: the report flags it and exits 1 unless allowed
+    assert r["local"] >= 128 and r["STL"] >= 1 and rep.flagged(r)
+    assert rep.main([str(cubin)]) == 1 and rep.main([str(cubin), "--allow-local"]) == 0
+
+
+def test_hot_loop_and_scoreboards_on_a_compiled_cubin(cubin):
+    ((arch, name), insns), = sass.disassemble(str(cubin)).items()
+    idx, _, _ = sass.hot_loop(insns)
+    loop = [insns[i] for i in idx]
+    assert any(i.op.startswith("HMMA") for i in loop) and loop[-1].base == "BRA"
+    # every encoding was read; the MUFU.EX2 results are waited on through the scoreboard they set
+    assert all(i.ctrl >= 0 for i in insns)
+    mufu = [i for i in insns if i.op.startswith("MUFU.EX2")]
+    assert mufu and all(i.wbar < 6 for i in mufu)
+    assert any(i.wait & (1 << mufu[0].wbar) for i in insns if i.addr > mufu[0].addr)

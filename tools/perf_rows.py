@@ -1,0 +1,174 @@
+"""The measured rows tools/perf_model.py is checked against (bench/RESULTS.md: the H200 run at 4d9dcbd, 1980 MHz;
+the backward rows from d6ddcbf's run: the sm80 backward kernel is the same source at both commits), and the kernel
+each ran, found by its mangled name in the SASS given:
+
+  ours   4d9dcbd's units, built by `SINKATTN_SRC=<4d9dcbd worktree> bash tools/peer_build_sinkattn.sh <unit>...`
+         into --ours (default build/peer_sass/4d9dcbd)
+  FA2    SDPA's flash backend, the comparator measured: FlashAttention-2 inside torch's libtorch_cuda.so, whose sm_90
+         cubins hold its kernels (extracted with `cuobjdump -xelf` into --fa2; tools/perf_fa2_cubins.sh)
+
+    python3 tools/perf_model.py --rows [--ours DIR] [--fa2 DIR] [--markdown]
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import perf_model as pm
+import sass
+
+# (case, batch, heads, seqlen, head dim, causal, measured TFLOP/s: ours sm80, FA2)
+FWD = [
+    ("attn/fwd/hd128/h16kv16/full", 8, 16, 2048, 128, False, 200, 347),
+    ("attn/fwd/hd128/h16kv16/full", 2, 16, 8192, 128, False, 208, 353),
+    ("attn/fwd/hd128/h16kv16/causal", 8, 16, 2048, 128, True, 172, 286),
+    ("attn/fwd/hd128/h16kv16/causal", 2, 16, 8192, 128, True, 196, 315),
+    ("attn/fwd/hd64/h32kv32/full", 2, 32, 8192, 64, False, 182, 308),
+    ("attn/fwd/hd64/h32kv32/causal", 2, 32, 8192, 64, True, 176, 295),
+    ("attn/fwd/hd256/h8kv8/full", 2, 8, 8192, 256, False, 173, 320),
+    ("attn/fwd/hd256/h8kv8/causal", 2, 8, 8192, 256, True, 175, 291),
+]
+BWD = [  # d6ddcbf's run
+    ("attn/bwd/hd128/h16kv16/full", 8, 16, 2048, 128, False, 83.8, 268),
+    ("attn/bwd/hd128/h16kv16/full", 2, 16, 8192, 128, False, 92.4, 304),
+    ("attn/bwd/hd128/h16kv16/causal", 8, 16, 2048, 128, True, 71.3, 219),
+    ("attn/bwd/hd128/h16kv16/causal", 2, 16, 8192, 128, True, 87.6, 283),
+]
+FIT_POINT = ("attn/fwd/hd128/h16kv16/full", 2, "FA2")  # HMMA_SM90 is fitted here (perf_model's docstring)
+
+# FA2's launch choice on an sm90 GPU (flash_fwd_launch_template.h / flash_bwd_launch_template.h of FlashAttention
+# 2.x, read, not copied): (head dim -> traits prefix of the mangled name)
+FA2_FWD = {64: "ILi64ELi128ELi128ELi4ELb0ELb0E", 128: "ILi128ELi128ELi64ELi4ELb0ELb0E",
+           256: "ILi256ELi128ELi64ELi8ELb0ELb0E"}
+FA2_BWD = {128: "ILi128ELi64ELi128ELi8ELi2ELi4ELi2E"}
+# 4d9dcbd's sm80 tiles on an sm90 GPU (its csrc/sm80/fwd_config.h; bwd_config.h): traits prefix, smem bytes
+OURS_FWD = {64: ("FwdTraitsILi64ELi128ELi64ELi4E", (128 + 2 * 2 * 64) * 64 * 2),
+            128: ("FwdTraitsILi128ELi128ELi64ELi8E", (128 + 2 * 2 * 64) * 128 * 2),
+            256: ("FwdTraitsILi256ELi64ELi64ELi4E", (64 + 2 * 2 * 64) * 256 * 2)}
+OURS_BWD = {128: ("BwdTraitsILi128ELi64ELi64ELi4ELi2ELi2E", (2 * 2 * 64 * 128 + 2 * 64 * 128 + 2 * 64 * 64) * 2)}
+
+
+def fa2_bools(causal: bool, bwd: bool) -> str:
+    # flash_fwd_kernel<Traits, Is_dropout, Is_causal, Is_local, Has_alibi, Is_even_MN, Is_even_K, Is_softcap,
+    # Return_softmax>; the backward's: <Traits, Is_dropout, Is_causal, Is_local, Has_alibi, Is_even_MN, Is_even_K,
+    # Is_softcap>: a dense, even-sized, bf16 run without dropout
+    c = int(causal)
+    return f"ELb0ELb{c}ELb0ELb0ELb1ELb1ELb0E" + ("EEv" if bwd else "Lb0EEEv")
+
+
+_CODE: dict = {}
+
+
+def find(files: list[str], dev: pm.Device, *needles: str):
+    """(insns, hot loop, resources) of the one kernel whose mangled name holds every needle."""
+    for f in files:
+        if f not in _CODE:
+            _CODE[f] = (sass.disassemble(f), sass.resources(f))
+        code, res = _CODE[f]
+        for (a, fn), insns in code.items():
+            if a.rstrip("a") != dev.arch or not all(n in fn for n in needles):
+                continue
+            r = next((v for (a2, f2), v in res.items() if f2 == fn), {})
+            return insns, sass.hot_loop(insns), r, fn
+    return None
+
+
+def traits(fn: str) -> list[int]:
+    m = re.search(r"traitsI((?:Li\d+E)+)", fn, re.I) or re.search(r"TraitsI((?:Li\d+E)+)", fn)
+    return [int(x) for x in re.findall(r"Li(\d+)E", m.group(1))] if m else []
+
+
+def predict_fwd(kern, dev, b, h, s, hd, causal, bm, bn):
+    """TFLOP/s of a forward launch: one CTA per (batch, head, block of bm rows), ceil(s / bn) key blocks each
+    (causal: those up to the diagonal)."""
+    n_m = -(-s // bm)
+    its = []
+    for i in range(n_m):
+        last = min(s, (i + 1) * bm) if causal else s
+        its.append(-(-last // bn))
+    r = pm.kernel_time_s(kern, dev, b * h * n_m, its * (b * h))
+    flops = 4 * b * h * s * s * hd * (0.5 if causal else 1.0)
+    return flops / r["time"] / 1e12, r
+
+
+def predict_bwd(kern, dev, b, h, s, hd, causal, bm, bn):
+    """TFLOP/s (x2.5 FLOPs) of a backward launch: one CTA per (batch, head, block of bn keys), looping over query
+    blocks (causal: from the diagonal on)."""
+    n_n = -(-s // bn)
+    its = []
+    for j in range(n_n):
+        first = j * bn if causal else 0
+        its.append(-(-(s - first) // bm))
+    r = pm.kernel_time_s(kern, dev, b * h * n_n, its * (b * h))
+    flops = 2.5 * 4 * b * h * s * s * hd * (0.5 if causal else 1.0)
+    return flops / r["time"] / 1e12, r
+
+
+def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device):
+    ours_files = sorted(glob.glob(os.path.join(ours_dir, "*.o")))
+    fa2_files = sorted(glob.glob(os.path.join(fa2_dir, "*.cubin")))
+    out = {}
+    for hd in (64, 128, 256):
+        for causal in (False, True):
+            hit = find(fa2_files, dev, "flash_fwd_kernel", FA2_FWD[hd], fa2_bools(causal, False))
+            if hit:
+                insns, loop, r, fn = hit
+                t = traits(fn)  # head dim, bm, bn, warps
+                smem = (t[1] + 2 * t[2]) * t[0] * 2
+                out[("fwd", hd, causal, "FA2")] = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem), t[1], t[2])
+        pre, smem = OURS_FWD[hd]
+        hit = find(ours_files, dev, "sm8010fwd_kernel", pre)
+        if hit:
+            insns, loop, r, fn = hit
+            t = traits(fn)
+            k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem), t[1], t[2])
+            out[("fwd", hd, False, "ours")] = out[("fwd", hd, True, "ours")] = k
+    for causal in (False, True):
+        hit = find(fa2_files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", FA2_BWD[128], fa2_bools(causal, True))
+        if hit:
+            insns, loop, r, fn = hit
+            t = traits(fn)
+            smem = (3 * t[1] * t[0] + 2 * t[2] * t[0] + 2 * t[1] * t[2]) * 2
+            out[("bwd", 128, causal, "FA2")] = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem), t[1], t[2])
+    pre, smem = OURS_BWD[128]
+    hit = find(ours_files, dev, "sm8010bwd_kernel", pre)
+    if hit:
+        insns, loop, r, fn = hit
+        t = traits(fn)
+        k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3] * t[4], smem), t[1], t[2])
+        out[("bwd", 128, False, "ours")] = out[("bwd", 128, True, "ours")] = k
+    return out
+
+
+def table(ks, dev):
+    rows = []
+    for kind, rowset, fn in (("fwd", FWD, predict_fwd), ("bwd", BWD, predict_bwd)):
+        for case, b, h, s, hd, causal, m_ours, m_fa2 in rowset:
+            pred = {}
+            for who in ("ours", "FA2"):
+                k = ks.get((kind, hd, causal, who))
+                if k:
+                    pred[who] = fn(k[0], dev, b, h, s, hd, causal, k[1], k[2])
+            rows.append((case, b, s, m_ours, m_fa2, pred))
+    return rows
+
+
+def main(a) -> int:
+    dev = pm.DEVICES[a.device]
+    ks = kernels(getattr(a, "ours", None) or "build/peer_sass/4d9dcbd", getattr(a, "fa2", None) or "build/peer_sass/fa2_torch", dev)
+    print(f"| case | batch x seqlen | ours sm80 measured / predicted | FA2 measured / predicted | ratio measured / "
+          f"predicted (error) | bound (W) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for case, b, s, m_o, m_f, pred in table(ks, dev):
+        po = pred.get("ours", (None, {}))
+        pf = pred.get("FA2", (None, {}))
+        fo = f"{po[0]:.0f}" if po[0] else "not built"
+        ff = f"{pf[0]:.0f}" if pf[0] else "not found"
+        ratio = "-"
+        if po[0] and pf[0]:
+            mr, pr = m_o / m_f, po[0] / pf[0]
+            ratio = f"{mr:.2f} / {pr:.2f} ({(pr / mr - 1) * 100:+.0f}%)"
+        bound = " / ".join(f"{p[1]['bound']} ({p[1]['w']})" for p in (po, pf) if p[0])
+        print(f"| {case} | {b} x {s} | {m_o} / {fo} | {m_f} / {ff} | {ratio} | {bound} |")
+    return 0
