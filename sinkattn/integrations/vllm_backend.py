@@ -169,6 +169,7 @@ class SinkattnBackend(AttentionBackend):
                              use_mm_prefix, device_capability):
         # Only a compiled kernel is worth selecting: the reference fallback is slow and cannot be graphed. An FP8
         # cache needs a kernel that reads FP8 (registry feature fp8_kv); dispatch.plan says which declined and why.
+        # No capability: vLLM's CPU platform, where the reference is all there is (validate_configuration).
         if device_capability is None:
             return None
         kv_fp8 = kv_cache_dtype in FP8_KV_DTYPES
@@ -183,8 +184,17 @@ class SinkattnBackend(AttentionBackend):
 
     @classmethod
     def validate_configuration(cls, **kw) -> list[str]:
-        """vLLM's checks, with the refusals a user of this backend can meet spelled out."""
+        """vLLM's checks, with the refusals a user of this backend can meet spelled out.
+
+        CPU mode: vLLM's CPU platform has no compute capability (device_capability None). There sinkattn runs its
+        PyTorch reference, which also computes in float32, so neither float32 nor the missing capability is
+        refused; on a GPU both refusals stand (the kernels take float16/bfloat16 and need cc 8.0)."""
         reasons = super().validate_configuration(**kw)
+        if kw.get("device_capability") is None:
+            cpu_ok = {"compute capability not supported"}
+            if kw.get("dtype") == torch.float32:
+                cpu_ok.add("dtype not supported")
+            reasons = [r for r in reasons if r not in cpu_ok]
         explain = {
             "DCP not supported": "decode context parallelism (--decode-context-parallel-size > 1) is not served "
                                  "by sinkattn's backend (vLLM's DCP path would drop the sinks); run without it",
