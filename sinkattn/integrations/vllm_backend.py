@@ -8,7 +8,9 @@ What it serves (gpt-oss and models like it): learnable sinks, sliding-window and
 vLLM's paged KV cache (any page size), chunked prefill mixed with decode, prefix caching,
 speculative decoding (query length 1 + k), full CUDA graphs for uniform batches, and FP8 KV caches
 (`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`, with the layer's per-tensor or per-KV-head scales; vllm_paged
-says how), selected only where a compiled kernel reads FP8.
+says how), selected only where a compiled kernel reads FP8. On vLLM's CPU platform (no compute capability) the
+PyTorch reference serves, float32 included (validate_configuration's CPU mode; CI's vllm_engine leg runs it in
+vLLM 0.32's CPU engine, whose backend classes are where 0.33 has them).
 
 The mapping of vLLM's batch onto `sinkattn.flash_attn_with_kvcache` lives in `vllm_paged` (no vLLM
 import there, so the benchmark times the same code): one call per run of consecutive requests with the
