@@ -441,3 +441,17 @@ def test_automatic_selection_never_considers_it(platform, cap):
     vllm_stubs.Platform.capability = cap
     _, rejected = platform.get_valid_backends(DeviceCapability(*cap), _selector(), 64)
     assert AttentionBackendEnum.CUSTOM not in rejected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_cpu_mode_accepts_float32_without_a_capability(vb, dtype, kv_cache_dtype):
+    """vLLM's CPU platform has no compute capability: there the reference serves float32 and FP8 caches
+    (tests/test_vllm_engine.py serves it through vLLM's CPU engine); with a capability float32 stays refused."""
+    from vllm.platforms.interface import DeviceCapability
+    sel = _selector(dtype=dtype, kv_cache_dtype=kv_cache_dtype)._asdict()
+    assert vb.SinkattnBackend.validate_configuration(device_capability=None, **sel) == []
+    on_gpu = vb.SinkattnBackend.validate_configuration(device_capability=DeviceCapability(8, 0), **sel)
+    assert any("dtype=torch.float32" in r for r in on_gpu) == (dtype == torch.float32)
+    sel.update(head_size=76)  # what no path serves is refused on the CPU too
+    assert any("head_size=76" in r for r in vb.SinkattnBackend.validate_configuration(device_capability=None, **sel))

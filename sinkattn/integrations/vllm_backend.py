@@ -8,7 +8,9 @@ What it serves (gpt-oss and models like it): learnable sinks, sliding-window and
 vLLM's paged KV cache (any page size), chunked prefill mixed with decode, prefix caching,
 speculative decoding (query length 1 + k), full CUDA graphs for uniform batches, and FP8 KV caches
 (`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`, with the layer's per-tensor or per-KV-head scales; vllm_paged
-says how), selected only where a compiled kernel reads FP8.
+says how), selected only where a compiled kernel reads FP8. On vLLM's CPU platform (no compute capability) the
+PyTorch reference serves, float32 included (validate_configuration's CPU mode; CI's vllm_engine leg runs it in
+vLLM 0.32's CPU engine, whose backend classes are where 0.33 has them).
 
 The mapping of vLLM's batch onto `sinkattn.flash_attn_with_kvcache` lives in `vllm_paged` (no vLLM
 import there, so the benchmark times the same code): one call per run of consecutive requests with the
@@ -169,6 +171,7 @@ class SinkattnBackend(AttentionBackend):
                              use_mm_prefix, device_capability):
         # Only a compiled kernel is worth selecting: the reference fallback is slow and cannot be graphed. An FP8
         # cache needs a kernel that reads FP8 (registry feature fp8_kv); dispatch.plan says which declined and why.
+        # No capability: vLLM's CPU platform, where the reference is all there is (validate_configuration).
         if device_capability is None:
             return None
         kv_fp8 = kv_cache_dtype in FP8_KV_DTYPES
@@ -183,8 +186,17 @@ class SinkattnBackend(AttentionBackend):
 
     @classmethod
     def validate_configuration(cls, **kw) -> list[str]:
-        """vLLM's checks, with the refusals a user of this backend can meet spelled out."""
+        """vLLM's checks, with the refusals a user of this backend can meet spelled out.
+
+        CPU mode: vLLM's CPU platform has no compute capability (device_capability None). There sinkattn runs its
+        PyTorch reference, which also computes in float32, so neither float32 nor the missing capability is
+        refused; on a GPU both refusals stand (the kernels take float16/bfloat16 and need cc 8.0)."""
         reasons = super().validate_configuration(**kw)
+        if kw.get("device_capability") is None:
+            cpu_ok = {"compute capability not supported"}
+            if kw.get("dtype") == torch.float32:
+                cpu_ok.add("dtype not supported")
+            reasons = [r for r in reasons if r not in cpu_ok]
         explain = {
             "DCP not supported": "decode context parallelism (--decode-context-parallel-size > 1) is not served "
                                  "by sinkattn's backend (vLLM's DCP path would drop the sinks); run without it",
