@@ -42,11 +42,21 @@ Conventions kept from the peers:
 - softmax_lse: natural log of the softmax denominator of the scaled (and softcapped) scores, float32;
   (batch, nheads, seqlen_q) for the batched and KV-cache functions, (nheads, total_q) for varlen (flash-attn
   2.8 and vLLM). With sinks it includes the sink's exp term, as sinkattn's lse does.
+- window_size: None or any 2-element sequence of integers (tuple, list, tensor, numpy array; flash-attn indexes
+  it, and its own tests pass torch.randint(0, seqlen_k, (2,))), converted to python ints here.
 - causal=True makes the right window edge 0 whatever window_size[1] says, and a window edge >= seqlen_k
   (max_seqlen_k for varlen) is unbounded, as flash-attn's C++ front end does before launching.
 - Head dims that are not a multiple of 8 are zero-padded and the output sliced back, as flash-attn 2.8 does
-  (the default softmax_scale uses the caller's head dim). flash_attn_with_kvcache cannot pad a cache in place
-  and refuses them, as sinkattn does.
+  (the default softmax_scale uses the caller's head dim; gradients flow back through the padding). The
+  KV-cache and paged forms pad a copy of the cache (a cache cannot be padded in place) and write the appended
+  keys and values back into the caller's cache: correct, but each such call copies the whole cache.
+- The KV-cache and paged forms (flash_attn_with_kvcache, flash_attn_varlen_func with block_table,
+  vllm_flash_attn_varlen_func with seqused_k) have no backward, in flash-attn as here; as flash-attn does, they
+  run when an input requires grad under grad mode, and a backward through their output raises
+  SinkattnRuntimeError naming why (with vLLM's out= the output is returned as given, without a backward).
+- vLLM's scheduler_metadata (FlashAttention-3's precomputed split schedule) is accepted and ignored by
+  flash_attn_with_kvcache (keyword-only) and vllm_flash_attn_varlen_func; get_scheduler_metadata (vLLM 0.33's
+  signature) returns None: sinkattn plans its split-KV schedule inside each call.
 
 Differences (documented, tested):
 - A query row that sees no key: out 0 (as flash-attn), softmax_lse = -inf (sinks[h] with sinks); flash-attn 2
@@ -360,8 +370,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             scheduler_metadata=None, sinks=None, s_aux=None, learnable_sink=None, sink_tokens=0,
                             backend="auto"):
     """flash-attn 2.8's flash_attn_with_kvcache: decode / chunked prefill over a contiguous or paged cache,
-    appending k/v in place at cache_seqlens (no autograd, as flash-attn). Returns out, or (out, softmax_lse
-    (batch, nheads, seqlen_q) float32) with return_softmax_lse=True.
+    appending k/v in place at cache_seqlens (no backward, as flash-attn: with inputs that require grad it runs,
+    and a backward through the output raises). Returns out, or (out, softmax_lse (batch, nheads, seqlen_q)
+    float32) with return_softmax_lse=True. scheduler_metadata (vLLM's keyword) is accepted and ignored.
 
     cache_batch_idx (batch,) int32 picks the cache row of each sequence (a contiguous cache only, as in
     flash-attn). cache_leftpad is refused (see the message). Rotary: flash-attn rotates every query at position
