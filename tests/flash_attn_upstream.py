@@ -99,8 +99,8 @@ def suite_root(fetch: bool | None = None, announce=None) -> Path:
     return base
 
 
-def run(root: Path, report: Path, *pytest_args: str, sample: str | None = None, max_area: int | None = None,
-        timeout: float = 1800):
+def run(root: Path, report: Path, *pytest_args: str, sample: str | None = None, max_area: str | None = None,
+        skip: str | None = None, timeout: float = 1800):
     """Run the suite under the adapter; -> (returncode, output, report {"cases": [{nodeid, outcome, reason}],
     "left_out": {"test argnames": [values above max_area]}})."""
     env = dict(os.environ)
@@ -111,7 +111,9 @@ def run(root: Path, report: Path, *pytest_args: str, sample: str | None = None, 
     if sample is not None:
         env["SINKATTN_FA_SAMPLE"] = sample
     if max_area is not None:
-        env["SINKATTN_FA_MAX_AREA"] = str(max_area)
+        env["SINKATTN_FA_MAX_AREA"] = max_area
+    if skip is not None:
+        env["SINKATTN_FA_SKIP"] = skip
     cmd = [sys.executable, "-m", "pytest", "-p", "flash_attn_adapter", "-p", "no:cacheprovider", "-q",
            "-c", os.devnull, "--rootdir", str(root / "src"), str(root / "src" / "tests" / "test_flash_attn.py"),
            *pytest_args]

@@ -21,6 +21,7 @@ ALLOWED_SKIPS = (
     re.compile(r"^Skipped: refused by design \(dropout_p=0\.17\): .*dropout_p=0\.17 is not supported"),
     re.compile(r"^Skipped: refused by design \(alibi=True\): .*alibi_slopes is not supported"),
     re.compile(r"^Skipped: refused by design \(has_leftpad=True\): .*cache_leftpad is not supported"),
+    re.compile(r"^Skipped: CPU run: a GPU race-condition test"),
     # Upstream's own `pytest.skip()` without a message: "Reference implementation OOM" below 16 GiB of (here)
     # host memory for sequence lengths >= 2048.
     re.compile(r"^Skipped(: )?$"),
@@ -41,7 +42,12 @@ def suite_root():
 # suite's half-precision reference makes a (1024, 1024) case cost about 20 s and a (2048, 2048) one about 75 s
 # (2 busy cores), so the uncapped cover (every value, about 15 minutes) is run by hand:
 #   SINKATTN_FA_MAX_AREA= python3 -m pytest tests/test_flash_attn_upstream.py   (see docs/migration.md)
-CI_MAX_AREA = 512 * 512
+# test_flash_attn_deterministic repeats its backward 51 times: capped at 256 * 256 (its (256, 512) case alone took
+# 78 s on 2 busy cores).
+CI_MAX_AREA = f"{512 * 512},test_flash_attn_deterministic={256 * 256}"
+# Skipped whole (the adapter's SKIP_REASON says why): a GPU race-condition test, hours on the CPU reference
+# backend. SINKATTN_FA_SKIP overrides the list ("" runs it).
+SKIPPED_FUNCTIONS = "test_flash_attn_race_condition"
 # What that cap leaves out, by test function and parameter (a change in the suite or the cap shows here).
 LEFT_OUT = {
     "test_flash_attn_qkvpacked seqlen": ["768", "1024", "1025", "2048"],
@@ -54,7 +60,7 @@ LEFT_OUT = {
     "test_flash_attn_splitkv seqlen_q,seqlen_k": ["(16, 20000)", "(16, 100000)"],
     "test_flash_attn_kvcache seqlen_q,seqlen_k": ["(16, 20000)", "(16, 131072)"],
     "test_flash_attn_race_condition seqlen_q,seqlen_k": ["(768, 768)", "(1024, 1024)"],
-    "test_flash_attn_deterministic seqlen_q,seqlen_k": ["(1023, 1024)"],
+    "test_flash_attn_deterministic seqlen_q,seqlen_k": ["(256, 512)", "(1023, 1024)"],
     "test_flash_attn_varlen_deterministic seqlen_q,seqlen_k": ["(1023, 1024)"],
 }
 
@@ -62,7 +68,7 @@ LEFT_OUT = {
 def _max_area():
     """SINKATTN_FA_MAX_AREA: unset -> CI's cap; empty -> no cap (every value of every parameter)."""
     value = os.environ.get("SINKATTN_FA_MAX_AREA")
-    return CI_MAX_AREA if value is None else (int(value) if value else None)
+    return CI_MAX_AREA if value is None else (value or None)
 
 
 def test_flash_attn_suite_sample_passes(suite_root, tmp_path):
@@ -70,7 +76,8 @@ def test_flash_attn_suite_sample_passes(suite_root, tmp_path):
     max_area = _max_area()
     env_area = os.environ.pop("SINKATTN_FA_MAX_AREA", None)
     try:
-        rc, output, result = upstream.run(suite_root, report, "-rs", "--tb=short", max_area=max_area)
+        rc, output, result = upstream.run(suite_root, report, "-rs", "--tb=short", max_area=max_area,
+                                          skip=os.environ.get("SINKATTN_FA_SKIP", SKIPPED_FUNCTIONS))
     finally:
         if env_area is not None:
             os.environ["SINKATTN_FA_MAX_AREA"] = env_area
@@ -84,7 +91,8 @@ def test_flash_attn_suite_sample_passes(suite_root, tmp_path):
     # Every test function of the suite ran cases that passed (a sample that skips everything proves nothing).
     functions = {e["nodeid"].split("::")[1].split("[")[0] for e in entries}
     passed = {e["nodeid"].split("::")[1].split("[")[0] for e in entries if e["outcome"] == "passed"}
-    assert len(functions) >= 14 and passed == functions, (functions - passed, summary)
+    skipped_whole = {n for n in os.environ.get("SINKATTN_FA_SKIP", SKIPPED_FUNCTIONS).split(",") if n}
+    assert len(functions) >= 14 and passed == functions - skipped_whole, (functions - passed, summary)
     skips = [e for e in entries if e["outcome"] == "skipped"]
     unexplained = [e for e in skips if not any(p.search(e["reason"]) for p in ALLOWED_SKIPS)]
     assert not unexplained, f"skips without a reason docs/migration.md gives: {unexplained[:5]}"
@@ -93,6 +101,8 @@ def test_flash_attn_suite_sample_passes(suite_root, tmp_path):
     # Every value of every parameter (but the sequence lengths left out) ran in a case that passed, or, for a
     # refused value, in a case the drop-in refused.
     for fn, grid in result["grid"].items():
+        if fn in skipped_whole:
+            continue
         for argnames, values in grid.items():
             want = set(values) - set(result["left_out"].get(f"{fn} {argnames}", []))
             names = argnames.split(",")
