@@ -42,11 +42,21 @@ Conventions kept from the peers:
 - softmax_lse: natural log of the softmax denominator of the scaled (and softcapped) scores, float32;
   (batch, nheads, seqlen_q) for the batched and KV-cache functions, (nheads, total_q) for varlen (flash-attn
   2.8 and vLLM). With sinks it includes the sink's exp term, as sinkattn's lse does.
+- window_size: None or any 2-element sequence of integers (tuple, list, tensor, numpy array; flash-attn indexes
+  it, and its own tests pass torch.randint(0, seqlen_k, (2,))), converted to python ints here.
 - causal=True makes the right window edge 0 whatever window_size[1] says, and a window edge >= seqlen_k
   (max_seqlen_k for varlen) is unbounded, as flash-attn's C++ front end does before launching.
 - Head dims that are not a multiple of 8 are zero-padded and the output sliced back, as flash-attn 2.8 does
-  (the default softmax_scale uses the caller's head dim). flash_attn_with_kvcache cannot pad a cache in place
-  and refuses them, as sinkattn does.
+  (the default softmax_scale uses the caller's head dim; gradients flow back through the padding). The
+  KV-cache and paged forms pad a copy of the cache (a cache cannot be padded in place) and write the appended
+  keys and values back into the caller's cache: correct, but each such call copies the whole cache.
+- The KV-cache and paged forms (flash_attn_with_kvcache, flash_attn_varlen_func with block_table,
+  vllm_flash_attn_varlen_func with seqused_k) have no backward, in flash-attn as here; as flash-attn does, they
+  run when an input requires grad under grad mode, and a backward through their output raises
+  SinkattnRuntimeError naming why (with vLLM's out= the output is returned as given, without a backward).
+- vLLM's scheduler_metadata (FlashAttention-3's precomputed split schedule) is accepted and ignored by
+  flash_attn_with_kvcache (keyword-only) and vllm_flash_attn_varlen_func; get_scheduler_metadata (vLLM 0.33's
+  signature) returns None: sinkattn plans its split-KV schedule inside each call.
 
 Differences (documented, tested):
 - A query row that sees no key: out 0 (as flash-attn), softmax_lse = -inf (sinks[h] with sinks); flash-attn 2
@@ -65,13 +75,13 @@ import torch
 import torch.nn.functional as F
 
 from . import interface
-from .errors import SinkattnTypeError, SinkattnValueError
+from .errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
 from .integrations.vllm_paged import plan_runs
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
-    "vllm_flash_attn_varlen_func",
+    "vllm_flash_attn_varlen_func", "get_scheduler_metadata",
 ]
 
 _WHO = "sinkattn.flash_attn_interface"
@@ -115,12 +125,7 @@ def _flag(fn: str, name: str, value) -> bool:
 
 def _window(fn: str, window_size, causal, seqlen_k: int | None):
     """flash-attn's front end: causal sets right = 0, and an edge >= seqlen_k is unbounded."""
-    if window_size is None:
-        window_size = (-1, -1)
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise SinkattnValueError(f"{_WHO}.{fn}: window_size must be a pair (left, right); got {window_size!r}; "
-                                 f"-1 means unbounded")
-    left, right = window_size
+    left, right = _pair(fn, window_size)
     if seqlen_k is not None:
         if isinstance(left, int) and left >= seqlen_k:
             left = -1
@@ -129,6 +134,34 @@ def _window(fn: str, window_size, causal, seqlen_k: int | None):
     if causal is True:
         right = 0
     return (left, right)
+
+
+def _pair(fn: str, window_size):
+    """window_size as flash-attn takes it: None, or any 2-element sequence of integers (tuple, list, tensor,
+    numpy array; flash-attn's own tests draw it as torch.randint(0, seqlen_k, (2,))) -> two python ints."""
+    if window_size is None:
+        return (-1, -1)
+    if hasattr(window_size, "tolist") and not isinstance(window_size, (tuple, list)):  # tensor, numpy array
+        items = window_size.tolist()
+    elif isinstance(window_size, (tuple, list)):
+        items = list(window_size)
+    else:
+        items = None
+    if not isinstance(items, list) or len(items) != 2:
+        raise SinkattnValueError(f"{_WHO}.{fn}: window_size must be a pair (left, right); got {window_size!r}; "
+                                 f"-1 means unbounded")
+    pair = []
+    for v in items:
+        if isinstance(v, torch.SymInt) or (isinstance(v, int) and not isinstance(v, bool)):
+            pair.append(v)
+        elif isinstance(v, numbers.Integral) and not isinstance(v, bool):
+            pair.append(int(v))
+        elif isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point() and v.dtype != torch.bool:
+            pair.append(int(v))
+        else:
+            raise SinkattnTypeError(f"{_WHO}.{fn}: window_size must hold two integers (left, right); got "
+                                    f"{window_size!r}; -1 means unbounded")
+    return tuple(pair)
 
 
 def _pad8(fn, q, k, v):
@@ -157,6 +190,45 @@ def _check_packed(fn: str, name: str, t, rank: int, dim: int, n: int, layout: st
     if not isinstance(t, torch.Tensor) or t.dim() != rank or t.shape[dim] != n:
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise SinkattnValueError(f"{_WHO}.{fn}: {name} must be {layout}; got {got}")
+
+
+class _NoBackward(torch.autograd.Function):
+    """The output of a forward-only call made with inputs that require grad: its backward raises, naming why."""
+
+    @staticmethod
+    def forward(ctx, why, out, *inputs):
+        ctx.why = why
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise SinkattnRuntimeError(ctx.why)
+
+
+def _forward_only(fn: str, tensors, run):
+    """flash-attn runs its KV-cache and paged forwards whatever requires grad (only a backward fails, as there is
+    none); so does the drop-in: under grad mode with an input that requires grad, `run()` goes under
+    torch.no_grad() and each returned tensor gets a backward that raises SinkattnRuntimeError."""
+    leaves = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not torch.is_grad_enabled() or not leaves:
+        return run()
+    with torch.no_grad():
+        res = run()
+    why = (f"{_WHO}.{fn} has no backward: the KV-cache and paged forms are forward-only (flash-attn has no "
+           f"backward for them either), and this output came from one. To train, gather the cached keys and "
+           f"values into dense k/v and call flash_attn_func or flash_attn_varlen_func without block_table; for "
+           f"inference, call it under torch.no_grad() (or pass .detach()ed tensors)")
+    if isinstance(res, tuple):
+        return tuple(_NoBackward.apply(why, r, *leaves) for r in res)
+    return _NoBackward.apply(why, res, *leaves)
+
+
+def _pad_dim(t, to: int):
+    return t if t is None or t.shape[-1] == to else F.pad(t, (0, to - t.shape[-1]))
+
+
+def _round8(d: int) -> int:
+    return d + (-d % 8)
 
 
 # --------------------------------------------------------------------------------------------- flash-attn 2.8
@@ -249,8 +321,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise SinkattnValueError(f"{_WHO}.{fn}: with block_table, cu_seqlens_k must be an int32 (batch + 1,) "
                                      f"tensor of cumulative key lengths; got {cu_seqlens_k!r}")
         seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-        out, lse = _paged(fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal,
-                          window_size, softcap, sinks, sink_tokens, 0, backend, None)
+        out, lse = _forward_only(fn, (q, k, v, sinks), lambda: _paged(
+            fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal, window_size,
+            softcap, sinks, sink_tokens, 0, backend, None))
     else:
         out, lse = _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, sinks,
@@ -294,10 +367,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            sinks=None, s_aux=None, learnable_sink=None, sink_tokens=0, backend="auto"):
+                            scheduler_metadata=None, sinks=None, s_aux=None, learnable_sink=None, sink_tokens=0,
+                            backend="auto"):
     """flash-attn 2.8's flash_attn_with_kvcache: decode / chunked prefill over a contiguous or paged cache,
-    appending k/v in place at cache_seqlens (no autograd, as flash-attn). Returns out, or (out, softmax_lse
-    (batch, nheads, seqlen_q) float32) with return_softmax_lse=True.
+    appending k/v in place at cache_seqlens (no backward, as flash-attn: with inputs that require grad it runs,
+    and a backward through the output raises). Returns out, or (out, softmax_lse (batch, nheads, seqlen_q)
+    float32) with return_softmax_lse=True. scheduler_metadata (vLLM's keyword) is accepted and ignored.
 
     cache_batch_idx (batch,) int32 picks the cache row of each sequence (a contiguous cache only, as in
     flash-attn). cache_leftpad is refused (see the message). Rotary: flash-attn rotates every query at position
@@ -338,15 +413,37 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         block_table = cache_batch_idx.to(torch.int32).view(batch, 1)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     window = _window(fn, window_size, causal, capacity)
-    if rotary_cos is not None and not causal and tuple(window) == (-1, -1) and seqlen_q > 1:
-        q, k = _rotate_at_cache_start(fn, q, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, batch)
-        rotary_cos = rotary_sin = None
-    res = interface.flash_attn_with_kvcache(
-        q, k_cache, v_cache, sinks, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
-        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-        softmax_scale=softmax_scale, causal=causal, window_size=window, sink_tokens=sink_tokens, softcap=softcap,
-        return_lse=want_lse, num_splits=num_splits, backend=backend)
-    return res
+
+    def run(q, k):
+        if rotary_cos is not None and not causal and tuple(window) == (-1, -1) and seqlen_q > 1:
+            q, k = _rotate_at_cache_start(fn, q, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
+                                          batch)
+            cos = sin = None
+        else:
+            cos, sin = rotary_cos, rotary_sin
+        kc, vc, scale = k_cache, v_cache, softmax_scale
+        d, dv = q.shape[-1], v_cache.shape[-1]
+        padded = (d % 8 or dv % 8) and k_cache.dtype not in _FP8 and k_cache.shape[-1] == d
+        if padded:  # flash-attn's rule: zero-pad to a multiple of 8, slice the output back (see _pad_cache)
+            q, k, kc = _pad_dim(q, _round8(d)), _pad_dim(k, _round8(d)), _pad_dim(k_cache, _round8(d))
+            v, vc = _pad_dim(v_new, _round8(dv)), _pad_dim(v_cache, _round8(dv))
+            scale = _scale(softmax_scale, d)
+        else:
+            v = v_new
+        res = interface.flash_attn_with_kvcache(
+            q, kc, vc, sinks, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table, rotary_cos=cos,
+            rotary_sin=sin, rotary_interleaved=rotary_interleaved, softmax_scale=scale, causal=causal,
+            window_size=window, sink_tokens=sink_tokens, softcap=softcap, return_lse=want_lse,
+            num_splits=num_splits, backend=backend)
+        if not padded:
+            return res
+        if k is not None:  # the appended (and rotated) keys and values, back into the caller's cache
+            k_cache.copy_(kc[..., :d])
+            v_cache.copy_(vc[..., :dv])
+        return (res[0][..., :dv], res[1]) if want_lse else res[..., :dv]
+
+    v_new = v
+    return _forward_only(fn, (q, k, v, k_cache, v_cache, sinks), lambda: run(q, k))
 
 
 def _rotate_at_cache_start(fn, q, k, cos, sin, cache_seqlens, interleaved, batch):
@@ -401,6 +498,12 @@ def _paged(fn, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_se
             f"cu_seqlens_k instead of seqused_k; for a paged cache pass block_table")
     total_q, h, d = q.shape
     dv = v_cache.shape[-1]
+    if (d % 8 or dv % 8) and k_cache.dtype not in _FP8 and k_cache.shape[-1] == d:
+        # flash-attn's rule for head dims that are not a multiple of 8: zero-pad (here a padded copy of the
+        # cache, read only), slice the output back; the default scale is the caller's head dim's.
+        softmax_scale = _scale(softmax_scale, d)
+        q, k_cache, v_cache = _pad_dim(q, _round8(d)), _pad_dim(k_cache, _round8(d)), _pad_dim(v_cache, _round8(dv))
+        d = q.shape[-1]
     causal = _flag(fn, "causal", causal)
     window = _window(fn, window_size, causal, max_seqlen_k if isinstance(max_seqlen_k, int) else None)
     if out is None:
@@ -428,7 +531,7 @@ def _paged(fn, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_se
             softmax_scale=softmax_scale, causal=causal, window_size=window, sink_tokens=sink_tokens,
             softcap=softcap, return_lse=True, num_splits=num_splits, backend=backend,
             k_descale=_rows_of(k_descale, run.r0, run.r1), v_descale=_rows_of(v_descale, run.r0, run.r1))
-        out[rows].copy_(o.reshape(n * run.L, h, dv))
+        out[rows].copy_(o[..., :dv].reshape(n * run.L, h, dv))
         lse[:, rows] = l.permute(1, 0, 2).reshape(h, n * run.L)
     # Empty requests between runs own no rows; a zero-length run leaves nothing unwritten below `end`.
     return out, lse
@@ -499,9 +602,13 @@ def vllm_flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_
     if seqused_k is not None:
         _check_int32(fn, "seqused_k", seqused_k)
         _check_int32(fn, "cu_seqlens_q", cu_seqlens_q)
-        res, lse = _paged(fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal,
-                          window_size, softcap, sinks, sink_tokens, num_splits, backend, out,
-                          k_descale=k_descale, v_descale=v_descale)
+        def paged():
+            return _paged(fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal,
+                          window_size, softcap, sinks, sink_tokens, num_splits, backend, out, k_descale=k_descale,
+                          v_descale=v_descale)
+        # out= is written in place and returned as given, so it cannot carry the forward-only marker: with out=
+        # the call runs under no_grad and returns out without a backward, as vLLM's does.
+        res, lse = _forward_only(fn, (q, k, v, sinks), paged) if out is None else _no_grad(paged)
     else:
         if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
             raise SinkattnValueError(f"{_WHO}.{fn}: num_splits must be an int >= 0 (0 = heuristic); got "
@@ -513,6 +620,23 @@ def vllm_flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_
             out.copy_(res)
             res = out
     return (res, lse) if want_lse else res
+
+
+def _no_grad(run):
+    with torch.no_grad():
+        return run()
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                           cache_seqlens, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
+                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
+                           causal=False, window_size=(-1, -1), has_softcap=False, num_splits=0, pack_gqa=None,
+                           sm_margin=0):
+    """vLLM's vllm.vllm_flash_attn.get_scheduler_metadata (vLLM 0.33's signature): FlashAttention-3's
+    ahead-of-time split schedule. sinkattn plans its own split-KV schedule inside each call, so there is nothing
+    to precompute: returns None, which vLLM passes on as scheduler_metadata=None (its value when it schedules
+    nothing ahead of time) and which every function here accepts."""
+    return None
 
 
 def _refuse_vllm_extras(fn, q, k, v, *, cache, cp_world_size, **features) -> None:

@@ -689,3 +689,260 @@ def test_transformers_flash_kwargs_reach_the_drop_in(rng_seed):
     out = fai.flash_attn_func(q, k, v, **kw)
     check("transformers kwargs", out, None, attention_oracle, (q, k, v, sinks),
           dict(softmax_scale=d ** -0.5, causal=True, window_size=(w - 1, 0)), torch.float32, rng_seed)
+
+
+# ------------------------------------------------------------------------------- flash-attn's lenient call forms
+
+def _window_forms(left, right):
+    import numpy as np
+    return {"tuple": (left, right), "list": [left, right], "tensor": torch.tensor([left, right]),
+            "int32 tensor": torch.tensor([left, right], dtype=torch.int32),
+            "numpy": np.array([left, right]), "numpy scalars": (np.int64(left), np.int32(right)),
+            "0-d tensors": (torch.tensor(left), torch.tensor(right))}
+
+
+@pytest.mark.parametrize("form", sorted(_window_forms(0, 0)))
+def test_window_size_as_any_two_element_sequence(form, rng_seed):
+    """flash-attn indexes window_size, so any 2-element sequence works there (its own tests draw it as
+    torch.randint(0, seqlen_k, (2,))); the drop-in takes the same forms, in every function."""
+    b, sq, sk, h, d = 2, 21, 30, 2, 16
+    q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, h, d), torch.randn(b, sk, h, d)
+    w = _window_forms(6, 2)[form]
+    out = fai.flash_attn_func(q, k, v, window_size=w)
+    check(f"flash_attn_func window {form}", out, None, attention_oracle, (q, k, v, None),
+          dict(window_size=(6, 2)), torch.float32, rng_seed)
+    # causal=True still sets the right edge to 0, and an edge >= seqlen_k is unbounded, whatever the form.
+    out = fai.flash_attn_func(q, k, v, causal=True, window_size=_window_forms(sk, 5)[form])
+    check(f"causal window {form}", out, None, attention_oracle, (q, k, v, None), dict(causal=True), torch.float32,
+          rng_seed)
+    lq, lk = [3, 9], [12, 9]
+    qv, kv_, vv = torch.randn(sum(lq), h, d), torch.randn(sum(lk), h, d), torch.randn(sum(lk), h, d)
+    out = fai.flash_attn_varlen_func(qv, kv_, vv, cu(lq), cu(lk), max(lq), max(lk), window_size=w)
+    check(f"varlen window {form}", out, None, attention_oracle_varlen, (qv, kv_, vv, cu(lq), cu(lk), None),
+          dict(window_size=(6, 2)), torch.float32, rng_seed)
+    out = fai.vllm_flash_attn_varlen_func(qv, kv_, vv, max(lq), cu(lq), max(lk), cu(lk), window_size=w)
+    check(f"vllm varlen window {form}", out, None, attention_oracle_varlen, (qv, kv_, vv, cu(lq), cu(lk), None),
+          dict(window_size=(6, 2)), torch.float32, rng_seed)
+    kc, vc = torch.randn(b, sk, h, d), torch.randn(b, sk, h, d)
+    out = fai.flash_attn_with_kvcache(q[:, :4], kc, vc, cache_seqlens=sk, window_size=w)
+    check(f"kvcache window {form}", out, None, attention_oracle, (q[:, :4], kc, vc, None),
+          dict(window_size=(6, 2)), torch.float32, rng_seed)
+
+
+def test_window_size_as_flash_attn_tests_draw_it(rng_seed):
+    b, s, h, d = 1, 40, 2, 32
+    q, k, v = torch.randn(b, s, h, d), torch.randn(b, s, h, d), torch.randn(b, s, h, d)
+    w = torch.randint(0, s, (2,))
+    out = fai.flash_attn_func(q, k, v, 0.0, None, False, w)
+    check("randint window", out, None, attention_oracle, (q, k, v, None),
+          dict(window_size=tuple(w.tolist())), torch.float32, rng_seed)
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    ((1, 2, 3), SinkattnValueError, "window_size must be a pair"),
+    (torch.tensor([1, 2, 3]), SinkattnValueError, "window_size must be a pair"),
+    (torch.tensor([[1, 2]]), SinkattnValueError, "window_size must be a pair"),
+    (5, SinkattnValueError, "window_size must be a pair"),
+    ((1.5, 2), SinkattnTypeError, "two integers"),
+    (torch.tensor([1.0, 2.0]), SinkattnTypeError, "two integers"),
+    ((True, 2), SinkattnTypeError, "two integers"),
+])
+def test_window_size_refusals_name_the_form(bad, error, match):
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(error, match=match):
+        fai.flash_attn_func(q, q, q, window_size=bad)
+
+
+def test_odd_headdim_gradients_flow_through_the_padding(rng_seed):
+    """Head dim 59 (flash-attn's tests use 59 and 111): zero-padded to 64 inside, sliced back; the gradients of
+    q, k, v (and sinks) are the caller's shape and match the oracle's, batched and varlen."""
+    b, sq, sk, h, hk, d = 2, 13, 17, 4, 2, 59
+    q = torch.randn(b, sq, h, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, sk, hk, d, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(h, dtype=torch.float64, requires_grad=True)
+    out = fai.flash_attn_func(q, k, v, causal=True, window_size=(5, 0), sinks=sinks)
+    assert out.shape == (b, sq, h, d)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), (q, k, v, sinks))
+    ref, _ = attention_oracle(q, k, v, sinks, causal=True, window_size=(5, 0))
+    want = torch.autograd.grad((ref * g).sum(), (q, k, v, sinks))
+    for name, a, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert a.shape == w.shape
+        tolerance_check(f"d=59 {name}", a, w, None, 1e-10, rng_seed)
+    lq, lk = [5, 8], [9, 8]
+    qv = torch.randn(sum(lq), h, 111, dtype=torch.float64, requires_grad=True)
+    kv_ = torch.randn(sum(lk), hk, 111, dtype=torch.float64, requires_grad=True)
+    vv = torch.randn(sum(lk), hk, 111, dtype=torch.float64, requires_grad=True)
+    out = fai.flash_attn_varlen_func(qv, kv_, vv, cu(lq), cu(lk), max(lq), max(lk), causal=True)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), (qv, kv_, vv))
+    ref, _ = attention_oracle_varlen(qv, kv_, vv, cu(lq), cu(lk), None, causal=True)
+    want = torch.autograd.grad((ref * g).sum(), (qv, kv_, vv))
+    for name, a, w in zip(("dq", "dk", "dv"), got, want):
+        tolerance_check(f"varlen d=111 {name}", a, w, None, 1e-10, rng_seed)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_odd_headdim(paged, rng_seed):
+    """flash_attn_with_kvcache with head dim 59: served (a padded copy of the cache; the appended, rotated keys
+    and the values land in the caller's cache in place), the default scale of the caller's head dim."""
+    b, h, hk, d, cap, sq = 2, 4, 2, 59, 48, 3
+    lens = [7, 30]
+    dense_k, dense_v = torch.randn(b, cap, hk, d), torch.randn(b, cap, hk, d)
+    if paged:
+        cache = PagedCache([cap] * b, hk, d, 16, torch.float32)
+        for bi in range(b):
+            for p in range(cap // 16):
+                cache.k[cache.block_table[bi, p]] = dense_k[bi, p * 16:(p + 1) * 16]
+                cache.v[cache.block_table[bi, p]] = dense_v[bi, p * 16:(p + 1) * 16]
+        k_cache, v_cache, block_table = cache.k, cache.v, cache.block_table
+    else:
+        k_cache, v_cache, block_table = dense_k.clone(), dense_v.clone(), None
+    untouched = k_cache.clone()
+    q, kn, vn = torch.randn(b, sq, h, d), torch.randn(b, sq, hk, d), torch.randn(b, sq, hk, d)
+    cos, sin = rotary_tables(cap + sq, 32)
+    sinks = torch.randn(h)
+    out, lse = fai.flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, cos, sin, torch.tensor(lens, dtype=torch.int32),
+                                           block_table=block_table, causal=True, rotary_interleaved=False,
+                                           return_softmax_lse=True, sinks=sinks)
+    assert out.shape == q.shape and lse.shape == (b, h, sq)
+    for bi, n in enumerate(lens):
+        pos = n + torch.arange(sq)[None]
+        qb = rotary_oracle(q[bi:bi + 1], cos, sin, pos, False)
+        kb = dense_k[bi, :n + sq].double().clone()
+        vb = dense_v[bi, :n + sq].double().clone()
+        kb[n:] = rotary_oracle(kn[bi:bi + 1], cos, sin, pos, False)[0]
+        vb[n:] = vn[bi].double()
+        check(f"kvcache d=59 [{bi}]", out[bi:bi + 1], lse[bi:bi + 1], attention_oracle,
+              (qb, kb[None], vb[None], sinks), dict(causal=True), torch.float32, rng_seed)
+        slots = n + torch.arange(sq)
+        if paged:
+            page = block_table[bi].long()[slots // 16]
+            got_k, got_v = k_cache[page, slots % 16], v_cache[page, slots % 16]
+        else:
+            got_k, got_v = k_cache[bi, slots], v_cache[bi, slots]
+        assert torch.equal(got_v, vn[bi])
+        tolerance_check(f"rotated k in cache d=59 [{bi}]", got_k, kb[n:], None, 1e-6, rng_seed)
+    # Only the appended slots changed.
+    changed = (k_cache != untouched).flatten(2).any(-1)
+    assert int(changed.sum()) == b * sq
+
+
+def test_paged_varlen_forms_odd_headdim(rng_seed):
+    """flash-attn 2.8's varlen paged form and vLLM's, with head dim 59: output sliced back to 59."""
+    lq, lk = [3, 1, 6], [30, 7, 6]
+    h, hk, d = 4, 2, 59
+    cache = PagedCache(lk, hk, d, 8, torch.float32)
+    q = torch.randn(sum(lq), h, d)
+    sinks = torch.randn(h)
+    out, lse, _ = fai.flash_attn_varlen_func(q, cache.k, cache.v, cu(lq), cu(lk), max(lq), max(lk), causal=True,
+                                             return_attn_probs=True, block_table=cache.block_table, sinks=sinks)
+    assert out.shape == q.shape
+    check_paged("flash-attn varlen paged d=59", out, lse, q, cache, lq, sinks, dict(causal=True), torch.float32,
+                rng_seed)
+    output = torch.full_like(q, float("nan"))
+    out, lse = fai.vllm_flash_attn_varlen_func(q, cache.k, cache.v, max(lq), cu(lq), max(lk),
+                                               seqused_k=torch.tensor(lk, dtype=torch.int32), causal=True,
+                                               block_table=cache.block_table, return_softmax_lse=True, out=output,
+                                               s_aux=sinks)
+    assert out is output
+    check_paged("vllm paged d=59", out, lse, q, cache, lq, sinks, dict(causal=True), torch.float32, rng_seed)
+
+
+def _forward_only_calls():
+    """Each forward-only form, called with a q that requires grad (grad mode on) -> its output (and lse)."""
+    lq, lk = [3, 1, 6], [30, 7, 6]
+    h, hk, d = 4, 2, 32
+    torch.manual_seed(1)
+    cache = PagedCache(lk, hk, d, 8, torch.float32)
+    qv = torch.randn(sum(lq), h, d)
+    q4, kc, vc = torch.randn(2, 3, h, d), torch.randn(2, 20, hk, d), torch.randn(2, 20, hk, d)
+    kn, vn = torch.randn(2, 3, hk, d), torch.randn(2, 3, hk, d)
+    lens = torch.tensor([4, 9], dtype=torch.int32)
+    return {
+        "flash_attn_with_kvcache": lambda grad: fai.flash_attn_with_kvcache(
+            q4.clone().requires_grad_(grad), kc.clone(), vc.clone(), kn, vn, cache_seqlens=lens, causal=True,
+            return_softmax_lse=True),
+        "flash_attn_with_kvcache (paged)": lambda grad: fai.flash_attn_with_kvcache(
+            q4[:1].clone().requires_grad_(grad), cache.k.clone(), cache.v.clone(), cache_seqlens=lens[:1],
+            block_table=cache.block_table[:1], causal=True, return_softmax_lse=True),
+        "flash_attn_varlen_func (block_table)": lambda grad: fai.flash_attn_varlen_func(
+            qv.clone().requires_grad_(grad), cache.k, cache.v, cu(lq), cu(lk), max(lq), max(lk), causal=True,
+            return_attn_probs=True, block_table=cache.block_table)[:2],
+        "vllm_flash_attn_varlen_func (paged)": lambda grad: fai.vllm_flash_attn_varlen_func(
+            qv.clone().requires_grad_(grad), cache.k, cache.v, max(lq), cu(lq), max(lk),
+            seqused_k=torch.tensor(lk, dtype=torch.int32), block_table=cache.block_table, causal=True,
+            return_softmax_lse=True),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_forward_only_calls()))
+def test_forward_only_forms_run_with_a_grad_requiring_q_and_refuse_backward(name):
+    """flash-attn runs these forwards when q requires grad (only a backward fails: there is none); the drop-in
+    returns the same values as without grad, and a backward through them raises a sinkattn error saying why."""
+    call = _forward_only_calls()[name]
+    with torch.no_grad():
+        want = call(False)
+    got = call(True)
+    for g, w in zip(got, want):
+        assert g.requires_grad and torch.equal(g, w)
+    with pytest.raises(SinkattnError, match=r"has no backward: the KV-cache and paged forms are forward-only.*"
+                                            r"flash_attn_func or flash_attn_varlen_func without block_table"):
+        got[0].sum().backward()
+    with pytest.raises(SinkattnError, match="has no backward"):  # the lse too
+        got[1].sum().backward()
+
+
+def test_vllm_paged_with_out_under_grad_runs_and_writes_out():
+    lq, lk = [2, 5], [9, 5]
+    cache = PagedCache(lk, 2, 32, 4, torch.float32)
+    q = torch.randn(sum(lq), 4, 32, requires_grad=True)
+    out = torch.empty(sum(lq), 4, 32)
+    res = fai.vllm_flash_attn_varlen_func(q, cache.k, cache.v, max(lq), cu(lq), max(lk),
+                                          seqused_k=torch.tensor(lk, dtype=torch.int32),
+                                          block_table=cache.block_table, causal=True, out=out)
+    assert res is out
+    with torch.no_grad():
+        want = fai.vllm_flash_attn_varlen_func(q, cache.k, cache.v, max(lq), cu(lq), max(lk),
+                                               seqused_k=torch.tensor(lk, dtype=torch.int32),
+                                               block_table=cache.block_table, causal=True)
+    assert torch.equal(out, want)
+
+
+# vLLM 0.33's vllm/vllm_flash_attn/flash_attn_interface.py get_scheduler_metadata: parameters and defaults.
+VLLM_SCHEDULER_METADATA = (
+    "batch_size max_seqlen_q max_seqlen_k num_heads_q num_heads_kv headdim cache_seqlens qkv_dtype headdim_v "
+    "cu_seqlens_q cu_seqlens_k_new cache_leftpad page_size max_seqlen_k_new causal window_size has_softcap "
+    "num_splits pack_gqa sm_margin",
+    (torch.bfloat16, None, None, None, None, None, 0, False, (-1, -1), False, 0, None, 0))
+
+
+def test_get_scheduler_metadata_has_vllms_signature_and_returns_none():
+    params = list(inspect.signature(fai.get_scheduler_metadata).parameters.values())
+    names, defaults = VLLM_SCHEDULER_METADATA
+    assert [p.name for p in params] == names.split()
+    assert tuple(p.default for p in params if p.default is not p.empty) == defaults
+    # As vLLM's FlashAttention backend calls it (keywords as it writes them).
+    seqlens = torch.tensor([9, 5], dtype=torch.int32)
+    assert fai.get_scheduler_metadata(
+        batch_size=2, max_seqlen_q=5, max_seqlen_k=9, num_heads_q=4, num_heads_kv=2, headdim=32,
+        cache_seqlens=seqlens, qkv_dtype=torch.bfloat16, cu_seqlens_q=cu([2, 5]), page_size=16, causal=True,
+        window_size=(-1, -1), num_splits=0) is None
+    assert "get_scheduler_metadata" in fai.__all__
+
+
+def test_scheduler_metadata_is_accepted_and_changes_nothing(rng_seed):
+    b, h, d = 2, 4, 32
+    kc, vc, q = torch.randn(b, 20, h, d), torch.randn(b, 20, h, d), torch.randn(b, 2, h, d)
+    lens = torch.tensor([7, 18], dtype=torch.int32)
+    meta = fai.get_scheduler_metadata(b, 2, 20, h, h, d, lens)
+    plain = fai.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
+    for m in (meta, torch.zeros(8, dtype=torch.int32)):  # vLLM's FA3 passes its own int32 schedule tensor
+        got = fai.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, scheduler_metadata=m)
+        assert torch.equal(got, plain)
+    for bi in range(b):
+        n = int(lens[bi])
+        check(f"scheduler_metadata [{bi}]", plain[bi:bi + 1], None, attention_oracle,
+              (q[bi:bi + 1], kc[bi:bi + 1, :n], vc[bi:bi + 1, :n], None), dict(causal=True), torch.float32,
+              rng_seed)
