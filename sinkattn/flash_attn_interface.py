@@ -30,7 +30,7 @@ What maps to what (docs/migration.md has the full table):
   cache_batch_idx is served exactly by viewing the contiguous cache as a paged one (one page per cache row).
 - vllm_flash_attn_varlen_func: with cu_seqlens_k, the varlen path; with seqused_k and block_table, paged
   attention over the cache: the requests are grouped into runs of equal query length (the plan the vLLM
-  backend uses, sinkattn.integrations.vllm_paged.plan_runs) and each run is one
+  backend uses, sinkattn.kvcache.plan_runs) and each run is one
   sinkattn.flash_attn_with_kvcache call (queries are each request's last positions, bottom-right aligned).
   This reads cu_seqlens_q on the host: one device-to-host copy when it is a CUDA tensor, so that call cannot
   be captured in a CUDA graph (sinkattn's vLLM backend uses vLLM's host copy instead).
@@ -68,7 +68,6 @@ Differences (documented, tested):
 """
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -76,7 +75,9 @@ import torch.nn.functional as F
 
 from . import interface
 from .errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
-from .integrations.vllm_paged import plan_runs
+from ._checks import default_scale, resolve_sinks
+from .kvcache import plan_runs
+from .mask import window_with_causal
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
@@ -92,13 +93,7 @@ _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8
 # ---------------------------------------------------------------------------------------------- argument checks
 
 def _sinks(fn: str, sinks, s_aux, learnable_sink):
-    given = {name: t for name, t in (("sinks", sinks), ("s_aux", s_aux), ("learnable_sink", learnable_sink))
-             if t is not None}
-    if len(given) > 1:
-        raise SinkattnValueError(
-            f"{_WHO}.{fn}: {' and '.join(f'{n}=' for n in given)} were both given; they are aliases of one "
-            f"argument (the learnable sink logits, (nheads,)); pass only one")
-    return next(iter(given.values()), None)
+    return resolve_sinks(sinks, s_aux, learnable_sink, who=f"{_WHO}.{fn}")
 
 
 def _refuse_dropout_alibi(fn: str, dropout_p, alibi_slopes) -> None:
@@ -131,9 +126,7 @@ def _window(fn: str, window_size, causal, seqlen_k: int | None):
             left = -1
         if isinstance(right, int) and right >= seqlen_k:
             right = -1
-    if causal is True:
-        right = 0
-    return (left, right)
+    return window_with_causal(left, right, causal is True, strict=False)
 
 
 def _pair(fn: str, window_size):
@@ -178,7 +171,8 @@ def _pad8(fn, q, k, v):
 
 
 def _scale(softmax_scale, headdim: int):
-    return 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
+    """The caller's head dim sets the default scale (before any padding)."""
+    return default_scale(headdim) if softmax_scale is None else softmax_scale
 
 
 def _probs_placeholder(q: torch.Tensor) -> torch.Tensor:

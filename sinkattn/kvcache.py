@@ -11,8 +11,13 @@ fp32 (float64 for float64): query i and new key i sit at absolute position cache
 on the mask). Appending and rotating stay in Python for every backend (they touch only the new tokens), so
 a backend only attends over the cache. The backend is chosen by dispatch.run_kvcache, which calls `prepare`
 once it has chosen (a refused forced backend writes nothing).
+
+Varlen queries over a cache (vLLM's call, the drop-in's paged varlen forms) run today as one call per run of
+consecutive requests with equal query length: `plan_runs`, from a host copy of the query offsets.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -86,3 +91,29 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, r
     if host:
         return q, [n + seqlen_new for n in lens]
     return q, (cache_seqlens + seqlen_new).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Requests [r0, r1) all with query length L; their tokens start at row t0."""
+    r0: int
+    r1: int
+    t0: int
+    L: int
+
+
+def plan_runs(query_start_loc_cpu: torch.Tensor, num_reqs: int) -> tuple[Run, ...]:
+    """Runs of consecutive requests with equal query length, from a host (CPU) query_start_loc.
+    Requests with no query (vLLM's padding requests in a padded batch) are skipped."""
+    starts = query_start_loc_cpu[: num_reqs + 1].tolist()  # a CPU tensor: no device sync
+    runs: list[Run] = []
+    r = 0
+    while r < num_reqs:
+        L = starts[r + 1] - starts[r]
+        r1 = r + 1
+        while r1 < num_reqs and starts[r1 + 1] - starts[r1] == L:
+            r1 += 1
+        if L > 0:
+            runs.append(Run(r, r1, starts[r], L))
+        r = r1
+    return tuple(runs)

@@ -33,7 +33,8 @@ DEFAULTS = dict(sinks=None, softmax_scale=None, causal=False, window_size=(-1, -
 def front(q, k, v, **kw):
     """The front end called as interface.flash_attn_with_sinks calls it: the default scale resolved by its owner."""
     a = {**DEFAULTS, **kw}
-    scale = a["softmax_scale"] if a["softmax_scale"] is not None else _checks.default_scale(q.shape[-1])
+    given = a["softmax_scale"]
+    scale = given if given is not None or not isinstance(q, torch.Tensor) else _checks.default_scale(q.shape[-1])
     return FRONT(q, k, v, a["sinks"], scale, a["causal"], a["window_size"], a["sink_tokens"], a["softcap"],
                  a["return_lse"], a["deterministic"], a["backend"])
 
@@ -274,7 +275,7 @@ def test_public_errors_still_come_from_the_checks():
     q, k, v = qkv()
     with pytest.raises(SinkattnError, match="causal must be a bool"):
         sinkattn.flash_attn_with_sinks(q, k, v, causal=1)
-    with pytest.raises(SinkattnError, match="both sinks= and s_aux="):
+    with pytest.raises(SinkattnError, match="sinks= and s_aux= were both given"):
         sinkattn.flash_attn_with_sinks(q, k, v, torch.zeros(3), s_aux=torch.zeros(3))
     with pytest.raises(SinkattnError, match="sinks has shape"):
         sinkattn.flash_attn_with_sinks(q, k, v, torch.zeros(4))

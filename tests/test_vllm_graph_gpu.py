@@ -9,6 +9,7 @@ oracle), which it can only do if nothing was read on the host at capture.
 import pytest
 import torch
 
+from sinkattn import kvcache
 from sinkattn.integrations import vllm_paged
 from tests.oracle import attention_oracle
 
@@ -39,7 +40,7 @@ def test_graph_replay_follows_the_buffers(backend, L, window):
     key, value = (torch.empty(b * L, HK, D, device=dev, dtype=dt) for _ in range(2))
     out = torch.empty(b * L, H, D, device=dev, dtype=dt)
     sinks = torch.randn(H, generator=g).to(dev)
-    runs = vllm_paged.plan_runs(torch.arange(0, b * L + 1, L, dtype=torch.int32), b)
+    runs = kvcache.plan_runs(torch.arange(0, b * L + 1, L, dtype=torch.int32), b)
     w = (window, 0) if window >= 0 else (-1, -1)
 
     def step():

@@ -180,7 +180,8 @@ def resources(path: str) -> dict[tuple[str, str], dict[str, int]]:
     """{(arch, mangled name): {reg, stack, shared, local}} from cuobjdump -res-usage (static shared memory only)."""
     cuobjdump = find_tool("cuobjdump")
     text = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    return parse_resources(text)
+    # A lone cubin's listing names no arch (a fatbin's does): its ELF header does, as for its SASS (disassemble).
+    return parse_resources(text, default_arch=cubin_arch(path))
 
 
 def parse_resources(text: str, default_arch: str = "?") -> dict[tuple[str, str], dict[str, int]]:

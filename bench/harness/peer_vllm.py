@@ -248,10 +248,11 @@ def prep_vllm(unified_attention, batch: Batch, x):
 
 def prep_sinkattn(batch: Batch, x, backend="auto"):
     """sinkattn's vLLM backend forward (vllm_paged.attend) on the same cache and metadata."""
+    from sinkattn import kvcache
     from sinkattn.integrations import vllm_paged
     k_cache, v_cache = vllm_paged.cache_views(x["kv_cache"], D, x.get("fp8_dtype"))
     scales = x.get("scales")  # an FP8 cache's layer scales, passed as the backend's forward passes them
-    runs = vllm_paged.plan_runs(x["qsl"], len(batch.q))
+    runs = kvcache.plan_runs(x["qsl"], len(batch.q))
     out = torch.empty_like(x["query"])
     sinks = x["sinks"].to(x["query"].dtype)
     window = (batch.window, 0) if batch.window >= 0 else (-1, -1)

@@ -37,7 +37,8 @@ from vllm.v1.attention.backend import (
 
 from ..errors import SinkattnValueError
 from ..layout import HEADDIM_MAX, HEADDIM_MULTIPLE, headdim_supported
-from .vllm_paged import FP8_KV_DTYPES, Run, attend, cache_views, kernel_gap, layer_scales, plan_runs, write_kv
+from ..kvcache import Run, plan_runs
+from .vllm_paged import FP8_KV_DTYPES, attend, cache_views, kernel_gap, layer_scales, write_kv
 
 _KV_DTYPES = ["auto", "float16", "bfloat16", *FP8_KV_DTYPES]
 

@@ -10,9 +10,9 @@ headdim) views `sinkattn.flash_attn_with_kvcache` reads by strides (no copy).
 
 Calls: vLLM has written this step's K/V into the cache before attention, so every request's keys are
 all in the cache: cache_seqlens = seq_lens, and the queries are the request's last query_len positions,
-flash_attn_with_kvcache's bottom-right alignment. `plan_runs` groups consecutive requests of equal query
-length (from vLLM's host copy of query_start_loc); `attend` makes one call per run on views of q, out,
-seq_lens and block_table, and reads nothing on the host.
+flash_attn_with_kvcache's bottom-right alignment. `plan_runs` (sinkattn.kvcache) groups consecutive requests
+of equal query length (from vLLM's host copy of query_start_loc); `attend` makes one call per run on views of q,
+out, seq_lens and block_table, and reads nothing on the host.
 
 FP8 caches (`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`): vLLM allocates them as uint8 (its
 STR_DTYPE_TO_TORCH_DTYPE) and each backend views them as its FP8 type; on CUDA "fp8" is e4m3
@@ -26,8 +26,6 @@ of the layer's own tensors (no copy, no host read; a CUDA graph replays the curr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .. import dispatch, fp8
@@ -39,32 +37,6 @@ from ..interface import flash_attn_with_kvcache
 # vLLM's FP8 kv_cache_dtype names on CUDA -> the cache's element type (vLLM's "fp8" is e4m3 there:
 # current_platform.fp8_dtype(), and its kv_cache_dtype mapping "fp8" -> "fp8_e4m3").
 FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-@dataclass(frozen=True)
-class Run:
-    """Requests [r0, r1) all with query length L; their tokens start at row t0."""
-    r0: int
-    r1: int
-    t0: int
-    L: int
-
-
-def plan_runs(query_start_loc_cpu: torch.Tensor, num_reqs: int) -> tuple[Run, ...]:
-    """Runs of consecutive requests with equal query length, from a host (CPU) query_start_loc.
-    Requests with no query (vLLM's padding requests in a padded batch) are skipped."""
-    starts = query_start_loc_cpu[: num_reqs + 1].tolist()  # a CPU tensor: no device sync
-    runs: list[Run] = []
-    r = 0
-    while r < num_reqs:
-        L = starts[r + 1] - starts[r]
-        r1 = r + 1
-        while r1 < num_reqs and starts[r1 + 1] - starts[r1] == L:
-            r1 += 1
-        if L > 0:
-            runs.append(Run(r, r1, starts[r], L))
-        r = r1
-    return tuple(runs)
 
 
 def cache_views(kv_cache: torch.Tensor, head_size: int,
