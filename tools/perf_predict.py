@@ -107,7 +107,6 @@ def key_blocks_per_row_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: in
 
 def query_blocks_per_key_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: int, st: int) -> list[int]:
     """Query blocks that see each block of bn keys (the backward's loop)."""
-    per_row_block = []
     off = sk - sq
     n_m = -(-sq // bm)
     out = []
@@ -121,7 +120,6 @@ def query_blocks_per_key_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: 
             sees = (k0 <= hi and k1 >= lo) or (st and k0 < st)
             n += bool(sees)
         out.append(n)
-    del per_row_block
     return out
 
 
