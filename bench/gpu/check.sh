@@ -11,6 +11,7 @@
 #      then compute-sanitizer's four tools over bench/gpu/sanitize.py's cases (GPU_CHECK_SANITIZE=0 skips; cap
 #      GPU_CHECK_SANITIZE_CAP, default 120 s; verdicts PASS / FAIL / NOT RUN in the summary)
 #   3. a short benchmark grid (python -m bench --grid check)
+#   3b. the SASS time model's prediction beside each measured sinkattn row (bench/gpu/predict_check.py; never fails)
 #   and writes everything into one folder: $OUT when set, else bench/results/gpucheck-<timestamp>.
 #
 # Each step is time-boxed against one deadline (GPU_CHECK_TOTAL, default 450 s: a GPU round is short).
@@ -297,6 +298,16 @@ BENCH_COMPARATORS=""
 step bench "$OUT/bench.log" "$BENCH_LIMIT" \
   "$PY" -m bench --grid "$GRID" --out "$OUT" --no-progress --time-limit $((BENCH_LIMIT > 80 ? BENCH_LIMIT - 40 : BENCH_LIMIT / 2)) \
   ${GPU_CHECK_BENCH_ARGS---budget-ms 300 --max-reps 100} $BENCH_COMPARATORS || FAILED=1
+
+# ---------------------------------------------------------------------------------------------- 3b. prediction vs measurement
+# tools/perf_model.py on this build's SASS beside the bench's rows (issue 43: every round also tests the model).
+# Never fails the round (the script exits 0 and says why when it cannot compare); time-boxed, into the summary.
+if [ "$(left)" -gt 20 ]; then
+  timeout -k 5 "$(min 90 "$(left)")" "$PY" bench/gpu/predict_check.py --out "$OUT" 2>&1 | tee -a "$SUMMARY" || true
+  STEPS+=("predict-check: prediction beside measurement in the summary (never fails the round)")
+else
+  say "predict-check: NOT RUN (no time left)"
+fi
 
 # ---------------------------------------------------------------------------------------------- summary
 {

@@ -1,0 +1,111 @@
+"""bench/gpu/predict_check.py (the gpu-check step that prints the SASS model's prediction beside each measured row)
+and tools/perf_predict.py's launch arithmetic, on the CPU: a fake bench result file, a fake model, no cuobjdump."""
+import csv
+import importlib.util
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import perf_predict as pp  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("predict_check", os.path.join(REPO, "bench", "gpu", "predict_check.py"))
+pc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pc)
+
+FIELDS = ["id", "variant", "kind", "mode", "batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "headdim", "dtype",
+          "causal", "window_left", "window_right", "sink_tokens", "comparator", "backend", "status", "tflops", "gbps"]
+
+
+def _row(comparator, backend, tflops="", gbps="", status="ok", kind="attn", variant="attn/fwd/hd64/h32kv32/full"):
+    return dict(id=f"check/{variant}/b2/sq8192/sk8192/bf16", variant=variant, kind=kind, mode="fwd", batch=2,
+                seqlen_q=8192 if kind == "attn" else 1, seqlen_k=8192, nheads=32, nheads_k=32, headdim=64,
+                dtype="bf16", causal="False", window_left=-1, window_right=-1, sink_tokens=0, comparator=comparator,
+                backend=backend, status=status, tflops=tflops, gbps=gbps)
+
+
+@pytest.fixture
+def bench_out(tmp_path):
+    rows = [_row("sinkattn", "sm90", tflops="400"),             # the sm90 kernel, as "auto" picked it
+            _row("sinkattn-sm80", "sm80", tflops="150"),        # the sm80 kernel on the same case
+            _row("sdpa-flash", "", tflops="300"),               # a peer: not ours, no prediction
+            _row("sinkattn-sm80", "sm80", status="error"),      # failed: nothing measured
+            _row("sinkattn", "sm80", gbps="2500", kind="decode", variant="decode/fwd/hd64/h64kv8/causal/sinks")]
+    with open(tmp_path / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    return tmp_path
+
+
+def test_rows_of_our_columns_only(bench_out):
+    rows = pc.measured_rows(str(bench_out / "results.csv"))
+    # sinkattn (sm90), sinkattn-sm80, the decode row; not the peer, not the failed row
+    assert [(r["comparator"], r["family"], r["measured"], r["unit"]) for r in rows] == [
+        ("sinkattn", "sm90", 400.0, "TFLOP/s"), ("sinkattn-sm80", "sm80", 150.0, "TFLOP/s"),
+        ("sinkattn", "sm80", 2500.0, "GB/s")]
+    assert rows[1]["case"]["headdim"] == "64" and rows[1]["case"]["causal"] is False
+
+
+def test_table_puts_prediction_beside_measurement(bench_out):
+    rows = pc.measured_rows(str(bench_out / "results.csv"))
+
+    def fake(case, family):  # a model that predicts the sm80 forward and has no sm90 kernel in this build
+        if family == "sm90":
+            return {"error": "sm90 forward hd64: not in this build"}
+        return {"value": 100.0 if case["kind"] == "attn" else 2000.0, "note": "fake"}
+
+    lines = pc.table(rows, fake)
+    sm80 = lines[1]
+    assert (sm80["predicted"], sm80["measured"], sm80["ratio"]) == (100.0, 150.0, 1.5)
+    assert lines[2]["ratio"] == pytest.approx(1.25)
+    assert lines[0]["predicted"] is None and "not in this build" in lines[0]["why"]
+    text = pc.render(lines, "abc1234", "H200")
+    assert "| sinkattn-sm80 | sm80 | 100 | 150 | TFLOP/s | 1.50 | fake |" in text
+    assert "| sinkattn | sm90 | - | 400 | TFLOP/s | - | sm90 forward hd64: not in this build |" in text
+    assert "abc1234" in text.splitlines()[0]
+
+
+def test_a_failing_row_does_not_stop_the_table(bench_out):
+    rows = pc.measured_rows(str(bench_out / "results.csv"))
+    lines = pc.table(rows, lambda case, fam: 1 / 0)
+    assert len(lines) == 3 and all(ln["predicted"] is None and "ZeroDivisionError" in ln["why"] for ln in lines)
+
+
+def test_never_fails_the_round(tmp_path, bench_out, capsys):
+    # no results file
+    assert pc.main(["--out", str(tmp_path / "missing")]) == 0
+    assert "no " in capsys.readouterr().out
+    # results, but the extension named is not a file cuobjdump can read (or cuobjdump is missing): still 0
+    assert pc.main(["--out", str(bench_out), "--so", str(tmp_path / "nope.so"), "--device", "h200"]) == 0
+    assert "predict-check: not run" in capsys.readouterr().out
+    # bad arguments: 0 as well
+    assert pc.main(["--device", "v100"]) == 0
+
+
+def test_tile_tables_read_from_the_headers():
+    # csrc/sm80/fwd_tiles.h: Hd64Rows{64, 128, 64, 4} (stages default 2), Hd64Keys4{64, 16, 128, 4, 3, 4}
+    t = pp.sm80_fwd_tiles()
+    assert t["Hd64Rows"] == dict(head_dim=64, block_m=128, block_n=64, warps=4, stages=2, key_groups=1)
+    assert t["Hd64Keys4"]["stages"] == 3 and t["Hd64Keys4"]["key_groups"] == 4
+    assert pp.sm80_bwd_tiles()["Hd64"] == dict(head_dim=64, block_m=64, block_n=64, warps_m=4, warps_n=1, stages=2)
+    assert pp.sm90_fwd_tiles()[64] == dict(head_dim=64, block_n=128, stages=3, block_m=128)
+    # the decode tile choice follows choose_fwd_tile: gpt-oss decode (8 rows) -> 4 key groups, 24 rows -> 2
+    assert pp.sm80_decode_tile(t, 64, 8, 166912) == "Hd64Keys4"
+    assert pp.sm80_decode_tile(t, 64, 24, 166912) == "Hd64Keys2"
+    # Hd64Keys2 takes (32 + 2 * 3 * 128) * 64 * 2 = 100 KB: over cc 8.6's 99 KB, its Small sibling there
+    assert pp.sm80_decode_tile(t, 64, 24, 99 * 1024) == "Hd64Keys2Small"
+
+
+def test_block_counts():
+    # 256 x 256, blocks of 128 rows x 64 keys: full 4 + 4; causal: rows 0-127 see keys 0-127 (2 blocks), 128-255 all
+    assert pp.key_blocks_per_row_block(256, 256, 128, 64, -1, -1, 0) == [4, 4]
+    assert pp.key_blocks_per_row_block(256, 256, 128, 64, -1, 0, 0) == [2, 4]
+    # window (127, 0): rows 128-255 see keys 1-255 -> blocks 0-3; 4 sink tokens add nothing already seen
+    assert pp.key_blocks_per_row_block(512, 512, 128, 64, 127, 0, 0) == [2, 4, 4, 4]
+    # rows 384-511 see keys 257-511: blocks 4-7; sink tokens add block 0
+    assert pp.key_blocks_per_row_block(512, 512, 128, 64, 127, 0, 4)[-1] == 5
+    # the backward: key block j is seen by query blocks from the diagonal on (causal, 64 x 64)
+    assert pp.query_blocks_per_key_block(256, 256, 64, 64, -1, 0, 0) == [4, 3, 2, 1]

@@ -1,0 +1,291 @@
+#!/usr/bin/env python3
+"""Predicted figures for HEAD's kernels (issue 43 D3), from the SASS of a compiled extension or object, no GPU.
+
+A bench case (the fields of bench/harness/grids.Case: kind, mode, batch, seqlen_q/k, nheads(_k), headdim, causal,
+window, sink tokens, kv dtype) is mapped to the kernel that serves it and to that kernel's launch; tools/perf_model.py
+costs the launch:
+
+  sm80 forward, prefill   fwd_kernel<Hd{d}Rows, Softcap 0>: one CTA per (batch, head, block_m rows), each walking
+                          the key blocks its rows see (causal / window / sink tokens counted block by block)
+  sm80 backward           bwd_kernel<Hd{d}, Softcap 0>: one CTA per (batch, head, block_n keys), each walking the
+                          query blocks that see its keys. Only the main kernel: the dO.O preprocess, the dQ
+                          postprocess (and dsinks) launches and the dQ fp32 atomics' L2 traffic are NOT costed
+  sm80 decode (bf16/FP8)  the tile choose_fwd_tile picks (csrc/sm80/fwd_tiles.h), bound by bytes in flight
+                          (perf_model.decode_gbs, Little's law) with perf_model.LOADED_LAT, which is NOT fitted yet;
+                          split-KV assumed to fill every SM; launch latency not costed
+  sm90 forward            fwd_kernel<FwdTileOf<d>> (csrc/sm90/fwd_tiles.h): persistent, one CTA per SM, two
+                          consumer warpgroups run the loop, tiles of 128 rows x block_n keys dealt round-robin
+
+The tile tables are read from the headers in csrc/ (one table, as the kernels read it); the device is the one whose
+SASS is read: sm_80 -> A100, sm_90 / sm_90a -> H200 (perf_model.DEVICES).
+
+    python3 tools/perf_predict.py sinkattn/_C*.so --device a100 [--markdown]
+    python3 tools/perf_predict.py /path/fwd_sm90_hdim64_bf16.cu.o --device h200 --family sm90
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, REPO)
+import perf_model as pm  # noqa: E402
+import sass  # noqa: E402
+from bench.harness import flops as F  # noqa: E402  (no torch import: pure arithmetic)
+
+
+# ---- the tile tables, from the headers -----------------------------------------------------------------------------
+
+def _macro_table(path: str, macro: str, fields: list[str], defaults: dict) -> dict[str, dict]:
+    """{tile name: {field: value}} from the `MACRO(Name, a, b, ...)` lines of a header."""
+    out = {}
+    for m in re.finditer(macro + r"\((\w+),\s*([-\d,\s]+)\)", open(path).read()):
+        vals = [int(v) for v in m.group(2).replace(" ", "").split(",") if v]
+        out[m.group(1)] = {**defaults, **dict(zip(fields, vals))}
+    return out
+
+
+def sm80_fwd_tiles(repo: str = REPO) -> dict[str, dict]:
+    return _macro_table(os.path.join(repo, "csrc/sm80/fwd_tiles.h"), "SINKATTN_FWD_TILE",
+                        ["head_dim", "block_m", "block_n", "warps", "stages", "key_groups"],
+                        {"stages": 2, "key_groups": 1})
+
+
+def sm80_bwd_tiles(repo: str = REPO) -> dict[str, dict]:
+    return _macro_table(os.path.join(repo, "csrc/sm80/bwd_tiles.h"), "SINKATTN_BWD_TILE",
+                        ["head_dim", "block_m", "block_n", "warps_m", "warps_n", "stages"], {})
+
+
+def sm90_fwd_tiles(repo: str = REPO) -> dict[int, dict]:
+    """{head dim: tile} of `template <> struct FwdTileOf<d> { ... tile{d, block_n, stages[, producer, consumer]} }`."""
+    text = open(os.path.join(repo, "csrc/sm90/fwd_tiles.h")).read()
+    out = {}
+    for m in re.finditer(r"struct FwdTileOf<(\d+)>\s*\{[^{]*tile\{([\d,\s]+)\}", text):
+        v = [int(x) for x in m.group(2).replace(" ", "").split(",") if x]
+        out[int(m.group(1))] = {"head_dim": v[0], "block_n": v[1], "stages": v[2], "block_m": 128}
+    return out
+
+
+def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
+    """The name of the tile choose_fwd_tile (csrc/sm80/fwd_tiles.h) picks for a few-row (decode) problem."""
+    kg = 4 if rows <= 16 else 2 if rows <= 32 else 1
+    base = {4: "Keys4", 2: "Keys2", 1: "Few"}[kg]
+    name = f"Hd{hd}{base}"
+    smem = lambda t: (t["block_m"] + 2 * t["stages"] * t["block_n"]) * t["head_dim"] * 2  # noqa: E731
+    if name in tiles and smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:
+        name += "Small"
+    return name
+
+
+# ---- the problem's iterations ----------------------------------------------------------------------------------------
+
+def _window(case: dict) -> tuple[int, int]:
+    return F.normalize_window(bool(case.get("causal")), (int(case.get("window_left", -1)),
+                                                         int(case.get("window_right", -1))))
+
+
+def key_blocks_per_row_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: int, st: int) -> list[int]:
+    """Key blocks each block of bm query rows visits (bottom-right aligned causal / window; sink tokens: the first
+    block, added when the window leaves it out)."""
+    out = []
+    off = sk - sq
+    for i in range(-(-sq // bm)):
+        r0, r1 = i * bm + off, min(sq, (i + 1) * bm) - 1 + off  # key index of the diagonal of the first, last row
+        lo = 0 if wl < 0 else max(0, r0 - wl)
+        hi = sk - 1 if wr < 0 else min(sk - 1, r1 + wr)
+        n = max(0, hi // bn - lo // bn + 1) if hi >= lo else 0
+        if st and lo // bn > 0:
+            n += 1
+        out.append(n)
+    return out
+
+
+def query_blocks_per_key_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: int, st: int) -> list[int]:
+    """Query blocks that see each block of bn keys (the backward's loop)."""
+    off = sk - sq
+    n_m = -(-sq // bm)
+    out = []
+    for j in range(-(-sk // bn)):
+        k0, k1 = j * bn, min(sk, (j + 1) * bn) - 1
+        n = 0
+        for i in range(n_m):
+            r0, r1 = i * bm + off, min(sq, (i + 1) * bm) - 1 + off
+            lo = -1 if wl < 0 else r0 - wl
+            hi = sk if wr < 0 else r1 + wr
+            sees = (k0 <= hi and k1 >= lo) or (st and k0 < st)
+            n += bool(sees)
+        out.append(n)
+    return out
+
+
+# ---- reading the kernels -----------------------------------------------------------------------------------------
+
+class Kernels:
+    """The SASS and resources of one file, read once; find() by mangled-name fragments."""
+
+    def __init__(self, path: str, dev: pm.Device):
+        self.path, self.dev = path, dev
+        self.code = sass.disassemble(path)
+        self.res = sass.resources(path)
+
+    def find(self, *needles: str):
+        for (a, fn), insns in sorted(self.code.items()):
+            if a.rstrip("a") != self.dev.arch.rstrip("a") or not all(n in fn for n in needles):
+                continue
+            loop = sass.hot_loop(insns)
+            if loop is None:
+                continue
+            return a, fn, insns, loop, self.res.get((a, fn), {})
+        return None
+
+
+def _tile_needle(ns: str, name: str) -> str:
+    return f"{ns}{len(name)}{name}E"  # Itanium mangling of sinkattn::sm80::fwd_tiles::Hd64Rows: 9fwd_tiles8Hd64RowsE
+
+
+# ---- one case ---------------------------------------------------------------------------------------------------
+
+NOTE_FWD = "HMMA/HGMMA rate and latencies of the device table; the whole loop body (masked path too) every iteration"
+NOTE_BWD = ("main kernel only: the preprocess/postprocess launches and dQ's fp32 atomics (L2) are not costed; "
+            "on FA2 the same model was +13 to +48% high")
+NOTE_DEC = ("LOADED_LAT = {lat:.0f} ns is a placeholder, NOT fitted; split-KV assumed to fill every SM; launch "
+            "latency not costed")
+
+
+def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO) -> dict:
+    """{value, unit, kernel, bound, note} for one case on one kernel family ('sm80' or 'sm90'), or {error}."""
+    dev = ks.dev
+    hd, b, h, hk = int(case["headdim"]), int(case["batch"]), int(case["nheads"]), int(case["nheads_k"])
+    sq, sk = int(case["seqlen_q"]), int(case["seqlen_k"])
+    wl, wr = _window(case)
+    st = int(case.get("sink_tokens") or 0)
+    kind, mode = case["kind"], case["mode"]
+    fp8 = str(case.get("kv_dtype", "auto")) not in ("auto", "")
+    if family == "sm90":
+        if kind != "attn" or mode != "fwd":
+            return {"error": "sm90: only the forward is modelled (the sm90 backward's loop is not mapped yet)"}
+        t = sm90_fwd_tiles(repo).get(hd)
+        hit = t and ks.find("sm9010fwd_kernel", f"FwdTileOfILi{hd}EE")
+        if not hit:
+            return {"error": f"sm90 forward hd{hd}: not in this build"}
+        a, fn, insns, loop, res = hit
+        smem = (2 * t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2 + 1024
+        k = pm.make_kernel(fn, insns, loop, res, dev, 384, smem, loop_warps=8)
+        its = key_blocks_per_row_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st) * (b * h)
+        r = pm.kernel_time_s(k, dev, len(its), [i for i in its], persistent=True)
+        fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
+                               sink_tokens=st)
+        return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm90 FwdTileOf<{hd}>",
+                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_FWD}
+    fwd_t, bwd_t = sm80_fwd_tiles(repo), sm80_bwd_tiles(repo)
+    if kind == "attn" and mode == "fwd" and sq * (h // max(hk, 1)) > 64:
+        name = f"Hd{hd}Rows"
+        t = fwd_t.get(name)
+        hit = t and (ks.find("sm8010fwd_kernel", _tile_needle("fwd_tiles", name), "SoftcapE0")
+                     or ks.find("sm8010fwd_kernel", _tile_needle("fwd_tiles", name)))
+        if not hit:
+            return {"error": f"sm80 forward {name}: not in this build"}
+        a, fn, insns, loop, res = hit
+        k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t["warps"], (t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2)
+        its = key_blocks_per_row_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st) * (b * h)
+        r = pm.kernel_time_s(k, dev, len(its), its)
+        fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
+                               sink_tokens=st)
+        return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm80 fwd {name}",
+                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_FWD}
+    if kind == "attn" and mode == "bwd":
+        name = f"Hd{hd}"
+        t = bwd_t.get(name)
+        hit = t and ks.find("sm8010bwd_kernel", _tile_needle("bwd_tiles", name), "SoftcapE0")
+        if not hit:
+            return {"error": f"sm80 backward {name}: not in this build"}
+        a, fn, insns, loop, res = hit
+        warps = t["warps_m"] * t["warps_n"]
+        smem = (t["stages"] * 2 * t["block_m"] * hd + 2 * t["block_n"] * hd + 2 * t["block_m"] * t["block_n"]) * 2
+        k = pm.make_kernel(fn, insns, loop, res, dev, 32 * warps, smem)
+        its = query_blocks_per_key_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st) * (b * h)
+        r = pm.kernel_time_s(k, dev, len(its), its)
+        fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
+                               sink_tokens=st, mode="bwd")
+        return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm80 bwd {name}",
+                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_BWD}
+    # decode / few rows: memory-bound
+    rows = sq * (h // max(hk, 1))
+    name = sm80_decode_tile(fwd_t, hd, rows, dev.smem_block)
+    t = fwd_t.get(name)
+    kern = "sm8014fwd_fp8_kernel" if fp8 else "sm8010fwd_kernel"
+    hit = t and ks.find(kern, _tile_needle("fwd_tiles", name))
+    if not hit:
+        return {"error": f"sm80 {'FP8 ' if fp8 else ''}decode {name}: not in this build"}
+    a, fn, insns, loop, res = hit
+    smem = (t["block_m"] * hd * 2 + 2 * t["stages"] * t["block_n"] * hd + 2 * t["block_n"] * hd * 2) if fp8 else \
+        (t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2
+    k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t["warps"], smem)
+    eb = 1 if fp8 else 2
+    by = F.decode_bytes(b, h, hk, hd, sk, elem_bytes=eb, seqlen_q=sq, causal=bool(case.get("causal")),
+                        window_size=(wl, wr), sink_tokens=st) + 2 * b * sq * h * hd * (2 - eb)
+    n_ctas = max(b * hk * -(-rows // t["block_m"]), dev.sms)
+    r = pm.decode_gbs(k, dev, n_ctas, by, pm.groups_in_flight(insns, loop[0]))
+    return {"value": r["gbs"], "unit": "GB/s", "kernel": f"sm80 {'fp8 ' if fp8 else ''}decode {name}",
+            "bound": f"{r['inflight_per_sm'] // 1024} KB in flight/SM", "note": NOTE_DEC.format(lat=pm.LOADED_LAT)}
+
+
+# ---- the cases of the measured rows ------------------------------------------------------------------------------
+
+def case(kind, mode, b, sq, sk, h, hk, hd, causal=False, wl=-1, wr=-1, st=0, sinks=False, paged=False,
+         kv_dtype="auto") -> dict:
+    c = dict(kind=kind, mode=mode, batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, headdim=hd,
+             causal=causal, window_left=wl, window_right=wr, sink_tokens=st, sinks=sinks, paged=paged,
+             kv_dtype=kv_dtype)
+    mask = f"win{wl + 1}" if wl >= 0 else "causal" if causal else "full"
+    c["variant"] = f"{kind}/{mode}/hd{hd}/h{h}kv{hk}/{mask}" + ("/sinks" if sinks else "") + \
+        ("/paged" if paged else "") + (f"/{kv_dtype}" if kv_dtype != "auto" else "")
+    return c
+
+
+# The hd64 bf16 shapes of bench/RESULTS.md's measured rows (4d9dcbd, d6ddcbf) and of the check grid
+# (bench/harness/grids.check), the head dim the narrow build holds.
+HD64_CASES = [
+    case("attn", "fwd", 2, 8192, 8192, 64, 8, 64, True, 127, 0, sinks=True),
+    case("attn", "fwd", 2, 8192, 8192, 64, 8, 64, True, -1, 0, sinks=True),
+    case("attn", "fwd", 2, 8192, 8192, 32, 32, 64),
+    case("attn", "fwd", 2, 8192, 8192, 32, 32, 64, True, -1, 0),
+    case("attn", "fwd", 2, 8192, 8192, 32, 32, 64, sinks=True),
+    case("attn", "bwd", 2, 8192, 8192, 64, 8, 64, True, 127, 0, sinks=True),
+    case("attn", "bwd", 2, 8192, 8192, 32, 32, 64),
+    case("attn", "bwd", 2, 8192, 8192, 32, 32, 64, True, -1, 0),
+    case("decode", "fwd", 1, 1, 8192, 64, 8, 64, True, -1, 0, sinks=True),
+    case("decode", "fwd", 64, 1, 8192, 64, 8, 64, True, -1, 0, sinks=True),
+    case("decode", "fwd", 64, 1, 32768, 64, 8, 64, True, -1, 0, sinks=True),
+    case("decode", "fwd", 64, 3, 32768, 64, 8, 64, True, -1, 0, sinks=True),
+    case("decode", "fwd", 16, 1, 8192, 64, 8, 64, True, 127, 0, sinks=True),
+    case("decode", "fwd", 64, 1, 32768, 64, 8, 64, True, -1, 0, sinks=True, kv_dtype="fp8_e4m3"),
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("path")
+    ap.add_argument("--device", default="a100", choices=sorted(pm.DEVICES))
+    ap.add_argument("--family", default="sm80", choices=("sm80", "sm90"))
+    a = ap.parse_args(argv)
+    dev = pm.DEVICES[a.device]
+    ks = Kernels(a.path, dev)
+    print(f"| case | batch | seqlen_q | seqlen_k | predicted ({dev.name}) | unit | kernel | bound | rests on |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in HD64_CASES:
+        p = predict_case(ks, c, a.family)
+        if "error" in p:
+            continue
+        print(f"| {c['variant']} | {c['batch']} | {c['seqlen_q']} | {c['seqlen_k']} | {p['value']:.3g} | {p['unit']} "
+              f"| {p['kernel']} | {p['bound']} | {p['note']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
