@@ -19,7 +19,6 @@ Usage (through tools/peer_sass.py, which fills KERNELS and COLD_LINES from this 
 """
 import argparse
 import collections
-import glob
 import os
 import re
 import subprocess
@@ -273,44 +272,10 @@ def main_loop(insns):
     indices, blocks, header address, latch address) or None. Out-of-line blocks (a conditional copy placed after
     the loop, as FA2's K prefetch) are part of the loop."""
     blocks, succ, block_of = cfg(insns)
-    pred = collections.defaultdict(list)
-    for b, ss in enumerate(succ):
-        for t in ss:
-            pred[t].append(b)
-    # Dominators (Cooper-Harvey-Kennedy): an edge b -> h is a loop back edge iff h dominates b. (An address-
-    # backward branch is not enough: an out-of-line block placed after a loop jumps back into its middle.)
-    order, seen, stack = [], {0}, [(0, iter(succ[0]))]
-    while stack:
-        x, it = stack[-1]
-        nxt = next(it, None)
-        if nxt is None:
-            order.append(x)
-            stack.pop()
-        elif nxt not in seen:
-            seen.add(nxt)
-            stack.append((nxt, iter(succ[nxt])))
-    rpo = order[::-1]
-    num = {x: k for k, x in enumerate(rpo)}
-    idom = {0: 0}
-    changed = True
-    while changed:
-        changed = False
-        for x in rpo[1:]:
-            ps = [q for q in pred[x] if q in idom]
-            if not ps:
-                continue
-            new = ps[0]
-            for q in ps[1:]:
-                a_, b_ = q, new
-                while a_ != b_:
-                    while num[a_] > num[b_]:
-                        a_ = idom[a_]
-                    while num[b_] > num[a_]:
-                        b_ = idom[b_]
-                new = a_
-            if idom.get(x) != new:
-                idom[x] = new
-                changed = True
+    # Dominators (sass._dominators, Cooper-Harvey-Kennedy): an edge b -> h is a loop back edge iff h dominates b.
+    # (An address-backward branch is not enough: an out-of-line block placed after a loop jumps back into its
+    # middle.)
+    idom, pred = sass._dominators(succ)
 
     def dominates(h, b):
         while True:
