@@ -271,41 +271,13 @@ def main_loop(insns):
     backward branch whose loop holds the most HMMAs, the tightest such one. Returns (sorted instruction
     indices, blocks, header address, latch address) or None. Out-of-line blocks (a conditional copy placed after
     the loop, as FA2's K prefetch) are part of the loop."""
-    blocks, succ, block_of = cfg(insns)
-    # Dominators (sass._dominators, Cooper-Harvey-Kennedy): an edge b -> h is a loop back edge iff h dominates b.
-    # (An address-backward branch is not enough: an out-of-line block placed after a loop jumps back into its
-    # middle.)
-    idom, pred = sass._dominators(succ)
-
-    def dominates(h, b):
-        while True:
-            if b == h:
-                return True
-            if b == 0 or b not in idom:
-                return False
-            b = idom[b]
-
+    blocks, succ, _ = cfg(insns)
     best = None
-    for b, ss in enumerate(succ):
-        if b not in idom:
-            continue
-        for h in ss:
-            if not dominates(h, b):
-                continue  # not a loop back edge
-            body, stack = {h, b}, [b]
-            while stack:
-                x = stack.pop()
-                if x == h:
-                    continue
-                for p_ in pred[x]:
-                    if p_ not in body:
-                        body.add(p_)
-                        stack.append(p_)
-            idx = sorted(i for x in body for i in range(blocks[x][0], blocks[x][1] + 1))
-            n_mma = sum(1 for i in idx if insns[i]["op"].startswith("HMMA"))
-            key = (n_mma, -len(idx))
-            if best is None or key > best[0]:
-                best = (key, idx, sorted(body), insns[blocks[h][0]]["addr"], insns[blocks[b][1]]["addr"])
+    for idx, body, h, b in sass.natural_loops(blocks, succ):
+        n_mma = sum(1 for i in idx if insns[i]["op"].startswith("HMMA"))
+        key = (n_mma, -len(idx))
+        if best is None or key > best[0]:
+            best = (key, idx, body, insns[blocks[h][0]]["addr"], insns[blocks[b][1]]["addr"])
     if best is None or best[0][0] == 0:
         return None
     return best[1:]

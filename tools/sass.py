@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 
 HOW_TO_GET = ("{tool} was not found (${env}, PATH, $CUDA_HOME/bin, the triton wheel's triton/backends/nvidia/bin, "
               "the nvidia-cuda-{wheel} wheel). CUDA 13.0's toolkit does not ship it: install torch (its triton "
@@ -305,9 +304,10 @@ def _dominators(succ):
     return idom, pred
 
 
-def loops(insns: list[Insn]):
-    """Every natural loop: (instruction indices sorted, body blocks, header block) per back edge."""
-    blocks, succ, _ = cfg(insns)
+def natural_loops(blocks, succ):
+    """Every natural loop of a CFG (blocks as (first, last) index ranges, successor lists): (instruction indices
+    sorted, body blocks sorted, header block, latch block) per back edge, an edge b -> h whose h dominates b. (An
+    address-backward branch is not enough: an out-of-line block placed after a loop jumps back into its middle.)"""
     if not blocks:
         return []
     idom, pred = _dominators(succ)
@@ -337,8 +337,14 @@ def loops(insns: list[Insn]):
                         body.add(p)
                         stack.append(p)
             idx = sorted(i for x in body for i in range(blocks[x][0], blocks[x][1] + 1))
-            out.append((idx, sorted(body), h))
+            out.append((idx, sorted(body), h, b))
     return out
+
+
+def loops(insns: list[Insn]):
+    """Every natural loop: (instruction indices sorted, body blocks, header block) per back edge."""
+    blocks, succ, _ = cfg(insns)
+    return [(idx, body, h) for idx, body, h, _ in natural_loops(blocks, succ)]
 
 
 def is_mma(ins: Insn) -> bool:
