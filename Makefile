@@ -44,9 +44,10 @@ deps: deps-build ## also what the tests need and is missing: pytest and the test
 cutlass: ## fetch the CUTLASS/CuTe headers (the pinned nvidia-cutlass wheel) into third_party/cutlass
 	$(PYTHON) third_party/fetch_cutlass.py
 
-# The grid the environment asks for (SINKATTN_CUDA_ARCHS / _HEADDIMS / _DTYPES / _SWEEP / _DIAGNOSTIC), rewritten only when it
+# The grid the environment asks for (SINKATTN_CUDA_ARCHS / _HEADDIMS / _DTYPES / _SWEEP / _DIAGNOSTIC / _GPU_HEADDIMS /
+# _GPU_DTYPES), rewritten only when it
 # changes, so that narrowing or widening the grid rebuilds and an unchanged one does not.
-GRID_STRING = $(SINKATTN_CUDA_ARCHS)|$(SINKATTN_HEADDIMS)|$(SINKATTN_DTYPES)|$(SINKATTN_SWEEP)|$(SINKATTN_DIAGNOSTIC)
+GRID_STRING = $(SINKATTN_CUDA_ARCHS)|$(SINKATTN_HEADDIMS)|$(SINKATTN_DTYPES)|$(SINKATTN_SWEEP)|$(SINKATTN_DIAGNOSTIC)|$(SINKATTN_GPU_HEADDIMS)|$(SINKATTN_GPU_DTYPES)
 $(GRID): FORCE
 	@mkdir -p build
 	@echo "$(GRID_STRING)" | cmp -s - $@ 2>/dev/null || echo "$(GRID_STRING)" > $@

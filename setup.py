@@ -9,6 +9,7 @@ Environment:
     SINKATTN_CUDA_ARCHS   default "80;90a"; "native": the archs of the GPUs torch sees at build time
     SINKATTN_HEADDIMS     default "64,128,256"
     SINKATTN_DTYPES       default "bf16,fp16"
+    SINKATTN_GPU_HEADDIMS / SINKATTN_GPU_DTYPES  the GPU units' subset of the grid (default: all of it; CI narrows it)
     SINKATTN_EMULATION    "1" also builds the host-emulated kernels the CPU tests run (default "0"; make test: "1")
     SINKATTN_DIAGNOSTIC   "1" builds the diagnostic GPU build (bounded sm90 barrier waits; generate_kernels.py)
     SINKATTN_SKIP_CUDA    "1" builds a pure-Python package (reference backend only)
@@ -241,6 +242,8 @@ def cuda_extension():
                f"-DSINKATTN_NATIVE_GPUS=\"{gen.native_string(grid)}\"",
                f"-DSINKATTN_REQUESTED_HEADDIMS=\"{','.join(map(str, grid.headdims))}\"",
                f"-DSINKATTN_REQUESTED_DTYPES=\"{','.join(grid.dtypes)}\"",
+               f"-DSINKATTN_GPU_HEADDIMS=\"{','.join(map(str, grid.headdims_of('sm80')))}\"",
+               f"-DSINKATTN_GPU_DTYPES=\"{','.join(grid.dtypes_of('sm80'))}\"",
                f"-DSINKATTN_EMULATION_BUILT={int(grid.emulation)}",
                f"-DSINKATTN_DIAGNOSTIC_BUILT={int(grid.diagnostic)}"]
     ext = CUDAExtension(

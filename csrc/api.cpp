@@ -80,6 +80,9 @@ static py::dict build_info() {
   // with them), whichever of them this build compiled.
   d["fp8_kv_headdims"] = table_headdims<sm80::FwdFp8TilesOf>();
   d["requested_dtypes"] = SINKATTN_REQUESTED_DTYPES;
+  // SINKATTN_GPU_HEADDIMS / _DTYPES: the GPU units' subset of the grid (the whole grid unless narrowed, as CI does).
+  d["gpu_headdims"] = SINKATTN_GPU_HEADDIMS;
+  d["gpu_dtypes"] = SINKATTN_GPU_DTYPES;
   d["emulation"] = bool(SINKATTN_EMULATION_BUILT);
   d["diagnostic"] = bool(SINKATTN_DIAGNOSTIC_BUILT);  // bounded sm90 barrier waits (sm90/pipeline.cuh)
   d["cutlass_version_header"] = SINKATTN_CUTLASS_VERSION;

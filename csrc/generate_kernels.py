@@ -16,6 +16,12 @@ Environment knobs (read by setup.py and passed in as `Grid`):
                          newer GPU that has no SASS of its own in the build.
     SINKATTN_HEADDIMS    "64,128,256" (default: build_info.h kKernelHeadDims, the one list of them)
     SINKATTN_DTYPES      "bf16,fp16" (default)
+    SINKATTN_GPU_HEADDIMS, SINKATTN_GPU_DTYPES   subsets of the two above (default: all of them) for the GPU units
+                         alone; the emulated units keep the whole grid. A build without a GPU compiles its GPU
+                         units only to check that they compile, and the emulated units already instantiate every
+                         tile table (their static checks included) at every head dim and dtype, so CI narrows the
+                         GPU units to head dims 64 and 256 in bf16: the fp16 units are the same templates at
+                         another element type, and hd128's tiles sit between the two (one unit is about 2 min).
     SINKATTN_EMULATION   "0" (default): the host-emulated sm80 kernels are a test facility (the CPU tests run
                          the kernels' logic through them); `make test` builds them with "1". An emulation build
                          also holds SWEEP_EMU_SMOKE, the one emulated tuning variant the CPU tests run the sweep with.
@@ -52,6 +58,9 @@ class Grid:
     archs: list[str]
     headdims: list[int]
     dtypes: list[str]
+    # SINKATTN_GPU_HEADDIMS / SINKATTN_GPU_DTYPES: the GPU units' subsets of the two above (None: all of them).
+    gpu_headdims_only: list[int] | None = None
+    gpu_dtypes_only: list[str] | None = None
     emulation: bool = False
     # SINKATTN_DIAGNOSTIC: every sm90 mbarrier wait bounded, a hang printed and trapped (sm90/prims_gpu.cuh);
     # a compile define only (no unit changes), off by default.
@@ -60,6 +69,13 @@ class Grid:
     families: list[str] = field(default_factory=lambda: ["common", "sm80", "sm90"])
     # With SINKATTN_CUDA_ARCHS=native: (GPU name, (major, minor), arch) of each GPU the archs came from.
     native: list[tuple[str, tuple[int, int], str]] = field(default_factory=list)
+
+    def headdims_of(self, family: str) -> list[int]:
+        """The head dims a build family's units are compiled at (the emulated units: the whole grid's)."""
+        return self.headdims if family == "emu" or self.gpu_headdims_only is None else self.gpu_headdims_only
+
+    def dtypes_of(self, family: str) -> list[str]:
+        return self.dtypes if family == "emu" or self.gpu_dtypes_only is None else self.gpu_dtypes_only
 
 
 def arch_of_capability(major: int, minor: int) -> str | None:
@@ -139,8 +155,21 @@ def parse_grid(env=os.environ, native=None) -> Grid:
         sweep = [""]
     else:
         sweep = [x.strip() for x in sweep_raw.split(",") if x.strip()]
-    return Grid(archs=archs, headdims=sorted(set(headdims)), dtypes=sorted(set(dtypes)), emulation=emu in TRUE_WORDS,
-                diagnostic=diag in TRUE_WORDS, sweep=sweep, native=found)
+    headdims, dtypes = sorted(set(headdims)), sorted(set(dtypes))
+
+    def subset(var, whole, kind):
+        if not env.get(var, "").strip():
+            return None
+        items = [int(x) if kind is int and x.isdigit() else x for x in split(var, "")]
+        stray = [x for x in items if x not in whole]
+        if stray:
+            raise SystemExit(f"sinkattn build: {var} holds {stray[0]!r}, which the grid does not ({whole}); the GPU "
+                             f"units are a subset of the grid (SINKATTN_HEADDIMS / SINKATTN_DTYPES)")
+        return sorted(set(items))
+    return Grid(archs=archs, headdims=headdims, dtypes=dtypes, emulation=emu in TRUE_WORDS,
+                diagnostic=diag in TRUE_WORDS, sweep=sweep, native=found,
+                gpu_headdims_only=subset("SINKATTN_GPU_HEADDIMS", headdims, int),
+                gpu_dtypes_only=subset("SINKATTN_GPU_DTYPES", dtypes, str))
 
 
 def family_targets(family: str, archs: list[str]) -> list[tuple[str, str]]:
@@ -455,8 +484,8 @@ def sweep_units(grid: Grid) -> list[Unit]:
         if not _enabled(kind.family, grid):
             continue
         for v in table:
-            for d in grid.dtypes:
-                if v.head_dim in grid.headdims and want(variant_name(kind.variant_family or kind.family, v, d)):
+            for d in grid.dtypes_of(kind.family):
+                if v.head_dim in grid.headdims_of(kind.family) and want(variant_name(kind.variant_family or kind.family, v, d)):
                     out.append(_variant_unit(kind, v, d))
     if grid.emulation:
         always = [(KIND[SMOKE_KIND], SWEEP_EMU_SMOKE)] + [(KIND[EMU90_KIND], v) for v in SWEEP_SM90]
@@ -468,12 +497,12 @@ def sweep_units(grid: Grid) -> list[Unit]:
 
 
 def units(grid: Grid) -> list[Unit]:
-    out = [_merge_unit(d) for d in (*grid.dtypes, "fp32")]
+    out = [_merge_unit(d) for d in (*grid.dtypes_of("common"), "fp32")]
     kinds = [k for k in KINDS if _enabled(k.family, grid)]
-    out += [_kernel_unit(kind, h, d) for kind in kinds for h in grid.headdims for d in grid.dtypes
-            if h in TILE_HEADDIMS[kind.name]]
-    out += [_part_unit(kind, h, d, part, suffix) for kind in kinds for h in grid.headdims for d in grid.dtypes
-            for part, suffix in _parts(kind, h)]
+    out += [_kernel_unit(kind, h, d) for kind in kinds for h in grid.headdims_of(kind.family)
+            for d in grid.dtypes_of(kind.family) if h in TILE_HEADDIMS[kind.name]]
+    out += [_part_unit(kind, h, d, part, suffix) for kind in kinds for h in grid.headdims_of(kind.family)
+            for d in grid.dtypes_of(kind.family) for part, suffix in _parts(kind, h)]
     return out + sweep_units(grid)
 
 

@@ -64,6 +64,24 @@ def test_dtypes_narrowing(value, want):
     assert g.dtypes == want and g.headdims == [64, 128, 256]
 
 
+def test_gpu_subset_narrows_the_gpu_units_only():
+    """SINKATTN_GPU_HEADDIMS / _DTYPES (CI's compile check): the GPU units at the subset, the emulated units at the
+    whole grid; a value outside the grid is refused, naming the knob."""
+    env = {"SINKATTN_EMULATION": "1", "SINKATTN_CUDA_ARCHS": "80;90a"}
+    whole = gen.units(gen.parse_grid(env))
+    ci = gen.units(gen.parse_grid({**env, "SINKATTN_GPU_HEADDIMS": "256,64", "SINKATTN_GPU_DTYPES": "bf16"}))
+    assert sorted(u.name for u in ci if u.family == "emu") == sorted(u.name for u in whole if u.family == "emu")
+    gpu = [u.name for u in ci if u.family != "emu"]
+    assert gpu and all("fp16" not in n and "hdim128" not in n for n in gpu), gpu
+    assert set(gpu) < {u.name for u in whole if u.family != "emu"}
+    assert {"fwd_sm80_hdim256_bf16", "fwd_sm90_hdim64_bf16", "bwd_sm80_hdim64_bf16", "merge_bf16"} <= set(gpu)
+    assert "merge_fp16" not in gpu and "fwd_emu_hdim128_fp16" in {u.name for u in ci}
+    g = gen.parse_grid({"SINKATTN_HEADDIMS": "64,128"})
+    assert g.gpu_headdims_only is None and g.headdims_of("sm80") == [64, 128]
+    assert "SINKATTN_GPU_HEADDIMS" in _exit_message({"SINKATTN_HEADDIMS": "64", "SINKATTN_GPU_HEADDIMS": "128"})
+    assert "SINKATTN_GPU_DTYPES" in _exit_message({"SINKATTN_DTYPES": "bf16", "SINKATTN_GPU_DTYPES": "fp16"})
+
+
 def test_emulation_switch():
     assert gen.parse_grid({"SINKATTN_EMULATION": "0"}).emulation is False
     assert gen.parse_grid({"SINKATTN_EMULATION": "1"}).emulation is True

@@ -240,6 +240,9 @@ def _requested_grid_candidates(build: dict):
                "SINKATTN_HEADDIMS": ",".join(map(str, h)) if not isinstance(h, str) else h,
                "SINKATTN_DTYPES": ",".join(d) if not isinstance(d, str) else d,
                "SINKATTN_EMULATION": "1" if e else "0"}
+        for key, var in (("gpu_headdims", "SINKATTN_GPU_HEADDIMS"), ("gpu_dtypes", "SINKATTN_GPU_DTYPES")):
+            if build.get(key):
+                env[var] = build[key]
         yield env, gen.parse_grid(env)
 
 

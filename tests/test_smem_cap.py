@@ -193,13 +193,13 @@ def test_capped_kvcache_runs_the_99k_tile(rng_seed):
                         seed=rng_seed)
 
 
-def _bwd_op(backend, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, *, softmax_scale, window_left,
-            window_right, sink_tokens, softcap, deterministic, max_smem, **varlen):
+def _bwd_op(backend, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, dsinks, *, mask, deterministic, max_smem,
+            **varlen):
     """The bridge's signature (tests/bwd_cases.py runs it) served by the op torch.ops.sinkattn.bwd, i.e. dispatch
     with whatever cap is in force; `max_smem` (the cases' direct override) must be 0."""
     assert max_smem == 0 and not varlen
-    grads = torch.ops.sinkattn.bwd(dout, dlse, q, k, v, sinks, out, lse, None, None, 0, 0, softmax_scale, window_left,
-                                   window_right, sink_tokens, softcap, deterministic, backend)
+    grads = torch.ops.sinkattn.bwd(dout, dlse, q, k, v, sinks, out, lse, None, None, 0, 0, *mask.kernel_args(),
+                                   deterministic, backend)
     for dst, g in zip((dq, dk, dv, dsinks), grads):
         if dst is not None:
             dst.copy_(g)
