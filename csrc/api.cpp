@@ -19,6 +19,7 @@
 #include "common/mask.h"
 #include "common/merge.h"
 #include "common/online_softmax.h"
+#include "common/seq_extent.h"
 #include "common/split.h"
 #include "common/tile_order.h"
 #include "emu/emu_launch.h"
@@ -235,8 +236,9 @@ struct MaskArgs {
 
 // Everything AttnParams holds, filled in one place for the forward, the backward and the KV-cache forward.
 // q/k/v/out: padded (batch, seqlen, heads, d), or varlen (total, heads, d) with cu_seqlens (batch + 1,) int32
-// on the tensors' device and max_seqlen sizing the grid; a KV cache passes its caches as k/v (the caller then
-// sets seqlen_k). lse: contiguous (batch, nheads, seqlen_q), or (nheads, total_q) when varlen.
+// on the tensors' device and max_seqlen sizing the grid; a KV cache passes its caches as k/v (kv_cache: rank 4,
+// never packed, so varlen queries come without cu_seqlens_k; the caller then sets batch and seqlen_k from its
+// seqused_k and capacity). lse: contiguous (batch, nheads, seqlen_q), or (nheads, total_q) when varlen.
 // The kernels read the sink logits as fp32: p.sinks points into a contiguous fp32 copy, which is returned and
 // which the caller keeps alive through the launch (undefined, and p.sinks null, without sinks).
 [[nodiscard]] static at::Tensor fill_attn_params(AttnParams& p, at::Tensor const& q, at::Tensor const& k,
@@ -244,9 +246,11 @@ struct MaskArgs {
                                                  std::optional<at::Tensor> const& cu_seqlens_q,
                                                  std::optional<at::Tensor> const& cu_seqlens_k, int64_t max_seqlen_q,
                                                  int64_t max_seqlen_k, std::optional<at::Tensor> const& sinks,
-                                                 MaskArgs const& m, int max_smem_per_block, char const* op) {
+                                                 MaskArgs const& m, int max_smem_per_block, char const* op,
+                                                 bool kv_cache = false) {
   bool const varlen = cu_seqlens_q.has_value();
-  TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "sinkattn ", op, ": cu_seqlens_q and cu_seqlens_k go together");
+  TORCH_CHECK(varlen == cu_seqlens_k.has_value() || (kv_cache && !cu_seqlens_k), "sinkattn ", op,
+              ": cu_seqlens_q and cu_seqlens_k go together");
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
   at::Tensor const sinks_f32 = sinks ? sinks->to(at::kFloat).contiguous() : at::Tensor();
   p.sinks = sinks ? sinks_f32.data_ptr<float>() : nullptr;
@@ -256,19 +260,25 @@ struct MaskArgs {
   p.nheads_k = k.size(-2);
   TORCH_CHECK(p.nheads_k > 0 && p.nheads % p.nheads_k == 0, "sinkattn ", op, ": nheads must be a multiple of nheads_k");
   int const r = varlen ? 0 : 1;  // index of the row dimension
+  int const rk = varlen && !kv_cache ? 0 : 1;  // of k and v's (a cache is (batch or pages, rows, heads, d))
   if (varlen) {
     auto const& cq = *cu_seqlens_q;
-    auto const& ck = *cu_seqlens_k;
-    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt && cq.is_contiguous() && ck.is_contiguous(),
-                "sinkattn ", op, ": cu_seqlens must be contiguous int32");
-    TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "sinkattn ", op, ": cu_seqlens_q/k lengths differ");
+    TORCH_CHECK(cq.scalar_type() == at::kInt && cq.is_contiguous() && cq.numel() >= 1,
+                "sinkattn ", op, ": cu_seqlens_q must be contiguous int32 (batch + 1,)");
     p.batch = cq.numel() - 1;
     p.cu_seqlens_q = cq.data_ptr<int>();
-    p.cu_seqlens_k = ck.data_ptr<int>();
     p.seqlen_q = max_seqlen_q;
-    p.seqlen_k = max_seqlen_k;
     p.total_q = q.size(0);
-    p.total_k = k.size(0);
+    if (kv_cache) {
+      p.k_batch_stride = k.stride(0); p.v_batch_stride = v.stride(0);
+    } else {
+      auto const& ck = *cu_seqlens_k;
+      TORCH_CHECK(ck.scalar_type() == at::kInt && ck.is_contiguous(), "sinkattn ", op, ": cu_seqlens must be contiguous int32");
+      TORCH_CHECK(cq.numel() == ck.numel(), "sinkattn ", op, ": cu_seqlens_q/k lengths differ");
+      p.cu_seqlens_k = ck.data_ptr<int>();
+      p.seqlen_k = max_seqlen_k;
+      p.total_k = k.size(0);
+    }
     TORCH_CHECK(lse.dim() == 2 && lse.size(0) == p.nheads && lse.size(1) == q.size(0) && lse.is_contiguous(),
                 "sinkattn ", op, ": varlen lse must be contiguous (nheads, total_q)");
     p.lse_batch_stride = 0;
@@ -287,8 +297,8 @@ struct MaskArgs {
     p.lse_head_stride = lse.stride(1);
   }
   p.q_row_stride = q.stride(r); p.q_head_stride = q.stride(r + 1);
-  p.k_row_stride = k.stride(r); p.k_head_stride = k.stride(r + 1);
-  p.v_row_stride = v.stride(r); p.v_head_stride = v.stride(r + 1);
+  p.k_row_stride = k.stride(rk); p.k_head_stride = k.stride(rk + 1);
+  p.v_row_stride = v.stride(rk); p.v_head_stride = v.stride(rk + 1);
   p.o_row_stride = out.stride(r); p.o_head_stride = out.stride(r + 1);
   p.softmax_scale = float(m.softmax_scale);
   p.softcap = float(m.softcap);
@@ -426,18 +436,25 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   launch_kernel(info, p, emulated, q.device());
 }
 
-// Decode / chunked prefill over a KV cache that already holds the new keys: q (batch, seqlen_q, nheads, d);
+// Decode / chunked prefill over a KV cache that already holds the new keys: q (batch, seqlen_q, nheads, d), or
+// packed (total_q, nheads, d) with cu_seqlens_q (batch + 1,) int32 and max_seqlen_q (the serving call: one launch for
+// a batch of any mix, each sequence's queries the last of its keys; out likewise, lse (nheads, total_q));
 // k_cache/v_cache (batch, capacity, nheads_k, d), or page pools (num_pages, page_size, nheads_k, d) with
 // block_table (batch, max_pages) int32; seqused_k (batch,) int32 keys per sequence. GQA heads are packed
 // into one tile per KV head; num_splits 0 picks the split-KV count from the SM count and the work.
 static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                         std::optional<at::Tensor> sinks, at::Tensor out, at::Tensor lse, at::Tensor seqused_k,
                         std::optional<at::Tensor> block_table, MaskTuple mask, int64_t num_splits, int64_t max_smem,
-                        std::optional<at::Tensor> k_descale, std::optional<at::Tensor> v_descale) {
+                        std::optional<at::Tensor> k_descale, std::optional<at::Tensor> v_descale,
+                        std::optional<at::Tensor> cu_seqlens_q, int64_t max_seqlen_q) {
   bool const emulated = backend == "sm80-emulated";
+  bool const varlen = cu_seqlens_q.has_value();
   TORCH_CHECK(emulated || backend == "sm80", "sinkattn fwd_kvcache: unknown backend '", backend, "'");
-  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "sinkattn fwd_kvcache: q and the caches must be rank 4, k_cache and v_cache alike");
+  TORCH_CHECK(q.dim() == (varlen ? 3 : 4) && out.dim() == q.dim() && k_cache.dim() == 4 && v_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "sinkattn fwd_kvcache: q and out must be rank 4 (rank 3 with cu_seqlens_q), the caches rank 4 and alike");
+  TORCH_CHECK(!varlen || (cu_seqlens_q->device() == q.device() && max_seqlen_q >= 0),
+              "sinkattn fwd_kvcache: cu_seqlens_q must be on q's device, with max_seqlen_q >= 0");
   // FP8 caches (sm80/fp8_kv.h): q and out bf16/fp16, both caches of one FP8 dtype, run on the "fwd_fp8" kernels.
   auto const cache_type = k_cache.scalar_type();
   int const kv_fp8 = cache_type == at::kFloat8_e4m3fn ? kFp8E4M3 : cache_type == at::kFloat8_e5m2 ? kFp8E5M2 : kFp8None;
@@ -468,13 +485,17 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
   } else {
     info = fwd_kernel_for(backend, q);
   }
-  TORCH_CHECK(seqused_k.scalar_type() == at::kInt && seqused_k.is_contiguous() && seqused_k.numel() == q.size(0),
-              "sinkattn fwd_kvcache: seqused_k must be contiguous int32 (batch,)");
+  int64_t const batch = varlen ? cu_seqlens_q->numel() - 1 : q.size(0);
+  TORCH_CHECK(seqused_k.scalar_type() == at::kInt && seqused_k.is_contiguous() && seqused_k.numel() == batch &&
+                  seqused_k.device() == q.device(),
+              "sinkattn fwd_kvcache: seqused_k must be contiguous int32 (batch,) on q's device");
 
   FwdFp8Params p;  // the FP8 fields stay unset (and unread) for a cache in q's dtype
   // Page pools fill the batch strides with the page strides.
-  at::Tensor const sinks_f = fill_attn_params(p, q, k_cache, v_cache, out, lse, std::nullopt, std::nullopt, 0, 0, sinks,
-                                              mask, smem_limit(emulated, max_smem, q.device()), "fwd_kvcache");
+  at::Tensor const sinks_f = fill_attn_params(p, q, k_cache, v_cache, out, lse, cu_seqlens_q, std::nullopt,
+                                              max_seqlen_q, 0, sinks, mask, smem_limit(emulated, max_smem, q.device()),
+                                              "fwd_kvcache", /*kv_cache=*/true);
+  if (p.batch == 0 || p.total_q == 0) return;  // varlen: no sequence, or no query row (out and lse are empty)
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.seqused_k = seqused_k.data_ptr<int>();
@@ -512,7 +533,13 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
                                      : sm80::choose_fwd_tile(p.headdim_rounded, {rows, false}, p.max_smem_per_block);
   sm80::FwdTile const split = kv_fp8 ? whole
                                      : sm80::choose_fwd_tile(p.headdim_rounded, {rows, true}, p.max_smem_per_block);
-  int64_t const ctas = (rows + whole.block_m - 1) / whole.block_m * (p.pack_gqa ? p.nheads_k : p.nheads) * p.batch;
+  // Varlen queries: every sequence's M tiles in one packed index (common/seq_extent.h), from the padded sizes alone,
+  // so a CUDA graph's launch serves every batch of its padded size.
+  p.packed_tiles = varlen;
+  int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
+  int64_t const m_tiles = varlen ? packed_tile_count(p.total_q, group, whole.block_m, p.batch)
+                                 : (rows + whole.block_m - 1) / whole.block_m * p.batch;
+  int64_t const ctas = m_tiles * (p.pack_gqa ? p.nheads_k : p.nheads);
   int sms = 108;  // the emulation pretends to be an A100
   if (!emulated) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
   int const n_blocks = int((capacity + split.block_n - 1) / split.block_n);
@@ -521,8 +548,11 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
   at::Tensor out_accum, lse_accum;
   if (p.num_splits > 1) {
     auto f32 = q.options().dtype(at::kFloat);
-    out_accum = at::empty({p.num_splits, p.batch, p.nheads, p.seqlen_q, p.headdim_rounded}, f32);
-    lse_accum = at::empty({p.num_splits, p.batch, p.nheads, p.seqlen_q}, f32);
+    // common/combine.h partial_row's layout: (splits, batch, heads, seqlen_q) padded, (splits, heads, total_q) varlen
+    std::vector<int64_t> const shape = varlen ? std::vector<int64_t>{p.num_splits, p.nheads, p.total_q}
+                                              : std::vector<int64_t>{p.num_splits, p.batch, p.nheads, p.seqlen_q};
+    out_accum = at::empty([&] { auto s = shape; s.push_back(p.headdim_rounded); return s; }(), f32);
+    lse_accum = at::empty(shape, f32);
     p.out_accum = out_accum.data_ptr<float>();
     p.lse_accum = lse_accum.data_ptr<float>();
   }

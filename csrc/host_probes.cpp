@@ -87,7 +87,7 @@ py::dict seq_extent_host(int b, int seqlen_q, int seqlen_k, std::optional<at::Te
                                 int wr, int ns, std::vector<int64_t> q_strides, std::vector<int64_t> k_strides,
                                 int head, int64_t row) {
   TORCH_CHECK(q_strides.size() == 3 && k_strides.size() == 3, "seq_extent: strides are (batch, row, head)");
-  TORCH_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(), "seq_extent: cu_seqlens_q and _k go together");
+  TORCH_CHECK(cu_seqlens_q.has_value() || !cu_seqlens_k.has_value(), "seq_extent: cu_seqlens_k needs cu_seqlens_q");
   auto ints = [](std::optional<at::Tensor> const& t) -> at::Tensor {
     if (!t) return {};
     TORCH_CHECK(t->device().is_cpu(), "seq_extent: host tensors");
@@ -96,15 +96,14 @@ py::dict seq_extent_host(int b, int seqlen_q, int seqlen_k, std::optional<at::Te
   at::Tensor const cq = ints(cu_seqlens_q), ck = ints(cu_seqlens_k), su = ints(seqused_k);
   FwdParams p;
   host_mask_params(p, seqlen_q, seqlen_k, wl, wr, ns);
-  if (cq.defined()) {
-    p.cu_seqlens_q = cq.data_ptr<int>();
-    p.cu_seqlens_k = ck.data_ptr<int>();
-  }
+  if (cq.defined()) p.cu_seqlens_q = cq.data_ptr<int>();
+  if (ck.defined()) p.cu_seqlens_k = ck.data_ptr<int>();  // absent with cu_seqlens_q: the serving form's cache
   if (su.defined()) p.seqused_k = su.data_ptr<int>();
   SeqExtent const e = seq_extent(p, b);
   MaskPolicy const m = mask_policy(p, e);
   py::dict d;
   d["varlen"] = e.varlen;
+  d["k_varlen"] = e.k_varlen;
   d["q_start"] = e.q_start;
   d["k_start"] = e.k_start;
   d["seqlen_q"] = e.seqlen_q;
@@ -116,6 +115,24 @@ py::dict seq_extent_host(int b, int seqlen_q, int seqlen_k, std::optional<at::Te
   d["q_rows_before"] = e.q_rows_before(b, seqlen_q);
   d["k_rows_before"] = e.k_rows_before(b, seqlen_k);
   return d;
+}
+
+// The serving entry's packed M tiles (common/seq_extent.h): (sequence, M tile) of each of the packed_tile_count
+// grid blocks for a host int32 cu_seqlens_q, as the kernel's CTAs find them.
+at::Tensor packed_tiles_host(at::Tensor cu_seqlens_q, int group, int block_m, int64_t total_q) {
+  TORCH_CHECK(cu_seqlens_q.device().is_cpu() && cu_seqlens_q.numel() >= 2, "packed_tiles: host cu_seqlens_q, batch >= 1");
+  at::Tensor const cq = cu_seqlens_q.to(at::kInt).contiguous();
+  int const batch = int(cq.numel() - 1);
+  int64_t const n = packed_tile_count(total_q, group, block_m, batch);
+  at::Tensor out = at::empty({n, 2}, at::kLong);
+  auto o = out.accessor<int64_t, 2>();
+  for (int64_t t = 0; t < n; ++t) {
+    int b = 0, m = 0;
+    packed_tile(cq.data_ptr<int>(), batch, group, block_m, t, b, m);
+    o[t][0] = b;
+    o[t][1] = m;
+  }
+  return out;
 }
 
 // bwd_lse of every element: the lse each backward recomputes P with (a -inf lse becomes +inf).
@@ -277,6 +294,8 @@ void register_host_probes(py::module_& m) {
   m.def("mask_visible", &mask_visible, "host entry: the element visibility of the mask policy");
   m.def("dq_turns", &dq_turns, "host entry: (m_block, n_block, turn) of the deterministic backward's dQ order",
         py::arg("sq"), py::arg("sk"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("block_m"), py::arg("block_n"));
+  m.def("packed_tiles", &packed_tiles_host, "host entry: (sequence, M tile) of each block of the serving entry's "
+        "packed grid");
   m.def("seq_extent", &seq_extent_host, "host entry: sequence b's extent, mask policy and row addresses",
         py::arg("b"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
         py::arg("seqused_k"), py::arg("wl"), py::arg("wr"), py::arg("ns"), py::arg("q_strides"), py::arg("k_strides"),

@@ -53,9 +53,14 @@ struct FwdParams : AttnParams {
   // GQA packing: the G = nheads / nheads_k query heads of one KV head share an M tile, so K/V are read once
   // per group. Row r of the packed problem is query r / G of head kv_head * G + r % G.
   int pack_gqa = 0;
+  // Varlen queries over a KV cache (the serving call: cu_seqlens_q, seqused_k, no cu_seqlens_k): the grid's M-tile
+  // index is packed over every sequence (common/seq_extent.h packed_tile), so the grid depends on the padded sizes
+  // (total_q, batch) alone and each CTA finds its sequence on the device. 0: M tiles per sequence (max seqlen_q).
+  int packed_tiles = 0;
   // Split-KV: each split writes its partial result (normalised over its own keys, no sink) in fp32, and the
   // combine adds the sink once. out_accum (num_splits, batch, nheads, seqlen_q, headdim_rounded),
-  // lse_accum (num_splits, batch, nheads, seqlen_q).
+  // lse_accum (num_splits, batch, nheads, seqlen_q); varlen queries: (num_splits, nheads, total_q[, headdim_rounded])
+  // by packed row (common/combine.h partial_row).
   int num_splits = 1;
   // A persistent kernel with dynamic tiles (a registry feature "tile_counter"): one int, zero at launch, from
   // which CTAs draw their tiles after the first.

@@ -286,8 +286,26 @@ def _check_float(name: str, value) -> float:
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                  num_splits) -> None:
-    check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+                  num_splits, cu_seqlens_q=None, max_seqlen_q=None) -> None:
+    """cu_seqlens_q: packed queries (total_q, nheads, headdim) over a cache that already holds every key (the
+    serving form: no k/v to append, no rotary), batch = cu_seqlens_q.numel() - 1."""
+    if cu_seqlens_q is None:
+        check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+        batch = q.shape[0]
+    else:
+        check_tensor("q", q, 3, "(total_q, nheads, headdim) with cu_seqlens_q")
+        check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,) int32")
+        if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.numel() < 1:
+            raise SinkattnTypeError(f"sinkattn: cu_seqlens_q must be int32 (batch + 1,); got {cu_seqlens_q.dtype} "
+                                    f"{_shape(cu_seqlens_q)}")
+        check_same_device("q", q, {"cu_seqlens_q": cu_seqlens_q})
+        check_int("max_seqlen_q", max_seqlen_q, minimum=0)
+        if k is not None or v is not None or rotary_cos is not None or rotary_sin is not None:
+            raise SinkattnValueError(
+                "sinkattn: with cu_seqlens_q the cache must already hold every key (k/v to append and rotary are "
+                "taken in the padded form only): write the new keys first (vLLM's reshape_and_cache_flash, or "
+                "sinkattn.integrations.vllm_paged.write_kv) and pass cache_seqlens counting them")
+        batch = cu_seqlens_q.numel() - 1
     paged = block_table is not None
     layout = "(num_pages, page_size, nheads_k, headdim)" if paged else "(batch, capacity, nheads_k, headdim)"
     check_tensor("k_cache", k_cache, 4, layout)
@@ -296,18 +314,18 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_
     if v_cache.shape[:2] != k_cache.shape[:2]:
         raise SinkattnValueError(
             f"sinkattn: v_cache has shape {_shape(v_cache)} but k_cache has {_shape(k_cache)}; they must match")
-    batch = q.shape[0]
     if paged:
         check_tensor("block_table", block_table, 2, "(batch, max_pages) int32")
         if block_table.dtype != torch.int32:
             raise SinkattnTypeError(f"sinkattn: block_table has dtype {block_table.dtype}; accepted: torch.int32")
         if block_table.shape[0] != batch:
             raise SinkattnValueError(
-                f"sinkattn: block_table has {block_table.shape[0]} rows but q has batch {batch}; they must match")
+                f"sinkattn: block_table has {block_table.shape[0]} rows but the call has batch {batch}; they must "
+                "match")
         check_same_device("q", q, {"block_table": block_table})
     elif k_cache.shape[0] != batch:
         raise SinkattnValueError(
-            f"sinkattn: k_cache has batch {k_cache.shape[0]} but q has {batch}; they must match "
+            f"sinkattn: k_cache has batch {k_cache.shape[0]} but the call has {batch}; they must match "
             f"(for a paged cache pass block_table)")
     if (k is None) != (v is None):
         raise SinkattnValueError("sinkattn: k and v (the new tokens to append) must be given together; got only "

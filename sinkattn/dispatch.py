@@ -371,14 +371,19 @@ def run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, ma
 
 
 def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                rotary_interleaved, mask: Mask, num_splits, backend, k_descale=None, v_descale=None):
+                rotary_interleaved, mask: Mask, num_splits, backend, k_descale=None, v_descale=None,
+                cu_seqlens_q=None, max_seqlen_q=0):
     """Body of the sinkattn::kvcache_fwd op -> (out, lse): rotary and the append (kvcache.prepare), then
-    attention over the cache on the chosen backend."""
+    attention over the cache on the chosen backend. cu_seqlens_q: packed queries over a cache that holds every
+    key (the serving form): one kernel launch for the batch, nothing read on the host past the value checks."""
     if _reference_anyway(q, backend):
         chosen = "reference"
     else:
         chosen = choose(Problem.of_call("kvcache", q, k_cache, sinks, mask, paged=block_table is not None), backend)
     descales = None if k_descale is None else (k_descale, v_descale)
+    if cu_seqlens_q is not None:
+        return _serve(chosen, q, k_cache, v_cache, sinks, cache_seqlens, block_table, cu_seqlens_q, max_seqlen_q,
+                      mask, num_splits, descales)
     q, seqlens_k = kvcache.prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                                    rotary_interleaved, descales)
     if chosen == "reference":
@@ -390,4 +395,43 @@ def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, ro
     kernels.launch_kvcache(chosen, q.contiguous(), k_cache, v_cache, sinks, out, lse, cache_seqlens=seqlens_k,
                            block_table=block_table, mask=mask, num_splits=num_splits,
                            max_smem=_device.sm80_max_smem(chosen), k_descale=k_descale, v_descale=v_descale)
+    return out, lse
+
+
+def run_kvcache_serving(q, k_cache, v_cache, sinks, seqused_k, block_table, cu_seqlens_q, max_seqlen_q: int,
+                        mask: Mask, backend: str = "auto", descales=None, num_splits: int = 0, out=None,
+                        check_values: bool = True):
+    """The serving call (varlen queries over a cache that holds every key; run_kvcache's cu_seqlens_q form), for
+    callers that own their output buffer and their metadata (sinkattn's vLLM backend): out (total_q, h, d) is
+    written in place (rows past cu_seqlens_q[-1] untouched) and returned with lse (h, total_q; -inf on those
+    rows). check_values=False
+    skips the value checks, which read index tensors on the host (a device synchronisation per call)."""
+    if _reference_anyway(q, backend):
+        chosen = "reference"
+    else:
+        chosen = choose(Problem.of_call("kvcache", q, k_cache, sinks, mask, paged=block_table is not None), backend)
+    return _serve(chosen, q, k_cache, v_cache, sinks, seqused_k, block_table, cu_seqlens_q, max_seqlen_q, mask,
+                  num_splits, descales, out, check_values)
+
+
+def _serve(chosen, q, k_cache, v_cache, sinks, seqused_k, block_table, cu_seqlens_q, max_seqlen_q, mask: Mask,
+           num_splits, descales, out=None, check_values=True):
+    """One launch of the serving call on `chosen` -> (out, lse). Without `out`, rows past cu_seqlens_q[-1] get out 0
+    and lse -inf (the kernel leaves them)."""
+    if check_values:
+        kvcache.check_varlen_values(q, k_cache, seqused_k, block_table, cu_seqlens_q)
+    if chosen == "reference":
+        res, lse = reference.attention_kvcache_varlen(q, k_cache, v_cache, sinks, seqused_k, block_table,
+                                                      cu_seqlens_q, mask, descales)
+        if out is None:
+            return res, lse
+        return out.copy_(res), lse
+    if out is None:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full(lse_shape(q, True), float("-inf"), dtype=torch.float32, device=q.device)
+    kernels.launch_kvcache(chosen, q, k_cache, v_cache, sinks, out, lse, cache_seqlens=seqused_k,
+                           block_table=block_table, mask=mask, num_splits=num_splits,
+                           max_smem=_device.sm80_max_smem(chosen), k_descale=None if descales is None else descales[0],
+                           v_descale=None if descales is None else descales[1], cu_seqlens_q=cu_seqlens_q,
+                           max_seqlen_q=max_seqlen_q)
     return out, lse

@@ -29,11 +29,10 @@ What maps to what (docs/migration.md has the full table):
 - flash_attn_with_kvcache -> sinkattn.flash_attn_with_kvcache (appends k/v in place, rotary, paged caches).
   cache_batch_idx is served exactly by viewing the contiguous cache as a paged one (one page per cache row).
 - vllm_flash_attn_varlen_func: with cu_seqlens_k, the varlen path; with seqused_k and block_table, paged
-  attention over the cache: the requests are grouped into runs of equal query length (the plan the vLLM
-  backend uses, sinkattn.kvcache.plan_runs) and each run is one
-  sinkattn.flash_attn_with_kvcache call (queries are each request's last positions, bottom-right aligned).
-  This reads cu_seqlens_q on the host: one device-to-host copy when it is a CUDA tensor, so that call cannot
-  be captured in a CUDA graph (sinkattn's vLLM backend uses vLLM's host copy instead).
+  attention over the cache: one sinkattn.flash_attn_with_kvcache call in its serving form (cu_seqlens_q,
+  max_seqlen_q: one kernel launch for the whole batch, queries each request's last positions, bottom-right
+  aligned). Nothing is read on the host but the value checks, which are off under CUDA-graph capture (and with
+  SINKATTN_VALUE_CHECKS=0), so the call can be captured.
 
 Conventions kept from the peers:
 - return_attn_probs=True (flash-attn 2.8) returns (out, softmax_lse, S_dmask). flash-attn returns the
@@ -76,7 +75,6 @@ import torch.nn.functional as F
 from . import interface
 from .errors import SinkattnRuntimeError, SinkattnTypeError, SinkattnValueError
 from ._checks import default_scale, resolve_sinks
-from .kvcache import plan_runs
 from .mask import window_with_causal
 
 __all__ = [
@@ -316,8 +314,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                      f"tensor of cumulative key lengths; got {cu_seqlens_k!r}")
         seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
         out, lse = _forward_only(fn, (q, k, v, sinks), lambda: _paged(
-            fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal, window_size,
-            softcap, sinks, sink_tokens, 0, backend, None))
+            fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+            window_size, softcap, sinks, sink_tokens, 0, backend, None))
     else:
         out, lse = _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, sinks,
@@ -464,12 +462,13 @@ def _rotate_at_cache_start(fn, q, k, cos, sin, cache_seqlens, interleaved, batch
 
 # ----------------------------------------------------------------------------------------------- paged varlen
 
-def _paged(fn, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal,
-           window_size, softcap, sinks, sink_tokens, num_splits, backend, out, k_descale=None, v_descale=None):
+def _paged(fn, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, softmax_scale,
+           causal, window_size, softcap, sinks, sink_tokens, num_splits, backend, out, k_descale=None, v_descale=None):
     """Varlen queries over a KV cache (paged with block_table, else contiguous (batch, capacity, hk, d)):
-    -> (out (total_q, nheads, headdim_v), lse (nheads, total_q)). Requests of equal query length run as one
-    sinkattn.flash_attn_with_kvcache call; rows past cu_seqlens_q[-1] get out 0 and lse -inf. k_descale,
-    v_descale: an FP8 cache's (batch, nheads_k) descales (FlashAttention-3's form), each run takes its rows."""
+    -> (out (total_q, nheads, headdim_v), lse (nheads, total_q)). One sinkattn.flash_attn_with_kvcache call in its
+    serving form (cu_seqlens_q: one kernel launch for the batch, no host read past the value checks); rows past
+    cu_seqlens_q[-1] get out 0 and lse -inf. k_descale, v_descale: an FP8 cache's (batch, nheads_k) descales
+    (FlashAttention-3's form)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise SinkattnValueError(f"{_WHO}.{fn}: q must be (total_q, nheads, headdim); got "
                                  f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
@@ -500,34 +499,20 @@ def _paged(fn, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_se
         d = q.shape[-1]
     causal = _flag(fn, "causal", causal)
     window = _window(fn, window_size, causal, max_seqlen_k if isinstance(max_seqlen_k, int) else None)
+    if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool) or max_seqlen_q < 0:
+        raise SinkattnValueError(f"{_WHO}.{fn}: max_seqlen_q must be an int >= 0 (the longest request's query rows); "
+                                 f"got {max_seqlen_q!r}")
+    bt = None if block_table is None else block_table[:batch]
+    kc, vc = (k_cache, v_cache) if block_table is not None else (k_cache[:batch], v_cache[:batch])
+    o, lse = interface.flash_attn_with_kvcache(
+        q, kc, vc, sinks, cache_seqlens=seqused_k, block_table=bt, softmax_scale=softmax_scale, causal=causal,
+        window_size=window, sink_tokens=sink_tokens, softcap=softcap, return_lse=True, num_splits=num_splits,
+        backend=backend, k_descale=_rows_of(k_descale, 0, batch), v_descale=_rows_of(v_descale, 0, batch),
+        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+    o = o[..., :dv]
     if out is None:
-        out = q.new_empty((total_q, h, dv))
-    lse = torch.empty((h, total_q), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
-                      device=q.device)
-    host = cu_seqlens_q if cu_seqlens_q.device.type == "cpu" else cu_seqlens_q.cpu()  # one copy, see docstring
-    starts = host.tolist()
-    end = starts[-1]
-    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) or end > total_q:
-        raise SinkattnValueError(
-            f"{_WHO}.{fn}: cu_seqlens_q is {starts if len(starts) <= 12 else starts[:12] + ['...']}; accepted: "
-            f"offsets starting at 0, non-decreasing, ending at most at total_q = {total_q}")
-    if end < total_q:
-        out[end:].zero_()
-        lse[:, end:] = float("-inf")
-    for run in plan_runs(host, batch):
-        n = run.r1 - run.r0
-        rows = slice(run.t0, run.t0 + n * run.L)
-        bt = None if block_table is None else block_table[run.r0:run.r1]
-        kc = k_cache if block_table is not None else k_cache[run.r0:run.r1]
-        vc = v_cache if block_table is not None else v_cache[run.r0:run.r1]
-        o, l = interface.flash_attn_with_kvcache(
-            q[rows].view(n, run.L, h, d), kc, vc, sinks, cache_seqlens=seqused_k[run.r0:run.r1], block_table=bt,
-            softmax_scale=softmax_scale, causal=causal, window_size=window, sink_tokens=sink_tokens,
-            softcap=softcap, return_lse=True, num_splits=num_splits, backend=backend,
-            k_descale=_rows_of(k_descale, run.r0, run.r1), v_descale=_rows_of(v_descale, run.r0, run.r1))
-        out[rows].copy_(o[..., :dv].reshape(n * run.L, h, dv))
-        lse[:, rows] = l.permute(1, 0, 2).reshape(h, n * run.L)
-    # Empty requests between runs own no rows; a zero-length run leaves nothing unwritten below `end`.
+        return o, lse
+    out.copy_(o)
     return out, lse
 
 
@@ -597,9 +582,9 @@ def vllm_flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_
         _check_int32(fn, "seqused_k", seqused_k)
         _check_int32(fn, "cu_seqlens_q", cu_seqlens_q)
         def paged():
-            return _paged(fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_k, softmax_scale, causal,
-                          window_size, softcap, sinks, sink_tokens, num_splits, backend, out, k_descale=k_descale,
-                          v_descale=v_descale)
+            return _paged(fn, q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                          softmax_scale, causal, window_size, softcap, sinks, sink_tokens, num_splits, backend, out,
+                          k_descale=k_descale, v_descale=v_descale)
         # out= is written in place and returned as given, so it cannot carry the forward-only marker: with out=
         # the call runs under no_grad and returns out without a backward, as vLLM's does.
         res, lse = _forward_only(fn, (q, k, v, sinks), paged) if out is None else _no_grad(paged)

@@ -112,7 +112,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
                             block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                             softmax_scale=None, causal=False, window_size=(-1, -1), sink_tokens=0, softcap=0.0,
                             return_lse=False, num_splits=0, backend="auto", s_aux=None, k_scale=None, v_scale=None,
-                            k_descale=None, v_descale=None):
+                            k_descale=None, v_descale=None, cu_seqlens_q=None, max_seqlen_q=None):
     """Decode / chunked prefill over a KV cache, appending the new k/v in place. Inference only: it has no
     backward, and an input that requires grad while grad mode is on raises SinkattnRuntimeError (wrap the call in
     torch.no_grad() / torch.inference_mode(); to train, gather the keys and call flash_attn_with_sinks or
@@ -133,7 +133,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
     The queries are the last seqlen_q positions of each sequence (bottom-right alignment), so decode
     with causal=True sees the whole cache. num_splits is a kernel hint (0 = heuristic); the reference
     ignores it. Returns out, or (out, lse) with lse float32 (batch, nheads, seqlen_q).
+
+    The serving form, FlashAttention-3's: q packed (total_q, nheads, headdim) with cu_seqlens_q int32 (batch + 1,)
+    and max_seqlen_q (an int the caller holds, e.g. vLLM's max_query_len; it picks the tile, any value is correct).
+    Request b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b + 1], the last of its cache_seqlens[b] keys, which
+    the cache already holds (no k/v, no rotary). One kernel launch serves the batch whatever its mix of decode,
+    prefill chunks and empty requests (plus one combine under split-KV), and nothing is read on the host beyond the
+    value checks (off under CUDA-graph capture or SINKATTN_VALUE_CHECKS=0). out (total_q, nheads, headdim), lse
+    (nheads, total_q); rows past cu_seqlens_q[-1] (a caller's padding) get out 0 and lse -inf.
     """
+    if cu_seqlens_q is not None:
+        return _kvcache_varlen(q, k_cache, v_cache, sinks, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                               softmax_scale, causal, window_size, sink_tokens, softcap, return_lse, num_splits,
+                               backend, s_aux, k_scale, v_scale, k_descale, v_descale, cu_seqlens_q, max_seqlen_q)
     _checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _checks.check_tensor("k_cache", k_cache, 4, "(batch, capacity, nheads_k, headdim) or paged "
                                                 "(num_pages, page_size, nheads_k, headdim)")
@@ -153,6 +165,36 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, sinks=None, *, k=None, v=None, 
                                                              "v_descale": v_descale})
     out, lse = ops.call_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                                 rotary_interleaved, mask, num_splits, backend, k_descale, v_descale)
+    return (out, lse) if return_lse else out
+
+
+def _kvcache_varlen(q, k_cache, v_cache, sinks, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                    softmax_scale, causal, window_size, sink_tokens, softcap, return_lse, num_splits, backend, s_aux,
+                    k_scale, v_scale, k_descale, v_descale, cu_seqlens_q, max_seqlen_q):
+    """flash_attn_with_kvcache's serving form (packed queries, cu_seqlens_q): one op call for the whole batch."""
+    _checks.check_tensor("q", q, 3, "(total_q, nheads, headdim) with cu_seqlens_q")
+    sinks, mask = _prologue(q, sinks, s_aux, softmax_scale, causal, window_size, sink_tokens, softcap, backend,
+                            return_lse=return_lse)
+    if max_seqlen_q is None:
+        raise SinkattnValueError("sinkattn: cu_seqlens_q needs max_seqlen_q, the longest request's query rows (an int "
+                                 "the caller holds: reading it from cu_seqlens_q would synchronise with the device)")
+    batch = cu_seqlens_q.numel() - 1 if isinstance(cu_seqlens_q, torch.Tensor) else 0
+    if not isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens is None:
+            raise SinkattnValueError("sinkattn: with cu_seqlens_q pass cache_seqlens, the keys of each request in the "
+                                     "cache (its new ones included)")
+        _checks.check_int("cache_seqlens", cache_seqlens, minimum=0)
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, num_splits,
+                          cu_seqlens_q, max_seqlen_q)
+    k_descale, v_descale = fp8.descales(k_cache.dtype, batch, k_cache.shape[2], k_cache.device, k_scale, v_scale,
+                                        k_descale, v_descale)
+    _checks.check_sinks(sinks, q)
+    _checks.check_no_grad_needed("flash_attn_with_kvcache", {"q": q, "k_cache": k_cache, "v_cache": v_cache,
+                                                             "sinks": sinks, "k_descale": k_descale,
+                                                             "v_descale": v_descale})
+    out, lse = ops.call_kvcache(q, k_cache, v_cache, sinks, None, None, cache_seqlens, block_table, None, None, True,
+                                mask, num_splits, backend, k_descale, v_descale, cu_seqlens_q, max_seqlen_q)
     return (out, lse) if return_lse else out
 
 

@@ -65,8 +65,11 @@ def launch_bwd(backend: str, dout, q, k, v, sinks, out, lse, dlse, dq, dk, dv, d
 
 
 def launch_kvcache(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_seqlens, block_table, mask: Mask,
-                   num_splits: int = 0, max_smem: int = 0, k_descale=None, v_descale=None) -> None:
-    """Attention of q (b, sq, h, d) over a KV cache that already holds the new keys, writing out and lse (b, h, sq).
+                   num_splits: int = 0, max_smem: int = 0, k_descale=None, v_descale=None, cu_seqlens_q=None,
+                   max_seqlen_q: int = 0) -> None:
+    """Attention of q (b, sq, h, d) over a KV cache that already holds the new keys, writing out and lse (b, h, sq);
+    or, with cu_seqlens_q (b + 1,) int32 and max_seqlen_q, of packed q (total_q, h, d) into out (total_q, h, d) and
+    lse (h, total_q): one launch for a batch of any mix (the serving call), rows past cu_seqlens_q[b] untouched.
 
     cache_seqlens (b,) int32 counts the keys of each sequence; block_table (b, max_pages) int32 for a paged
     cache. The query heads of a KV head share a tile (K/V read once per group); num_splits 0 picks split-KV
@@ -82,7 +85,8 @@ def launch_kvcache(backend: str, q, k_cache, v_cache, sinks, out, lse, *, cache_
     q = q if _aligned(q) else q.contiguous()
     target = out if _aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     C.fwd_kvcache(backend, q, k_cache, v_cache, sinks, target, lse, cache_seqlens.to(torch.int32).contiguous(),
-                  _dense_index(block_table), mask.kernel_args(), int(num_splits), int(max_smem), k_descale, v_descale)
+                  _dense_index(block_table), mask.kernel_args(), int(num_splits), int(max_smem), k_descale, v_descale,
+                  _dense_index(cu_seqlens_q), int(max_seqlen_q))
     if target is not out:
         out.copy_(target)
 

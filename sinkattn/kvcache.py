@@ -12,16 +12,16 @@ on the mask). Appending and rotating stay in Python for every backend (they touc
 a backend only attends over the cache. The backend is chosen by dispatch.run_kvcache, which calls `prepare`
 once it has chosen (a refused forced backend writes nothing).
 
-Varlen queries over a cache (vLLM's call, the drop-in's paged varlen forms) run today as one call per run of
-consecutive requests with equal query length: `plan_runs`, from a host copy of the query offsets.
+Varlen queries over a cache (vLLM's call, the drop-in's paged varlen forms) are the serving form: packed q with
+cu_seqlens_q over a cache that already holds every key, one kernel launch for the whole batch
+(interface.flash_attn_with_kvcache(cu_seqlens_q=...)); `check_varlen_values` is its value check.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from . import _checks, fp8
+from .errors import SinkattnValueError
 from .rotary import apply_rotary
 
 
@@ -93,27 +93,19 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, r
     return q, (cache_seqlens + seqlen_new).to(torch.int32)
 
 
-@dataclass(frozen=True)
-class Run:
-    """Requests [r0, r1) all with query length L; their tokens start at row t0."""
-    r0: int
-    r1: int
-    t0: int
-    L: int
-
-
-def plan_runs(query_start_loc_cpu: torch.Tensor, num_reqs: int) -> tuple[Run, ...]:
-    """Runs of consecutive requests with equal query length, from a host (CPU) query_start_loc.
-    Requests with no query (vLLM's padding requests in a padded batch) are skipped."""
-    starts = query_start_loc_cpu[: num_reqs + 1].tolist()  # a CPU tensor: no device sync
-    runs: list[Run] = []
-    r = 0
-    while r < num_reqs:
-        L = starts[r + 1] - starts[r]
-        r1 = r + 1
-        while r1 < num_reqs and starts[r1 + 1] - starts[r1] == L:
-            r1 += 1
-        if L > 0:
-            runs.append(Run(r, r1, starts[r], L))
-        r = r1
-    return tuple(runs)
+def check_varlen_values(q, k_cache, cache_seqlens, block_table, cu_seqlens_q) -> None:
+    """The serving form's value checks (each reads an index tensor, so they are off where _checks.value_checks_on
+    says: under CUDA-graph capture and with SINKATTN_VALUE_CHECKS=0): cu_seqlens_q starts at 0, never decreases and
+    ends within q; each request's keys fit its cache (and its pages exist)."""
+    if not _checks.value_checks_on(cu_seqlens_q):
+        return
+    starts = cu_seqlens_q.tolist()
+    total = q.shape[0]
+    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) or starts[-1] > total:
+        shown = starts if len(starts) <= 12 else starts[:12] + ["..."]
+        raise SinkattnValueError(
+            f"sinkattn: cu_seqlens_q is {shown}; accepted: offsets starting at 0, non-decreasing, ending at most at "
+            f"total_q = {total} (q.shape[0])")
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
+    _checks.check_kvcache_values(cache_seqlens, 0, 0, capacity, block_table, page_size, k_cache.shape[0], None)

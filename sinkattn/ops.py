@@ -98,18 +98,19 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, sinks: Optional[Ten
                 rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], rotary_interleaved: bool,
                 softmax_scale: float, window_left: int, window_right: int, sink_tokens: int, softcap: float,
                 num_splits: int, backend: str, k_descale: Optional[Tensor] = None,
-                v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                v_descale: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+                max_seqlen_q: int = 0) -> tuple[Tensor, Tensor]:
     return dispatch.run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos,
                                 rotary_sin, rotary_interleaved,
                                 _mask(softmax_scale, window_left, window_right, sink_tokens, softcap), num_splits,
-                                backend, k_descale, v_descale)
+                                backend, k_descale, v_descale, cu_seqlens_q, max_seqlen_q)
 
 
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
       softmax_scale, window_left, window_right, sink_tokens, softcap, num_splits, backend, k_descale=None,
-      v_descale=None):
-    return q.new_empty(q.shape), q.new_empty(lse_shape(q, False), dtype=acc_dtype(q.dtype))
+      v_descale=None, cu_seqlens_q=None, max_seqlen_q=0):
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=acc_dtype(q.dtype))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -142,14 +143,18 @@ def call_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def call_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                 rotary_interleaved, mask: Mask, num_splits, backend, k_descale=None, v_descale=None):
+                 rotary_interleaved, mask: Mask, num_splits, backend, k_descale=None, v_descale=None,
+                 cu_seqlens_q=None, max_seqlen_q=0):
     """sinkattn::kvcache_fwd, or its body where `direct` allows -> (out, lse). (The op has no autograd: the
     interface refuses inputs that need it before calling.) k_descale/v_descale: an FP8 cache's (batch, nheads_k)
-    float32 descales (sinkattn.fp8), else None."""
+    float32 descales (sinkattn.fp8), else None. cu_seqlens_q: packed queries over a cache holding every key (the
+    serving form, one launch per batch)."""
     if direct(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, k_descale,
-              v_descale):
+              v_descale, cu_seqlens_q):
         return dispatch.run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos,
-                                    rotary_sin, rotary_interleaved, mask, num_splits, backend, k_descale, v_descale)
+                                    rotary_sin, rotary_interleaved, mask, num_splits, backend, k_descale, v_descale,
+                                    cu_seqlens_q, max_seqlen_q)
     return torch.ops.sinkattn.kvcache_fwd.default(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table,
                                                   rotary_cos, rotary_sin, rotary_interleaved, *mask.kernel_args(),
-                                                  num_splits, backend, k_descale, v_descale)
+                                                  num_splits, backend, k_descale, v_descale, cu_seqlens_q,
+                                                  int(max_seqlen_q))

@@ -570,3 +570,26 @@ def attention_kvcache(q, k_cache, v_cache, sinks, seqlens_k, block_table, mask: 
             fetch = _paged_fetch(k_cache, v_cache, block_table[bi].long(), k_cache.shape[1])
         _forward_seq(q[bi], _dequantizing(fetch, seq_descales(bi), acc_t), n, hk, sink, out[bi], lse[bi], mask)
     return out, lse
+
+
+def attention_kvcache_varlen(q, k_cache, v_cache, sinks, seqlens_k, block_table, cu_seqlens_q, mask: Mask,
+                             descales=None):
+    """Packed q (total_q, h, d) with cu_seqlens_q (b + 1,) over a cache holding seqlens_k[b] keys per request (the
+    serving form) -> (out (total_q, h, d), lse (h, total_q)); rows past cu_seqlens_q[-1] get out 0 and lse -inf.
+    One attention_kvcache call per request (the offsets are read on the host, as the reference reads lengths)."""
+    total, h, d = q.shape
+    starts = cu_seqlens_q.tolist()
+    lens = seqlens_k if isinstance(seqlens_k, list) else seqlens_k.tolist()
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((h, total), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    for b, n in enumerate(lens):
+        r0, r1 = starts[b], starts[b + 1]
+        if r1 == r0:
+            continue
+        bt = None if block_table is None else block_table[b:b + 1]
+        kc, vc = (k_cache, v_cache) if block_table is not None else (k_cache[b:b + 1], v_cache[b:b + 1])
+        ds = None if descales is None else (descales[0][b:b + 1], descales[1][b:b + 1])
+        o, l = attention_kvcache(q[None, r0:r1], kc, vc, sinks, [n], bt, mask, ds)
+        out[r0:r1] = o[0]
+        lse[:, r0:r1] = l[0]
+    return out, lse

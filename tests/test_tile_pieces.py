@@ -173,3 +173,35 @@ def test_seq_extent_mask_policy_and_row_addresses():
     e = C.seq_extent(1, 3, 64, None, None, i32([40, 17]), 100, 0, 2, qs, ks, 1, 0)
     assert (e["seqlen_q"], e["seqlen_k"]) == (3, 17) and e["mask"] == [3, 17, 100, 0, 2]
     assert e["k_row"] == 5000 + 8
+    # the serving form: packed queries (cu_seqlens_q) over a cache (no cu_seqlens_k): the keys' rows are the
+    # cache's, sequence b at b * batch_stride, with seqused_k[b] keys
+    e = C.seq_extent(1, 64, 64, cq, None, i32([40, 17]), -1, 0, 0, [0, 96, 8], ks, 2, 4)
+    assert (e["varlen"], e["k_varlen"], e["q_start"], e["k_start"], e["seqlen_q"], e["seqlen_k"]) == \
+        (True, False, 5, 0, 7, 17)
+    assert e["q_row"] == (5 + 4) * 96 + 2 * 8 and e["k_row"] == 5000 + 4 * 40 + 2 * 8
+    assert e["k_rows_before"] == 64
+
+
+@pytest.mark.skipif(C is None or not hasattr(C, "packed_tiles"), reason="no compiled extension with packed_tiles")
+@pytest.mark.parametrize("group,block_m", [(1, 64), (8, 16), (8, 128), (4, 48), (1, 1)])
+def test_packed_tiles_cover_every_tile_once(group, block_m, rng_seed):
+    """The serving entry's packed grid (common/seq_extent.h packed_tile): for random batches (empty requests,
+    decodes, chunks, padding rows past the last request) every (sequence, M tile) with rows appears exactly once,
+    and the other blocks have no rows (m_block * block_m >= rows: the CTA exits)."""
+    g = torch.Generator().manual_seed(rng_seed)
+    for _ in range(40):
+        b = int(torch.randint(1, 12, (1,), generator=g))
+        lens = [int(x) for x in torch.randint(0, 3, (b,), generator=g)]
+        lens = [0 if x == 0 else (1 if x == 1 else int(torch.randint(2, 300, (1,), generator=g))) for x in lens]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        total = int(cu[-1]) + int(torch.randint(0, 20, (1,), generator=g))
+        tiles = C.packed_tiles(cu, group, block_m, total).tolist()
+        assert len(tiles) == total * group // block_m + b + 1
+        seen = set()
+        for seq, m in tiles:
+            assert 0 <= seq < b and m >= 0
+            if m * block_m < lens[seq] * group:
+                assert (seq, m) not in seen, f"tile {(seq, m)} twice"
+                seen.add((seq, m))
+        want = {(s, m) for s, n in enumerate(lens) for m in range(-(-n * group // block_m))}
+        assert seen == want, f"lens {lens}: missing {sorted(want - seen)[:5]}"

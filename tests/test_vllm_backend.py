@@ -245,26 +245,28 @@ def test_sliding_layer_with_dropped_pages(vb, dtype):
     check_against_oracle(batch, out, sinks, WINDOW, f"sliding-dropped/{dtype}")
 
 
-def test_call_plan(vb):
-    """One call per run of equal query lengths; padding requests (no query) are left out."""
-    Run = vb.Run
-    plan = vb.plan_runs
-    assert plan(torch.tensor([0, 1, 2, 3, 23, 46], dtype=torch.int32), 5) == (Run(0, 3, 0, 1), Run(3, 4, 3, 20),
-                                                                                Run(4, 5, 23, 23))
-    assert plan(torch.tensor([0, 4, 8, 12, 12, 12]), 5) == (Run(0, 3, 0, 4),)  # padded uniform batch: one call
-    assert plan(torch.tensor([0, 4, 6, 10]), 3) == (Run(0, 1, 0, 4), Run(1, 2, 4, 2), Run(2, 3, 6, 4))
-    assert plan(torch.tensor([0]), 0) == ()
-
-
-def test_cudagraph_capture_metadata_is_the_uniform_plan(vb):
-    """vLLM builds capture metadata through build_for_cudagraph_capture; a uniform speculative batch must be
-    one call over views of vLLM's persistent buffers (what a replay re-reads), and compute the right thing."""
-    batch = Batch([12, 30, 47, 3], [4, 4, 4, 4], torch.float32, seed=9, pad_reqs=2, pad_tokens=8)
-    out, md, builder, sinks = run_step(vb, batch, WINDOW, num_spec=3, capture=True)
-    assert md.runs == (vb.Run(0, 4, 0, 4),)
+def test_metadata_is_vllms_buffers(vb):
+    """The metadata holds vLLM's own device tensors (what a CUDA graph replay re-reads), no plan made on the host."""
+    batch = Batch([12, 30, 0, 47], [1, 4, 20, 1], torch.float32, seed=5, pad_reqs=1, pad_tokens=4)
+    builder = vb.SinkattnMetadataBuilder(_spec(WINDOW, torch.float32), ["l"], _config(3), torch.device("cpu"))
+    common = batch.common_metadata()
+    md = builder.build(0, common)
+    assert md.query_start_loc.data_ptr() == common.query_start_loc.data_ptr()
     assert md.seq_lens.data_ptr() == batch.seq_lens.data_ptr()
     assert md.block_table.data_ptr() == batch.block_table.data_ptr()
-    assert builder.get_cudagraph_support(None, None).name == "UNIFORM_BATCH"
+    assert md.max_query_len == 20
+
+
+@pytest.mark.parametrize("reqs", [([12, 30, 47, 3], [4, 4, 4, 4]), ([12, 30, 5, 47], [1, 1, 19, 4])],
+                         ids=["uniform-spec", "mixed"])
+def test_cudagraph_capture_metadata_serves_every_batch(vb, reqs):
+    """vLLM builds capture metadata through build_for_cudagraph_capture; one launch whose shape depends on the
+    padded sizes alone serves mixed batches as well as uniform ones (AttentionCGSupport.ALWAYS)."""
+    batch = Batch(*reqs, torch.float32, seed=9, pad_reqs=2, pad_tokens=8)
+    out, md, builder, sinks = run_step(vb, batch, WINDOW, num_spec=3, capture=True)
+    assert md.seq_lens.data_ptr() == batch.seq_lens.data_ptr()
+    assert md.block_table.data_ptr() == batch.block_table.data_ptr()
+    assert builder.get_cudagraph_support(None, None).name == "ALWAYS"
     check_against_oracle(batch, out, sinks, WINDOW, "capture")
 
 
@@ -294,12 +296,14 @@ def test_forward_and_cache_update_read_nothing_on_the_host(vb, monkeypatch):
     md = builder.build(0, batch.common_metadata())
     calls = []
 
-    def op(q, k_cache, v_cache, sinks, **kw):
-        calls.append((q.shape, kw["cache_seqlens"].data_ptr(), kw["block_table"].data_ptr(), kw["window_size"]))
-        return torch.zeros(q.shape, dtype=q.dtype)
+    def serve(q, k_cache, v_cache, sinks, seqused_k, block_table, cu_seqlens_q, max_seqlen_q, mask, backend,
+              descales, out=None, check_values=True):
+        calls.append((q.shape, seqused_k.data_ptr(), block_table.data_ptr(), cu_seqlens_q.data_ptr(), max_seqlen_q,
+                      (mask.window_left, mask.window_right), check_values, out.data_ptr()))
+        return out, None
 
-    from sinkattn.integrations import vllm_paged
-    monkeypatch.setattr(vllm_paged, "flash_attn_with_kvcache", op)
+    from sinkattn import dispatch
+    monkeypatch.setattr(dispatch, "run_kvcache_serving", serve)
     key, value, slot_mapping = batch.step_kv()
     q = batch.query.float()
     output = torch.empty(batch.num_tokens, H, D)
@@ -307,8 +311,30 @@ def test_forward_and_cache_update_read_nothing_on_the_host(vb, monkeypatch):
         impl.do_kv_cache_update(None, key.float(), value.float(), batch.kv_cache, slot_mapping)
         impl.forward(None, q, key.float(), value.float(), batch.kv_cache, md, output)
     assert mode.seen == []
-    assert calls == [(torch.Size([3, 4, H, D]), batch.seq_lens.data_ptr(), batch.block_table.data_ptr(),
-                      (WINDOW - 1, 0))]
+    # one call for the whole batch, on vLLM's buffers, into vLLM's output, without the value checks' host reads
+    assert calls == [(q.shape, batch.seq_lens.data_ptr(), batch.block_table.data_ptr(), md.query_start_loc.data_ptr(),
+                      4, (WINDOW - 1, 0), False, output.data_ptr())]
+
+
+def test_mixed_step_on_the_emulated_kernel(vb, monkeypatch):
+    """A mixed step (decodes, speculative rows, a prefill chunk, an empty padding request) through the backend's
+    forward on the sm80 kernel under host emulation: one serving call per layer, every row against the oracle."""
+    from sinkattn import _ext, dispatch
+    if not any(k["family"] == "sm80-emulated" and k["headdim"] == 64 and k["dtype"] == "bf16" and k["op"] == "fwd"
+               for k in (_ext.registry() if _ext.loaded() else [])):
+        pytest.skip("no emulated hdim64 bf16 kernel in this build")
+    serve, calls = dispatch.run_kvcache_serving, []
+
+    def on_the_emulated_kernel(*args, **kw):
+        calls.append(args[9])
+        return serve(*args[:9], "sm80-emulated", *args[10:], **kw)
+    monkeypatch.setattr(dispatch, "run_kvcache_serving", on_the_emulated_kernel)
+    batch = Batch([40, 200, 31, 70], [1, 1, 4, 25], torch.bfloat16, seed=11, pad_reqs=1, pad_tokens=5)
+    for window in (WINDOW, None):
+        calls.clear()
+        out, md, _, sinks = run_step(vb, batch, window, num_spec=3, seed=11)
+        assert calls == ["auto"]
+        check_against_oracle(batch, out, sinks, window, f"emulated mixed/{window}")
 
 
 def test_cache_update_writes_only_its_slots(vb):
@@ -393,6 +419,16 @@ def test_selected_when_asked(platform, vb, monkeypatch, cap):
     assert AttentionBackendEnum.CUSTOM.get_class().get_name() == "CUSTOM"
 
 
+def test_selected_with_adaptive_verification(platform, vb, monkeypatch):
+    """vLLM's adaptive verification trims drafts on the device, so the host's query lengths can disagree with the
+    device's: forward reads only the device's query_start_loc (max_query_len only picks the tile), so it serves."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    monkeypatch.setattr(vb, "kernel_gap", lambda *a: None)
+    path = platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(use_adaptive_verification=True),
+                                         num_heads=64)
+    assert path == "sinkattn.integrations.vllm_backend.SinkattnBackend"
+
+
 def test_selection_needs_a_compiled_kernel(platform):
     """Selecting the backend where only the PyTorch reference would run (slow, not graphable) is refused."""
     from sinkattn import _ext
@@ -413,7 +449,6 @@ def test_selection_needs_a_compiled_kernel(platform):
     (dict(kv_cache_dtype="fp8", head_size=256), "over an FP8 KV cache"),
     (dict(attn_type="encoder_decoder"), "encoder or cross attention"),
     (dict(attn_type="encoder_only"), "encoder or cross attention"),
-    (dict(use_adaptive_verification=True), "device-cpu query lens mismatch"),
     (dict(head_size=72 + 4), "head_size=76"),
 ])
 def test_refused_at_selection_with_a_reason(platform, kw, text):

@@ -66,7 +66,8 @@ class Served:
     config: Config
     requests: list = field(default_factory=list)    # (prompt ids, generated ids, logprobs, cached tokens)
     steps: list = field(default_factory=list)       # per model step with tokens: its scheduled token count
-    calls: list = field(default_factory=list)       # per backend forward: (step, layer, tokens, query lengths)
+    # per backend forward: (step, layer, tokens, attention calls it made, the requests' query lengths)
+    calls: list = field(default_factory=list)
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +108,23 @@ def _serve(model_dir, config: Config, monkeypatch) -> Served:
         return run_model(self, scheduler_output, *a, **kw)
 
     forward = vllm_backend.SinkattnImpl.forward
+    from sinkattn import dispatch
+    serve, serving = dispatch.run_kvcache_serving, []
+
+    def counted_serve(*a, **kw):
+        serving.append(1)
+        return serve(*a, **kw)
 
     def counted_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
+        before = len(serving)
+        res = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
         if attn_metadata is not None:
-            served.calls.append((step[0], layer.layer_name, attn_metadata.num_actual_tokens,
-                                 tuple(r.L for r in attn_metadata.runs)))
-        return forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
+            qsl = attn_metadata.query_start_loc.tolist()  # the test's own read, after the forward (CPU tensors)
+            served.calls.append((step[0], layer.layer_name, attn_metadata.num_actual_tokens, len(serving) - before,
+                                 tuple(b - a for a, b in zip(qsl, qsl[1:]))))
+        return res
+
+    monkeypatch.setattr(dispatch, "run_kvcache_serving", counted_serve)
 
     monkeypatch.setattr(GPUModelRunner, "execute_model", execute_model)
     monkeypatch.setattr(vllm_backend.SinkattnImpl, "forward", counted_forward)
@@ -208,13 +220,15 @@ def test_backend_forward_on_every_layer_of_every_step(served, config):
         got = [(c[1], c[2]) for c in s.calls if c[0] == step]
         assert sorted(got) == [(name, tokens) for name in layers], f"step {step}: {got}"
     assert len(s.calls) == 2 * len(s.steps)
+    # one attention call per layer per step, whatever the step's mix (decodes, chunks, prefix-cache hits)
+    assert all(c[3] == 1 for c in s.calls), [c for c in s.calls if c[3] != 1]
 
 
 @pytest.mark.parametrize("config", SINKATTN, ids=lambda c: c.id)
 def test_engine_mixed_chunked_prefill_with_decode_and_hit_the_prefix_cache(served, config):
     s = served[config.id]
     assert any(1 in lens and max(lens) > 1 for *_, lens in s.calls), "no step mixed a prefill chunk with decodes"
-    assert any(max(lens) > 1 and tokens == 32 for _, _, tokens, lens in s.calls), "no prompt was chunked"
+    assert any(max(lens) > 1 and tokens == 32 for _, _, tokens, _, lens in s.calls), "no prompt was chunked"
     assert sum(r[3] for r in s.requests) >= config.block_size, "no prefix-cache hit"
     assert all(len(r[0]) > tiny.WINDOW for r in s.requests)
 

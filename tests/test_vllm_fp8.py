@@ -183,19 +183,21 @@ def test_fp8_cache_update_writes_only_its_slots_and_keeps_nan(vb):
 
 
 def test_fp8_forward_reads_nothing_on_the_host_and_passes_the_layers_scales(vb, monkeypatch):
-    """The graph-captured part passes views of the layer's own scale tensors (a replay re-reads them): per tensor as
-    k_scale/v_scale, per KV head as (batch, nheads_k) descales with stride 0 over the batch."""
-    from sinkattn.integrations import vllm_paged
+    """The graph-captured part passes views of the layer's own scale tensors (a replay re-reads them): per tensor
+    and per KV head alike as (batch, nheads_k) descales with stride 0 over the batch (and over the heads for a
+    per-tensor scale)."""
+    from sinkattn import dispatch
     batch = _fp8_batch([12, 30, 47], [4, 4, 4], torch.float32, seed=3, pad_reqs=1, pad_tokens=4)
     builder = vb.SinkattnMetadataBuilder(_spec(WINDOW, torch.uint8), ["l"], _config(3), torch.device("cpu"))
     md = builder.build(0, batch.common_metadata())
     calls = []
 
-    def op(q, k_cache, v_cache, sinks, **kw):
-        calls.append((k_cache.dtype, {n: kw.get(n) for n in ("k_scale", "v_scale", "k_descale", "v_descale")}))
-        return torch.zeros(q.shape, dtype=q.dtype)
+    def serve(q, k_cache, v_cache, sinks, seqused_k, block_table, cu_seqlens_q, max_seqlen_q, mask, backend,
+              descales, out=None, check_values=True):
+        calls.append((k_cache.dtype, descales))
+        return out, None
 
-    monkeypatch.setattr(vllm_paged, "flash_attn_with_kvcache", op)
+    monkeypatch.setattr(dispatch, "run_kvcache_serving", serve)
     key, value, slot_mapping = batch.step_kv()
     for dtype_name, scales in (("fp8", (torch.tensor(0.5), torch.tensor(0.25))),
                                ("fp8_e5m2", (torch.tensor([0.5, 0.75]), torch.tensor([0.25, 0.125])))):
@@ -207,14 +209,11 @@ def test_fp8_forward_reads_nothing_on_the_host_and_passes_the_layers_scales(vb, 
             impl.forward(layer, batch.query.float(), key.float(), value.float(), batch.kv_cache, md,
                          torch.empty(batch.num_tokens, H, D))
         assert mode.seen == []
-        [(cache_dtype, kw)] = calls
+        [(cache_dtype, descales)] = calls
         assert cache_dtype == FORMATS[dtype_name]
-        if scales[0].numel() == 1:
-            assert kw["k_scale"] is scales[0] and kw["v_scale"] is scales[1] and kw["k_descale"] is None
-        else:
-            assert kw["k_scale"] is None
-            for got, want in ((kw["k_descale"], scales[0]), (kw["v_descale"], scales[1])):
-                assert got.shape == (3, HK) and got.stride(0) == 0 and got.data_ptr() == want.data_ptr()
+        for got, want in zip(descales, scales):
+            assert got.shape == (4, HK) and got.stride(0) == 0 and got.data_ptr() == want.data_ptr()
+            assert got.stride(1) == (0 if want.numel() == 1 else 1)
 
 
 def test_fp8_refusals_say_why(vb):
@@ -448,3 +447,83 @@ def test_peer_fp8_cache_is_the_bf16_cache_quantized(kv):
     x2 = dict(x_bf)
     P._to_fp8(x2, kv, chunk_blocks=1)
     assert torch.equal(x2["kv_cache"], x_f8["kv_cache"])
+
+
+def _writer_child(src: str) -> None:
+    """In a process started with TRITON_INTERPRET=1: vLLM's cache writer (its Triton backend's, the bytes of the
+    reshape_and_cache_flash op its FlashAttention backend calls) and sinkattn's fallback writer (vllm_paged.write_kv)
+    on the same step, into two zeroed caches in vLLM's layout: the same bytes, bf16 and FP8 (e4m3) with per-tensor
+    scales (for FP8, except where the interpreter's own cast is off: see below). Padding tokens (slot -1): vLLM's
+    writers skip them, sinkattn's writes zeros into the null block's slot 0, which holds zeros already, so the caches
+    still match byte for byte."""
+    from pathlib import Path
+    from bench.harness import peer_vllm as P
+    from sinkattn.integrations import vllm_paged
+    writer = P.load_writer(Path(src))
+    g = torch.Generator().manual_seed(0)
+    blocks, page, hk, d, n = 9, 16, 2, 64, 40
+    for kv_cache_dtype, fmt in (("auto", None), ("fp8", torch.float8_e4m3fn)):
+        key = (torch.randn(n, hk, d, generator=g) * 3).to(torch.bfloat16)
+        value = (torch.randn(n, hk, d, generator=g) * 3).to(torch.bfloat16)
+        slots = torch.randperm((blocks - 1) * page, generator=g)[:n] + page  # block 0: vLLM's null block
+        slots[[3, 17]] = -1
+        scales = (torch.tensor(0.05), torch.tensor(0.125))
+        caches = []
+        for write in ("vllm", "sinkattn"):
+            alloc = torch.uint8 if fmt is not None else torch.bfloat16
+            phys = torch.zeros(blocks, page, hk, 2 * d, dtype=alloc)
+            kv = phys.permute(0, 2, 1, 3)  # the logical (num_blocks, hk, page, 2d) view vLLM hands a backend
+            if write == "vllm":
+                kc, vc = kv.transpose(1, 2).split(d, dim=-1)
+                writer(key, value, kc, vc, slots, kv_cache_dtype, *scales)
+            else:
+                kc, vc = vllm_paged.cache_views(kv, d, fmt)
+                vllm_paged.write_kv(kc, vc, key, value, slots, scales if fmt is not None else None)
+            caches.append(phys.view(torch.uint8))
+        written = (caches[0] != 0).sum().item()
+        assert written > n * hk * d, f"{kv_cache_dtype}: vLLM's writer wrote almost nothing; weak case"
+        differ = caches[0] != caches[1]
+        if fmt is not None and differ.any():
+            # TRITON_INTERPRET's float -> fp8 cast is not the GPU's round-to-nearest-even: it rounds ties away from
+            # zero (100.0 -> 104, not 96) and drops the carry when rounding reaches the next power of two (31.4 ->
+            # 16, not 32). vLLM's writer on a GPU rounds as torch does. So every differing byte must be one of those
+            # two faults at a quotient x / scale (fp32, as both writers compute it) whose nearest-even code is
+            # sinkattn's.
+            live = slots >= 0
+            block, off = slots[live] // page, slots[live] % page
+            quot = torch.zeros(blocks, page, hk, 2 * d)
+            quot[block, off, :, :d] = key[live].float() / scales[0]
+            quot[block, off, :, d:] = value[live].float() / scales[1]
+            q = quot.view(-1)[differ.view(-1)]
+            ours = caches[1].view(fmt).view(-1)[differ.view(-1)].float()
+            theirs = caches[0].view(fmt).view(-1)[differ.view(-1)].float()
+            assert torch.equal(ours, q.to(fmt).float()), "sinkattn's code is not the nearest-even one"
+            tie = (ours + theirs) / 2 == q
+            carry = (ours.abs() == 2 * theirs.abs()) & (ours.abs() == 2 ** ours.abs().log2().round())
+            assert (tie | carry).all(), \
+                f"{kv_cache_dtype}: {(~(tie | carry)).sum().item()} bytes differ beyond the interpreter's faults"
+            print(f"interpreter faults at {differ.sum().item()} of {written} codes: {tie.sum().item()} ties, "
+                  f"{carry.sum().item()} carries")
+        else:
+            assert not differ.any(), f"{kv_cache_dtype}: {differ.sum().item()} bytes differ"
+        print(f"ok writer {kv_cache_dtype}: {caches[0].numel()} bytes compared")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
+                    reason="triton is not installed (it ships with torch's Linux wheels)")
+def test_sinkattn_writer_writes_vllms_bytes(vllm_src, tmp_path):  # noqa: F811
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from bench.harness import peer_vllm as P
+    if not sorted((vllm_stubs.cache_dir() / f"vllm-{P.VLLM_VERSION}").glob("vllm-*.whl")):
+        pytest.skip(vllm_stubs.fetch_hint())
+    root = Path(__file__).resolve().parent.parent
+    src = P.extract(tmp_path / "peer")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")]))
+    code = f"from tests.test_vllm_fp8 import _writer_child; _writer_child({str(src)!r})"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "ok writer auto" in r.stdout and "ok writer fp8" in r.stdout, r.stdout

@@ -229,6 +229,17 @@ if [ "$GPU_CC" = "9.0" ] && [ "$HAS_SM90_BWD" = "1" ] && [ "$SKIP_SM90_STEPS" = 
     SM90_BWD_OK=1
   fi
 fi
+# The serving entry (packed queries over paged caches in one launch, FwdParams::packed_tiles: compiled and emulated,
+# never run on a GPU before) and the vLLM backend's graph replays of mixed batches, in their own time box first.
+step serving-tests "$OUT/tests.log" "$(min "${GPU_CHECK_SERVING_CAP:-90}" $(($(left) - TEST_MIN - SAN_MIN - BENCH_MIN)))" \
+  "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" tests/test_gpu_serving.py \
+  tests/test_vllm_graph_gpu.py
+rc=$?
+tail -15 "$OUT/tests.log" >>"$SUMMARY"
+if [ "$rc" -ne 0 ]; then
+  FAILED=1
+  say "serving-tests failed (exit $rc)"
+fi
 # The sm80 decode kernels over FP8 caches (csrc/sm80/fp8_kv.h: compiled and emulated, never run on a GPU before),
 # in their own time box too; the main step below then leaves them out (-k "not sm80_fp8").
 HAS_FP8=$("$PY" -c "from sinkattn import _ext; print(int(any(k['family'] == 'sm80' and k['op'] == 'fwd_fp8' for k in _ext.registry())))" 2>/dev/null)
@@ -246,7 +257,8 @@ if [ "$HAS_FP8" = "1" ]; then
 fi
 step tests "$OUT/tests.log" "$(min "$TEST_CAP" $(($(left) - SAN_MIN - BENCH_MIN)))" \
   "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" "${NOT_FP8[@]}" --ignore=tests/test_gpu_sm90.py \
-  --ignore=tests/test_gpu_sm90_backward.py ${GPU_CHECK_TESTS:-tests}
+  --ignore=tests/test_gpu_sm90_backward.py --ignore=tests/test_gpu_serving.py --ignore=tests/test_vllm_graph_gpu.py \
+  ${GPU_CHECK_TESTS:-tests}
 rc=$?
 if [ "$rc" -eq 5 ]; then
   say "tests: pytest collected no GPU test (exit 5)"

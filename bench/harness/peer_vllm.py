@@ -18,7 +18,8 @@ in vLLM's logical layout (num_blocks, 8, 16, 128) over vLLM's default physical o
 TritonAttentionImpl.forward calls it, with the split-K scratch TritonAttentionMetadataBuilder allocates
 (threshold 128 // num_kv_heads sequences, 16 segments), and a block table as wide as vLLM's (a 128k
 max_model_len: 8192 columns, whatever the batch's lengths). sinkattn runs `vllm_paged.attend`, the backend's
-forward, on "auto" and (cc 9.0) forced "sm80". Both are timed as CUDA graph replays where they capture
+forward (one serving launch per batch), on "auto" and (cc 9.0) forced "sm80"; on uniform batches also the padded
+flash_attn_with_kvcache call it replaced (`sinkattn-padded`), which its decode must stay within 5% of. Both are timed as CUDA graph replays where they capture
 (vLLM runs decode in full CUDA graphs), else eagerly (the `method` column says which).
 
 FP8 caches (`Batch.kv_cache_dtype` "fp8_e4m3" / "fp8_e5m2", issue 30 Deliver 5): the same random K/V quantized
@@ -50,6 +51,9 @@ from .prepared import Inputs, Prepared, Unsupported
 
 VLLM_VERSION = "0.33.0"
 FILES = ("vllm/v1/attention/ops/triton_attention_helpers.py", "vllm/v1/attention/ops/triton_unified_attention.py")
+# vLLM's cache writer of its Triton backend (the same bytes as the reshape_and_cache_flash op its FlashAttention
+# backend calls): tests/test_vllm_fp8.py checks that sinkattn's fallback writer writes what it writes.
+WRITER_FILE = "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py"
 ROOT = Path(__file__).resolve().parents[2]  # bench/harness/ -> the repository
 PEER_DIR = ROOT / "third_party" / ".cache" / "vllm-peer" / f"vllm-{VLLM_VERSION}"  # git-ignored
 H, HK, D, PAGE = 64, 8, 64, 16
@@ -73,7 +77,7 @@ def _wheel() -> Path:
 def extract(dest: Path = PEER_DIR) -> Path:
     """Copy the peer's two source files out of the vllm wheel (downloaded once, without dependencies)."""
     with zipfile.ZipFile(_wheel()) as z:
-        for name in FILES:
+        for name in (*FILES, WRITER_FILE):
             out = dest / name
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(z.read(name))
@@ -147,6 +151,67 @@ def load(src: Path = PEER_DIR):
             sys.modules[name] = module
             spec.loader.exec_module(module)
         return module.unified_attention
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+
+
+class _WriterPlatform(_Platform):
+    """current_platform as the cache writer asks it: FP8 storable, and not CUDA (its CUDA branch asks the device's
+    capability, which a CPU run under TRITON_INTERPRET=1 has not)."""
+
+    @staticmethod
+    def has_device_capability(capability, device_id: int = 0) -> bool:
+        return True
+
+    @staticmethod
+    def is_rocm() -> bool:
+        return not torch.cuda.is_available()
+
+    @staticmethod
+    def is_xpu() -> bool:
+        return False
+
+    @staticmethod
+    def is_fp8_fnuz() -> bool:
+        return False
+
+
+def load_writer(src: Path = PEER_DIR):
+    """vLLM's triton_reshape_and_cache_flash from the extracted source, under stand-ins as `load` does."""
+    if not (src / WRITER_FILE).exists():
+        raise FileNotFoundError(f"{src / WRITER_FILE} is missing: run `python -m bench.harness.peer_vllm extract`")
+    import triton
+    import triton.language as tl
+    names = ("vllm", "vllm.utils", "vllm.model_executor", "vllm.model_executor.layers",
+             "vllm.model_executor.layers.quantization", "vllm.model_executor.layers.quantization.utils",
+             "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops")
+    mods = {n: types.ModuleType(n) for n in names}
+    for m in mods.values():
+        m.__path__ = []
+    platform = _WriterPlatform()
+    fp8_info = torch.finfo(torch.float8_e4m3fn)
+    mods["vllm.platforms"] = types.SimpleNamespace(current_platform=platform)
+    mods["vllm.triton_utils"] = types.SimpleNamespace(tl=tl, triton=triton)
+    # vLLM's is_quantized_kv_cache: any kv_cache_dtype other than the native ones (here: the fp8 names)
+    quantized = lambda d: d.startswith("fp8")  # noqa: E731
+    mods["vllm.v1.kv_cache_interface"] = types.SimpleNamespace(KVQuantMode=KVQuantMode,
+                                                                is_quantized_kv_cache=quantized)
+    mods["vllm.utils.torch_utils"] = types.SimpleNamespace(is_quantized_kv_cache=quantized)
+    mods["vllm.model_executor.layers.quantization.utils.quant_utils"] = types.SimpleNamespace(
+        FP8_DTYPE=torch.float8_e4m3fn, get_fp8_min_max=lambda: (fp8_info.min, fp8_info.max))
+    name = WRITER_FILE[:-3].replace("/", ".")
+    saved = {n: sys.modules.get(n) for n in [*mods, name]}
+    sys.modules.update(mods)
+    try:
+        spec = importlib.util.spec_from_file_location(name, src / WRITER_FILE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module.triton_reshape_and_cache_flash
     finally:
         for n, m in saved.items():
             if m is None:
@@ -248,11 +313,9 @@ def prep_vllm(unified_attention, batch: Batch, x):
 
 def prep_sinkattn(batch: Batch, x, backend="auto"):
     """sinkattn's vLLM backend forward (vllm_paged.attend) on the same cache and metadata."""
-    from sinkattn import kvcache
     from sinkattn.integrations import vllm_paged
     k_cache, v_cache = vllm_paged.cache_views(x["kv_cache"], D, x.get("fp8_dtype"))
     scales = x.get("scales")  # an FP8 cache's layer scales, passed as the backend's forward passes them
-    runs = kvcache.plan_runs(x["qsl"], len(batch.q))
     out = torch.empty_like(x["query"])
     sinks = x["sinks"].to(x["query"].dtype)
     window = (batch.window, 0) if batch.window >= 0 else (-1, -1)
@@ -267,9 +330,34 @@ def prep_sinkattn(batch: Batch, x, backend="auto"):
         raise RuntimeError(f"sinkattn would run its PyTorch reference here ({why})")
 
     def run():
-        return vllm_paged.attend(x["query"], k_cache, v_cache, x["seq_lens"], x["block_table"], runs, out, sinks,
-                                 softmax_scale=D ** -0.5, window_size=window, backend=backend, scales=scales)
+        return vllm_paged.attend(x["query"], k_cache, v_cache, x["seq_lens"], x["block_table"], x["qsl_dev"],
+                                 max(batch.q), out, sinks, softmax_scale=D ** -0.5, window_size=window,
+                                 backend=backend, scales=scales)
     run.served_by = served
+    return run
+
+
+def prep_sinkattn_uniform(batch: Batch, x, backend="auto"):
+    """The padded call a uniform batch (every request the same query length) ran before the serving call existed:
+    flash_attn_with_kvcache on q viewed (requests, L, h, d). The serving call's decode must be within 5% of it."""
+    if len(set(batch.q)) != 1:
+        raise Unsupported("the padded call serves uniform batches only (one query length)")
+    import sinkattn
+    from sinkattn.integrations import vllm_paged
+    k_cache, v_cache = vllm_paged.cache_views(x["kv_cache"], D, x.get("fp8_dtype"))
+    b, L = len(batch.q), batch.q[0]
+    q = x["query"].view(b, L, H, D)
+    sinks = x["sinks"].to(x["query"].dtype)
+    window = (batch.window, 0) if batch.window >= 0 else (-1, -1)
+    extra = {}
+    if x.get("scales") is not None:
+        extra = dict(k_scale=x["scales"][0], v_scale=x["scales"][1])
+
+    def run():
+        return sinkattn.flash_attn_with_kvcache(q, k_cache, v_cache, sinks, cache_seqlens=x["seq_lens"],
+                                                block_table=x["block_table"], softmax_scale=D ** -0.5, causal=True,
+                                                window_size=window, backend=backend, **extra).view(-1, H, D)
+    run.served_by = backend
     return run
 
 
@@ -368,7 +456,9 @@ def run(args) -> list[dict]:
     unified_attention = load(Path(args.src))
     cc = torch.cuda.get_device_capability()
     comparators = {"vllm-triton": lambda b, x: prep_vllm(unified_attention, b, x),
-                   "sinkattn": lambda b, x: prep_sinkattn(b, x, "auto")}
+                   "sinkattn": lambda b, x: prep_sinkattn(b, x, "auto"),
+                   # the padded per-group call the serving call replaced (uniform batches only): the decode target
+                   "sinkattn-padded": lambda b, x: prep_sinkattn_uniform(b, x, "auto")}
     if cc == (9, 0):
         comparators["sinkattn-sm80"] = lambda b, x: prep_sinkattn(b, x, "sm80")
     from . import ceilings

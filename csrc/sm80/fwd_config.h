@@ -3,6 +3,7 @@
 // exactly the configurations and blocks the GPU runs.
 #pragma once
 #include <cstdint>
+#include "common/seq_extent.h"
 #include "common/tile_order.h"
 #include "params.h"
 #include "sm80/fwd_tiles.h"
@@ -55,8 +56,10 @@ void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
 template <int kBlockM>
 FwdTileOrder fwd_tile_order(FwdParams const& p) {
   int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
-  return FwdTileOrder{(p.seqlen_q * group + kBlockM - 1) / kBlockM, p.num_splits, p.pack_gqa ? p.nheads_k : p.nheads,
-                      p.batch};
+  int const heads = p.pack_gqa ? p.nheads_k : p.nheads;
+  if (p.packed_tiles)  // every sequence's M tiles in one index (common/seq_extent.h packed_tile)
+    return FwdTileOrder{int(packed_tile_count(p.total_q, group, kBlockM, p.batch)), p.num_splits, heads, 1};
+  return FwdTileOrder{(p.seqlen_q * group + kBlockM - 1) / kBlockM, p.num_splits, heads, p.batch};
 }
 
 }  // namespace sinkattn::sm80

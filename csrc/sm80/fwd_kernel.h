@@ -40,8 +40,9 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
 
   // ---- the tile: this sequence's extent (varlen: cu_seqlens; KV cache: seqused_k), its rows and key blocks ---
-  SeqExtent const ext = seq_extent(p, bidb);
   int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
+  if (p.packed_tiles) packed_tile(p.cu_seqlens_q, p.batch, group, kBlockM, m_block, bidb, m_block);
+  SeqExtent const ext = seq_extent(p, bidb);
   int const rows = ext.seqlen_q * group;  // rows of this (sequence, head or head group) problem
   if (m_block * kBlockM >= rows) return;  // uniform per CTA: the grid covers the longest sequence
   int const bidh_k = p.pack_gqa ? bidh : bidh / (p.nheads / p.nheads_k);
@@ -63,13 +64,13 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
     return q_seq + int64_t(at.query_of(r)) * p.q_row_stride + int64_t(at.head_of(r)) * p.q_head_stride;
   };
   // K and V: SeqExtent::k_row's rule, except that a paged cache has no batch term (its batch strides are page
-  // strides, applied per key by kv_offset; k_start is 0, KV caches are never varlen). Written out here: through
+  // strides, applied per key by kv_offset; k_start is 0: a cache's keys are never packed). Written out here: through
   // k_row with a zero batch stride, or through a SeqExtent member taking the block table, the hd128 tiles took 2-4
   // more registers (ptxas, sm_80 and sm_90).
   Element const* k_seq = static_cast<Element const*>(p.k) + int64_t(bidh_k) * p.k_head_stride +
-                         (p.block_table || ext.varlen ? ext.k_start * p.k_row_stride : bidb * p.k_batch_stride);
+                         (p.block_table || ext.k_varlen ? ext.k_start * p.k_row_stride : bidb * p.k_batch_stride);
   Element const* v_seq = static_cast<Element const*>(p.v) + int64_t(bidh_k) * p.v_head_stride +
-                         (p.block_table || ext.varlen ? ext.k_start * p.v_row_stride : bidb * p.v_batch_stride);
+                         (p.block_table || ext.k_varlen ? ext.k_start * p.v_row_stride : bidb * p.v_batch_stride);
   int const* pages = p.block_table ? p.block_table + bidb * p.block_table_batch_stride : nullptr;
   // Key j's offset from *_seq: in a paged cache slot j % page_size of page pages[j / page_size] (shifts for the
   // usual power-of-two page sizes).
@@ -321,7 +322,7 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
 
   // ---- epilogue ------------------------------------------------------------------------------------------
   if (split_kv) {
-    if (holds_rows) store_split_partials<Kt>(p, at, rows, split, bidb, out_rows, tOcO, lse);
+    if (holds_rows) store_split_partials<Kt>(p, at, rows, split, bidb, ext.varlen ? ext.q_start : 0, out_rows, tOcO, lse);
     return;
   }
   Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});

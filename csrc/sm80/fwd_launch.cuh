@@ -43,15 +43,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kSplitKeys ? 1 : 0) fwd_fp8
   fwd_block<Kt>(p, smem, threadIdx.x, m_block, batch, head, split);
 }
 
-// One warp per output row (batch, head, query).
+// One warp per output row (common/combine.h combine_rows).
 template <class Element>
 __global__ void combine_kernel(__grid_constant__ const FwdParams p) {
-  int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
+  int64_t const rows = combine_rows(p);
   int64_t const warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
-    int const i = int(r % p.seqlen_q), h = int((r / p.seqlen_q) % p.nheads), b = int(r / (int64_t(p.seqlen_q) * p.nheads));
-    combine_row<Element>(p, b, h, i, threadIdx.x % 32, 32);
-  }
+  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps)
+    combine_row_at<Element>(p, r, threadIdx.x % 32, 32);
 }
 
 // One tile configuration's launch.
@@ -67,7 +65,7 @@ void launch_fwd_tile(typename Kt::Params const& p, cudaStream_t stream) {
 
 template <class Element>
 void launch_fwd_combine(FwdParams const& p, cudaStream_t stream) {
-  int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
+  int64_t const rows = combine_rows(p);
   int const blocks = int(rows / 4 + 1 < (1 << 20) ? rows / 4 + 1 : (1 << 20));
   combine_kernel<Element><<<blocks, 128, 0, stream>>>(p);
 }

@@ -6,19 +6,19 @@ installing sinkattn changes nothing until `--attention-backend CUSTOM` is given.
 
 What it serves (gpt-oss and models like it): learnable sinks, sliding-window and full layers, GQA,
 vLLM's paged KV cache (any page size), chunked prefill mixed with decode, prefix caching,
-speculative decoding (query length 1 + k), full CUDA graphs for uniform batches, and FP8 KV caches
+speculative decoding (query length 1 + k), full CUDA graphs for every batch, and FP8 KV caches
 (`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`, with the layer's per-tensor or per-KV-head scales; vllm_paged
 says how), selected only where a compiled kernel reads FP8. On vLLM's CPU platform (no compute capability) the
 PyTorch reference serves, float32 included (validate_configuration's CPU mode; CI's vllm_engine leg runs it in
 vLLM 0.32's CPU engine, whose backend classes are where 0.33 has them).
 
-The mapping of vLLM's batch onto `sinkattn.flash_attn_with_kvcache` lives in `vllm_paged` (no vLLM
-import there, so the benchmark times the same code): one call per run of consecutive requests with the
-same query length, planned in `build()` from vLLM's host copy of query_start_loc. vLLM puts decodes
-(length 1, or 1 + k with speculation) first, so a decode or speculative batch is one call, a mixed batch
-one call for its decodes plus one per prefill chunk. `forward()` slices and views tensors only and reads
-no device value on the host, so a uniform batch can be captured in a CUDA graph; a graph replays the plan
-it was captured with, which is why CUDA graphs are declared for uniform batches only.
+Per layer and step: the cache write is vLLM's own `reshape_and_cache_flash` (the op its FlashAttention backend
+uses, FP8 with the layer's per-tensor scales) where vLLM's build has it (CUDA), else `vllm_paged.write_kv`; the
+attention is one call, `vllm_paged.attend` (no vLLM import there, so the benchmark times the same code): one
+kernel launch for the whole batch, whatever its mix of decodes, speculative rows and prefill chunks (plus one
+combine under split-KV). `forward()` reads no device value on the host, and the launch depends only on the padded
+sizes (tokens, requests), so the builder declares CUDA graphs for every batch (AttentionCGSupport.ALWAYS):
+max_query_len, the one host value read, only picks the tile, and any tile is exact for any batch.
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ from vllm.v1.attention.backend import (
 
 from ..errors import SinkattnValueError
 from ..layout import HEADDIM_MAX, HEADDIM_MULTIPLE, headdim_supported
-from ..kvcache import Run, plan_runs
 from .vllm_paged import FP8_KV_DTYPES, attend, cache_views, kernel_gap, layer_scales, write_kv
 
 _KV_DTYPES = ["auto", "float16", "bfloat16", *FP8_KV_DTYPES]
@@ -50,13 +49,14 @@ class SinkattnMetadata:
     seq_lens: torch.Tensor       # (num_reqs,) int32: keys of each request, this step's included
     block_table: torch.Tensor    # (num_reqs, max_blocks) int32
     slot_mapping: torch.Tensor   # (num_tokens,) int64, -1 for padding tokens
-    runs: tuple[Run, ...]
+    query_start_loc: torch.Tensor  # (num_reqs + 1,) int32 on the device: request b's queries
 
 
 class SinkattnMetadataBuilder(AttentionMetadataBuilder[SinkattnMetadata]):
-    # A captured graph keeps the call plan of its capture; uniform batches (all decodes, or all 1 + k
-    # speculative queries) keep one plan for every replay of the same size.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # One launch whose grid and split count depend on the padded sizes alone (the packed M tiles of
+    # common/seq_extent.h; each CTA finds its request on the device): a captured graph serves every batch of its
+    # size, mixed ones included.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -71,7 +71,7 @@ class SinkattnMetadataBuilder(AttentionMetadataBuilder[SinkattnMetadata]):
                                      f"True (decoder self-attention)")
         return SinkattnMetadata(num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
                                 seq_lens=m.seq_lens, block_table=m.block_table_tensor, slot_mapping=m.slot_mapping,
-                                runs=plan_runs(m.query_start_loc_cpu, m.num_reqs))
+                                query_start_loc=m.query_start_loc)
 
 
 class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
@@ -109,9 +109,15 @@ class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
         return None if self.cache_dtype is None else layer_scales(layer, self.num_kv_heads)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        """Write this step's K/V into the cache at slot_mapping (vllm_paged.write_kv: padding tokens write
-        zeros into vLLM's null block, so no host read; an FP8 cache gets x / scale)."""
+        """Write this step's K/V into the cache at slot_mapping: vLLM's reshape_and_cache_flash where vLLM's
+        build has it (one fused op, as its FlashAttention backend writes; it skips padding slots), else
+        vllm_paged.write_kv (padding tokens write zeros into vLLM's null block, so no host read; an FP8 cache gets
+        x / scale with the layer's per-tensor or per-KV-head scales)."""
         k_cache, v_cache = cache_views(kv_cache, self.head_size, self.cache_dtype)
+        op = _vllm_cache_writer(key, self._scales(layer))
+        if op is not None:
+            op(key, value, k_cache, v_cache, slot_mapping, self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+            return
         write_kv(k_cache, v_cache, key, value, slot_mapping, self._scales(layer))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -123,10 +129,20 @@ class SinkattnImpl(AttentionImpl[SinkattnMetadata]):
             return output.fill_(0)
         k_cache, v_cache = cache_views(kv_cache, self.head_size, self.cache_dtype)
         m = attn_metadata
-        attend(query, k_cache, v_cache, m.seq_lens, m.block_table, m.runs,
-               output.view(-1, self.num_heads, self.head_size), self.sinks, softmax_scale=self.scale,
-               window_size=self.window_size, softcap=self.softcap, scales=self._scales(layer))
+        attend(query.view(-1, self.num_heads, self.head_size), k_cache, v_cache, m.seq_lens, m.block_table,
+               m.query_start_loc, m.max_query_len, output.view(-1, self.num_heads, self.head_size), self.sinks,
+               softmax_scale=self.scale, window_size=self.window_size, softcap=self.softcap,
+               scales=self._scales(layer))
         return output
+
+
+def _vllm_cache_writer(key, scales):
+    """vLLM's reshape_and_cache_flash op (torch.ops._C_cache_ops), or None where it cannot write this step: vLLM's
+    CPU build has no such op, and per-KV-head FP8 scales go to sinkattn's writer (the op takes one scale)."""
+    if not key.is_cuda or (scales is not None and any(t.numel() != 1 for t in scales)):
+        return None
+    ops = getattr(torch.ops, "_C_cache_ops", None)
+    return getattr(ops, "reshape_and_cache_flash", None) if ops is not None else None
 
 
 class SinkattnBackend(AttentionBackend):
@@ -183,7 +199,9 @@ class SinkattnBackend(AttentionBackend):
 
     @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
-        return False  # build() plans its calls from the host query lengths
+        # forward() reads the device's query_start_loc only; the host's max_query_len picks the tile, and every
+        # tile is exact for any query lengths.
+        return True
 
     @classmethod
     def validate_configuration(cls, **kw) -> list[str]:

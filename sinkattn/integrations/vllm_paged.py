@@ -10,9 +10,10 @@ headdim) views `sinkattn.flash_attn_with_kvcache` reads by strides (no copy).
 
 Calls: vLLM has written this step's K/V into the cache before attention, so every request's keys are
 all in the cache: cache_seqlens = seq_lens, and the queries are the request's last query_len positions,
-flash_attn_with_kvcache's bottom-right alignment. `plan_runs` (sinkattn.kvcache) groups consecutive requests
-of equal query length (from vLLM's host copy of query_start_loc); `attend` makes one call per run on views of q,
-out, seq_lens and block_table, and reads nothing on the host.
+flash_attn_with_kvcache's bottom-right alignment. `attend` is one call of the serving form
+(dispatch.run_kvcache_serving: packed queries with vLLM's query_start_loc, one kernel launch for the whole batch,
+whatever its mix) into vLLM's output buffer; it reads nothing on the host (vLLM's metadata is trusted: no value
+checks), and its launch depends on the padded sizes alone, so any batch can be replayed in a CUDA graph.
 
 FP8 caches (`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`): vLLM allocates them as uint8 (its
 STR_DTYPE_TO_TORCH_DTYPE) and each backend views them as its FP8 type; on CUDA "fp8" is e4m3
@@ -20,9 +21,9 @@ STR_DTYPE_TO_TORCH_DTYPE) and each backend views them as its FP8 type; on CUDA "
 `layer._v_scale` (float32 on the device, as vLLM's reshape_and_cache_flash and Triton writer divide by them):
 one element (per tensor, vLLM's default and its `kv_scale` checkpoints) or one per KV head of this rank
 (compressed-tensors' `attn_head` strategy, shape (num_kv_heads,)). `write_kv` quantizes with them
-(sinkattn.fp8.quantize: saturating, NaN kept, as vLLM's writers); `attend` passes a per-tensor scale as
-`k_scale`/`v_scale` and per-head scales as `k_descale`/`v_descale` expanded to (requests, nheads_k), views
-of the layer's own tensors (no copy, no host read; a CUDA graph replays the current values).
+(sinkattn.fp8.quantize: saturating, NaN kept, as vLLM's writers); `attend` passes the scales as (requests, nheads_k)
+descales, expanded views of the layer's own tensors (no copy, no host read; a CUDA graph replays the current
+values).
 """
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ from .. import dispatch, fp8
 from .._problem import Problem
 from ..errors import SinkattnValueError
 from ..mask import Mask
-from ..interface import flash_attn_with_kvcache
 
 # vLLM's FP8 kv_cache_dtype names on CUDA -> the cache's element type (vLLM's "fp8" is e4m3 there:
 # current_platform.fp8_dtype(), and its kv_cache_dtype mapping "fp8" -> "fp8_e4m3").
@@ -70,16 +70,12 @@ def layer_scales(layer, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
-def _descale_kwargs(scales, batch: int, nheads_k: int) -> dict:
-    """flash_attn_with_kvcache's scale arguments for one call of `batch` requests: per-tensor scales as
-    k_scale/v_scale, per-head ones (or a mix) as (batch, nheads_k) k_descale/v_descale views."""
+def _descales(scales, batch: int, nheads_k: int):
+    """The serving call's (k, v) descales for `batch` requests: the layer's scales (one element, or one per KV head)
+    as (batch, nheads_k) float32 expanded views; None for a cache in q's dtype."""
     if scales is None:
-        return {}
-    k_scale, v_scale = scales
-    if k_scale.numel() == 1 and v_scale.numel() == 1:
-        return dict(k_scale=k_scale, v_scale=v_scale)
-    return dict(k_descale=k_scale.reshape(1, -1).expand(batch, nheads_k),
-                v_descale=v_scale.reshape(1, -1).expand(batch, nheads_k))
+        return None
+    return tuple(t.to(torch.float32).reshape(1, -1).expand(batch, nheads_k) for t in scales)
 
 
 def kernel_gap(head_size: int, dtype: torch.dtype, capability, kv_fp8: bool = False) -> str | None:
@@ -116,17 +112,15 @@ def write_kv(k_cache, v_cache, key, value, slot_mapping, scales=None) -> None:
     v_cache[block, offset] = v_new.to(v_cache.dtype)
 
 
-def attend(query, k_cache, v_cache, seq_lens, block_table, runs, out, sinks=None, *, softmax_scale,
-           window_size=(-1, -1), softcap=0.0, backend="auto", scales=None):
-    """Causal attention of query (num_tokens, h, d) over the paged cache, into out (num_tokens, h, d);
-    `scales`: an FP8 cache's (k, v) scales (layer_scales), None otherwise."""
-    h, d, hk = query.shape[1], query.shape[2], k_cache.shape[2]
-    for run in runs:
-        n = run.r1 - run.r0
-        rows = slice(run.t0, run.t0 + n * run.L)
-        o = flash_attn_with_kvcache(query[rows].view(n, run.L, h, d), k_cache, v_cache, sinks,
-                                    cache_seqlens=seq_lens[run.r0:run.r1], block_table=block_table[run.r0:run.r1],
-                                    softmax_scale=softmax_scale, causal=True, window_size=window_size,
-                                    softcap=softcap, backend=backend, **_descale_kwargs(scales, n, hk))
-        out[rows].copy_(o.view(n * run.L, h, d))
+def attend(query, k_cache, v_cache, seq_lens, block_table, query_start_loc, max_query_len: int, out, sinks=None, *,
+           softmax_scale, window_size=(-1, -1), softcap=0.0, backend="auto", scales=None):
+    """Causal attention of query (num_tokens, h, d) over the paged cache, into out (num_tokens, h, d): one serving
+    call (query_start_loc (num_reqs + 1,), seq_lens (num_reqs,), block_table (num_reqs, max_blocks), all on the
+    device; max_query_len the host's int); `scales`: an FP8 cache's (k, v) scales (layer_scales), None otherwise.
+    Rows past query_start_loc[-1] (vLLM's padding tokens) are left as they are."""
+    num_reqs = seq_lens.shape[0]
+    mask = Mask(softmax_scale, window_size[0], 0, 0, softcap)
+    dispatch.run_kvcache_serving(query, k_cache, v_cache, sinks, seq_lens, block_table[:num_reqs],
+                                 query_start_loc[:num_reqs + 1], int(max_query_len), mask, backend,
+                                 _descales(scales, num_reqs, k_cache.shape[2]), out=out, check_values=False)
     return out
