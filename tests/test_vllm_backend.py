@@ -337,6 +337,37 @@ def test_mixed_step_on_the_emulated_kernel(vb, monkeypatch):
         check_against_oracle(batch, out, sinks, window, f"emulated mixed/{window}")
 
 
+def test_cache_update_uses_vllms_writer_where_vllm_has_it(vb, monkeypatch):
+    """Where vLLM's build has torch.ops._C_cache_ops.reshape_and_cache_flash (CUDA), the backend hands it the step as
+    vLLM's FlashAttention backend does: key, value, the K and V views, slot_mapping, kv_cache_dtype and the layer's
+    own scale tensors; per-KV-head FP8 scales, CPU tensors and builds without the op take sinkattn's writer."""
+    from types import SimpleNamespace as NS
+    op = object()
+    monkeypatch.setattr(torch, "ops", NS(_C_cache_ops=NS(reshape_and_cache_flash=op)))
+    cuda_key, cpu_key = NS(is_cuda=True), NS(is_cuda=False)
+    one, per_head = (torch.tensor(0.5), torch.tensor(0.25)), (torch.ones(HK), torch.ones(HK))
+    assert vb._vllm_cache_writer(cuda_key, None) is op
+    assert vb._vllm_cache_writer(cuda_key, one) is op
+    assert vb._vllm_cache_writer(cuda_key, per_head) is None
+    assert vb._vllm_cache_writer(cpu_key, None) is None
+    monkeypatch.setattr(torch, "ops", NS(_C_cache_ops=NS()))
+    assert vb._vllm_cache_writer(cuda_key, None) is None
+
+    calls = []
+    monkeypatch.setattr(vb, "_vllm_cache_writer", lambda key, scales: lambda *a: calls.append(a))
+    batch = Batch([0, 0], [5, 18], torch.float32, seed=4, pad_tokens=3)
+    impl = _layer(vb, None, None, torch.float32)
+    key, value, slot_mapping = batch.step_kv()
+    layer = NS(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
+    impl.do_kv_cache_update(layer, key, value, batch.kv_cache, slot_mapping)
+    [(k, v, kc, vc, slots, dtype, ks, vs)] = calls
+    want_k, want_v = batch.kv_cache.transpose(1, 2).split(D, dim=-1)
+    assert k is key and v is value and slots is slot_mapping and dtype == "auto"
+    assert ks is layer._k_scale and vs is layer._v_scale
+    assert (kc.data_ptr(), kc.shape, kc.stride()) == (want_k.data_ptr(), want_k.shape, want_k.stride())
+    assert (vc.data_ptr(), vc.shape, vc.stride()) == (want_v.data_ptr(), want_v.shape, want_v.stride())
+
+
 def test_cache_update_writes_only_its_slots(vb):
     batch = Batch([0, 0], [5, 18], torch.float32, seed=4, pad_tokens=3)
     impl = _layer(vb, None, None, torch.float32)
