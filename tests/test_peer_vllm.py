@@ -9,9 +9,6 @@ Triton reads TRITON_INTERPRET when it is first imported (its standard library is
 other tests may have imported it already, so the comparison runs in a child process.
 """
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,6 @@ from bench.harness import peer_vllm as P
 from tests import vllm_stubs
 from tests.test_vllm_backend import vllm_src  # noqa: F401  (session fixture: the wheel, fetched once)
 
-ROOT = Path(__file__).resolve().parent.parent
 BATCHES = {
     "decode": P.Batch("decode (vLLM's split-K path), window 8", (37, 3), (1, 1), 7),
     "mixed": P.Batch("decode + a prefill chunk over a cached prefix (2D path), full", (33, 16), (1, 4), -1),
@@ -59,15 +55,8 @@ def _compare(fn, which, batch) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed (it ships with torch's Linux wheels)")
 def test_vllm_triton_and_sinkattn_agree_on_vllms_layout(vllm_src, tmp_path):  # noqa: F811
-    if not sorted((vllm_stubs.cache_dir() / f"vllm-{P.VLLM_VERSION}").glob("vllm-*.whl")):  # P.extract would fetch it
-        pytest.skip(vllm_stubs.fetch_hint())
-    src = P.extract(tmp_path / "peer")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")]))
-    code = f"from tests.test_peer_vllm import _child; _child({str(src)!r})"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert all(f"ok {which}:" in r.stdout for which in BATCHES), r.stdout
+    out = vllm_stubs.run_interpreted("tests.test_peer_vllm", "_child", tmp_path, timeout=300)
+    assert all(f"ok {which}:" in out for which in BATCHES), out
 
 
 def test_grid_covers_the_issue():

@@ -360,22 +360,13 @@ def _triton_child(src: str) -> None:
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
                     reason="triton is not installed (it ships with torch's Linux wheels)")
 def test_vllm_triton_and_sinkattn_agree_on_one_fp8_cache(vllm_src, tmp_path):  # noqa: F811
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    from bench.harness import peer_vllm as P
-    if not sorted((vllm_stubs.cache_dir() / f"vllm-{P.VLLM_VERSION}").glob("vllm-*.whl")):
-        pytest.skip(vllm_stubs.fetch_hint())
-    root = Path(__file__).resolve().parent.parent
-    src = P.extract(tmp_path / "peer")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
-        "PYTHONPATH", "")]))
-    code = f"from tests.test_vllm_fp8 import _triton_child; _triton_child({str(src)!r})"
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert all(f"ok {which}:" in r.stdout for which in TRITON_BATCHES), r.stdout
-    print(r.stdout)
+    out = _run_interpreted("_triton_child", tmp_path)
+    assert all(f"ok {which}:" in out for which in TRITON_BATCHES), out
+    print(out)
+
+
+def _run_interpreted(child: str, tmp_path) -> str:
+    return vllm_stubs.run_interpreted("tests.test_vllm_fp8", child, tmp_path)
 
 
 # ---- bench: the decode grid's FP8 cases (issue 30 Deliver 5) -----------------------------------------------------
@@ -512,18 +503,5 @@ def _writer_child(src: str) -> None:
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
                     reason="triton is not installed (it ships with torch's Linux wheels)")
 def test_sinkattn_writer_writes_vllms_bytes(vllm_src, tmp_path):  # noqa: F811
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    from bench.harness import peer_vllm as P
-    if not sorted((vllm_stubs.cache_dir() / f"vllm-{P.VLLM_VERSION}").glob("vllm-*.whl")):
-        pytest.skip(vllm_stubs.fetch_hint())
-    root = Path(__file__).resolve().parent.parent
-    src = P.extract(tmp_path / "peer")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
-        "PYTHONPATH", "")]))
-    code = f"from tests.test_vllm_fp8 import _writer_child; _writer_child({str(src)!r})"
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert "ok writer auto" in r.stdout and "ok writer fp8" in r.stdout, r.stdout
+    out = _run_interpreted("_writer_child", tmp_path)
+    assert "ok writer auto" in out and "ok writer fp8" in out, out

@@ -80,6 +80,25 @@ def vllm_root(fetch: bool | None = None, announce=None) -> Path:
     return src
 
 
+def run_interpreted(module: str, child: str, tmp_path, timeout: int = 600) -> str:
+    """Runs `module.child(src)` in a process with TRITON_INTERPRET=1, src being vLLM's peer files extracted from the
+    wheel into tmp_path (bench/harness/peer_vllm.py) -> its stdout. Skips without the wheel; fails with the child's
+    output when it fails."""
+    import pytest
+    from bench.harness import peer_vllm
+    if not sorted((cache_dir() / f"vllm-{VLLM_VERSION}").glob("vllm-*.whl")):  # extract would fetch it
+        pytest.skip(fetch_hint())
+    root = Path(__file__).resolve().parent.parent
+    src = peer_vllm.extract(tmp_path / "peer")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")]))
+    code = f"from {module} import {child}; {child}({str(src)!r})"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return r.stdout
+
+
 # ---- stand-ins ------------------------------------------------------------------------------------------
 def _module(name: str, **attrs) -> types.ModuleType:
     m = types.ModuleType(name)

@@ -141,16 +141,23 @@ def load(src: Path = PEER_DIR):
     mods["vllm.triton_utils"] = types.SimpleNamespace(tl=tl, triton=triton)
     mods["vllm.v1.kv_cache_interface"] = types.SimpleNamespace(KVQuantMode=KVQuantMode)
     mods["vllm"].envs = mods["vllm.envs"]
-    names = [f[:-3].replace("/", ".") for f in FILES]
+    return _exec_under(mods, src, FILES).unified_attention
+
+
+def _exec_under(mods: dict, src: Path, files) -> types.ModuleType:
+    """Executes `files` (extracted from the wheel, in order) under their `vllm.*` names with the stand-in modules
+    `mods` in sys.modules, then restores every entry to what it was (an installed vllm, or nothing); the last
+    module is returned, kept alive by its functions' globals."""
+    names = [f[:-3].replace("/", ".") for f in files]
     saved = {n: sys.modules.get(n) for n in [*mods, *names]}
     sys.modules.update(mods)
     try:
-        for name, file in zip(names, FILES):
+        for name, file in zip(names, files):
             spec = importlib.util.spec_from_file_location(name, src / file)
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             spec.loader.exec_module(module)
-        return module.unified_attention
+        return module
     finally:
         for n, m in saved.items():
             if m is None:
@@ -203,21 +210,7 @@ def load_writer(src: Path = PEER_DIR):
     mods["vllm.utils.torch_utils"] = types.SimpleNamespace(is_quantized_kv_cache=quantized)
     mods["vllm.model_executor.layers.quantization.utils.quant_utils"] = types.SimpleNamespace(
         FP8_DTYPE=torch.float8_e4m3fn, get_fp8_min_max=lambda: (fp8_info.min, fp8_info.max))
-    name = WRITER_FILE[:-3].replace("/", ".")
-    saved = {n: sys.modules.get(n) for n in [*mods, name]}
-    sys.modules.update(mods)
-    try:
-        spec = importlib.util.spec_from_file_location(name, src / WRITER_FILE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module.triton_reshape_and_cache_flash
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
+    return _exec_under(mods, src, (WRITER_FILE,)).triton_reshape_and_cache_flash
 
 
 # ---------------------------------------------------------------------------------------------- one batch
