@@ -140,6 +140,17 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
             return (f"the {backend} {_WHAT[op]} kernels do not serve "
                     + " or ".join(_FEATURE_WORDS.get(f, f) for f in missing)
                     + f" (registry features of {described['name']}: {described['features']})")
+    # A GPU backend's units may be a subset of the grid (SINKATTN_GPU_HEADDIMS / _DTYPES, CI's compile check):
+    # a head dim and dtype the grid holds but the GPU subset left out is a rebuild away, not a missing family.
+    in_grid = str(hd) in registry.requested("requested_headdims") and dtype in registry.requested("requested_dtypes")
+    narrowed = backend not in registry.EMULATED_BACKENDS and in_grid and (
+        str(hd) not in (registry.requested("gpu_headdims") or [str(hd)])
+        or dtype not in (registry.requested("gpu_dtypes") or [dtype]))
+    if kernel is None and narrowed:
+        return (f"no {backend} {what} kernel for head dim {hd} {dtype} in this build: its GPU units were narrowed "
+                f"to head dims {','.join(registry.requested('gpu_headdims'))} and dtypes "
+                f"{','.join(registry.requested('gpu_dtypes'))}; rebuild without SINKATTN_GPU_HEADDIMS and "
+                f"SINKATTN_GPU_DTYPES")
     if kernel is None and op == "fwd_fp8" and backend != "sm90":
         compiled = sorted({(k["headdim"], k["dtype"]) for k in siblings})
         tiled = registry.fp8_kv_headdims()
@@ -150,7 +161,7 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
                 f"{compiled or 'none'}); rebuild with SINKATTN_HEADDIMS including {hd} and SINKATTN_DTYPES "
                 f"including {dtype}")
     if kernel is None:
-        if str(hd) in registry.requested("requested_headdims") and dtype in registry.requested("requested_dtypes"):
+        if in_grid:
             if backend in registry.EMULATED_BACKENDS:
                 return "this build has no emulated kernels (it was built with SINKATTN_EMULATION=0)"
             if backend == "sm90" and op == "bwd":

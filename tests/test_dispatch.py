@@ -452,3 +452,19 @@ def test_sm90_backward_has_no_head_dim_256(gpu, fake_registry, monkeypatch):
     assert dispatch.choose(BWD_256, "auto") == "sm80"
     with pytest.raises(SinkattnRuntimeError, match="no tile for head dim 256"):
         dispatch.choose(BWD_256, "sm90")
+
+
+@pytest.mark.skipif(not _ext.loaded(), reason="needs the compiled extension's build_info")
+def test_a_gpu_subset_build_says_so(monkeypatch):
+    """A build whose GPU units were narrowed (SINKATTN_GPU_HEADDIMS / _DTYPES, CI's compile check) declines a head
+    dim and dtype its grid holds by naming the narrowing, not by calling the family missing."""
+    info = dict(_ext.build_info())
+    monkeypatch.setattr(_ext, "build_info", lambda: {**info, "requested_headdims": "64,128,256",
+                                                     "requested_dtypes": "bf16,fp16", "gpu_headdims": "64,256",
+                                                     "gpu_dtypes": "bf16"})
+    p = Problem(kind="fwd", device_type="cuda", dtype=torch.float16, headdim=128, mask=Mask(0.1, -1, 0),
+                has_sinks=True)
+    why = dispatch.why_not("sm80", p, (8, 0))
+    assert "GPU units were narrowed to head dims 64,256 and dtypes bf16" in why and "SINKATTN_GPU_HEADDIMS" in why
+    monkeypatch.setattr(_ext, "build_info", lambda: info)
+    assert "narrowed" not in (dispatch.why_not("sm80", p, (8, 0)) or "")
