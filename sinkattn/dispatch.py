@@ -381,16 +381,20 @@ def run_bwd(dout, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, ma
     return dq, dk, dv, dsinks.to(sink_dtype)
 
 
+def _cache_backend(q, k_cache, sinks, mask: Mask, block_table, backend: str) -> str:
+    """The backend of a call over a KV cache (both the padded and the serving form)."""
+    if _reference_anyway(q, backend):
+        return "reference"
+    return choose(Problem.of_call("kvcache", q, k_cache, sinks, mask, paged=block_table is not None), backend)
+
+
 def run_kvcache(q, k_cache, v_cache, sinks, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                 rotary_interleaved, mask: Mask, num_splits, backend, k_descale=None, v_descale=None,
                 cu_seqlens_q=None, max_seqlen_q=0):
     """Body of the sinkattn::kvcache_fwd op -> (out, lse): rotary and the append (kvcache.prepare), then
     attention over the cache on the chosen backend. cu_seqlens_q: packed queries over a cache that holds every
     key (the serving form): one kernel launch for the batch, nothing read on the host past the value checks."""
-    if _reference_anyway(q, backend):
-        chosen = "reference"
-    else:
-        chosen = choose(Problem.of_call("kvcache", q, k_cache, sinks, mask, paged=block_table is not None), backend)
+    chosen = _cache_backend(q, k_cache, sinks, mask, block_table, backend)
     descales = None if k_descale is None else (k_descale, v_descale)
     if cu_seqlens_q is not None:
         return _serve(chosen, q, k_cache, v_cache, sinks, cache_seqlens, block_table, cu_seqlens_q, max_seqlen_q,
@@ -415,12 +419,9 @@ def run_kvcache_serving(q, k_cache, v_cache, sinks, seqused_k, block_table, cu_s
     """The serving call (varlen queries over a cache that holds every key; run_kvcache's cu_seqlens_q form), for
     callers that own their output buffer and their metadata (sinkattn's vLLM backend): out (total_q, h, d) is
     written in place (rows past cu_seqlens_q[-1] untouched) and returned with lse (h, total_q; -inf on those
-    rows). check_values=False
-    skips the value checks, which read index tensors on the host (a device synchronisation per call)."""
-    if _reference_anyway(q, backend):
-        chosen = "reference"
-    else:
-        chosen = choose(Problem.of_call("kvcache", q, k_cache, sinks, mask, paged=block_table is not None), backend)
+    rows). check_values=False skips the value checks, which read index tensors on the host (a device
+    synchronisation per call)."""
+    chosen = _cache_backend(q, k_cache, sinks, mask, block_table, backend)
     return _serve(chosen, q, k_cache, v_cache, sinks, seqused_k, block_table, cu_seqlens_q, max_seqlen_q, mask,
                   num_splits, descales, out, check_values)
 
