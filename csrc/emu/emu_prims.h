@@ -18,20 +18,25 @@ namespace sinkattn::emu {
 template <class RealOp>
 struct EmuMma : RealOp {};
 
-// ldmatrix.x4: lanes 8q..8q+7 give the row addresses of 8x8 matrix q (16-byte rows); lane l receives in
-// register q the 32-bit word l % 4 of row l / 4 of matrix q.
+// ldmatrix.x4: lanes 8q..8q+7 give the rows of 8x8 matrix q (16 bytes each); lane l receives in register q the
+// 32-bit word l % 4 of row l / 4 of matrix q. Each lane reads its own row into the warp's slot before the barrier,
+// so shared memory is read when the instruction issues, as on the hardware, and no lane reads it after another
+// lane of its warp has moved on.
+inline char const* publish_rows(cute::uint128_t const& src) {
+  auto* rows = reinterpret_cast<char*>(warp_slot());
+  on_smem_read(&src, 16);
+  std::memcpy(rows + 16 * lane_id(), &src, 16);
+  sync_warp();
+  return rows;
+}
 struct EmuLdsmN {
   using SRegisters = cute::uint128_t[1];
   using DRegisters = uint32_t[4];
   static void copy(cute::uint128_t const& src, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
-    void const** rows = warp_ptrs();
-    int lane = lane_id();
-    on_smem_read(&src, 16);
-    rows[lane] = &src;
-    sync_warp();
+    char const* rows = publish_rows(src);
+    int const lane = lane_id();
     uint32_t d[4];
-    for (int q = 0; q < 4; ++q) d[q] = static_cast<uint32_t const*>(rows[8 * q + lane / 4])[lane % 4];
-    sync_warp();
+    for (int q = 0; q < 4; ++q) std::memcpy(&d[q], rows + 16 * (8 * q + lane / 4) + 4 * (lane % 4), 4);
     d0 = d[0]; d1 = d[1]; d2 = d[2]; d3 = d[3];
   }
 };
@@ -42,19 +47,16 @@ struct EmuLdsmT {
   using SRegisters = cute::uint128_t[1];
   using DRegisters = uint32_t[4];
   static void copy(cute::uint128_t const& src, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
-    void const** rows = warp_ptrs();
-    int lane = lane_id();
-    on_smem_read(&src, 16);
-    rows[lane] = &src;
-    sync_warp();
+    char const* rows = publish_rows(src);
+    int const lane = lane_id();
     uint32_t d[4];
     for (int q = 0; q < 4; ++q) {
-      int col = lane / 4, r0 = 2 * (lane % 4);
-      uint16_t lo = static_cast<uint16_t const*>(rows[8 * q + r0])[col];
-      uint16_t hi = static_cast<uint16_t const*>(rows[8 * q + r0 + 1])[col];
+      int const col = lane / 4, r0 = 2 * (lane % 4);
+      uint16_t lo, hi;
+      std::memcpy(&lo, rows + 16 * (8 * q + r0) + 2 * col, 2);
+      std::memcpy(&hi, rows + 16 * (8 * q + r0 + 1) + 2 * col, 2);
       d[q] = uint32_t(lo) | (uint32_t(hi) << 16);
     }
-    sync_warp();
     d0 = d[0]; d1 = d[1]; d2 = d[2]; d3 = d[3];
   }
 };
@@ -157,9 +159,9 @@ struct Copy_Traits<sinkattn::emu::EmuLdsmT> : Copy_Traits<SM75_U16x8_LDSM_T> {};
 template <class RealOp>
 struct MMA_Traits<sinkattn::emu::EmuMma<RealOp>> : MMA_Traits<RealOp> {};
 
-// The MMA as a warp collective: every lane publishes its A and B values at the (m, k) / (n, k) positions the
-// real atom's layouts give them, then computes its own D values. Layouts map (lane, value) to a column-major
-// index in the M x K, N x K and M x N tiles.
+// The MMA as a warp collective: every lane publishes its A and B values into the warp's slot at the (m, k) /
+// (n, k) positions the real atom's layouts give them, then computes its own D values. Layouts map (lane, value)
+// to a column-major index in the M x K, N x K and M x N tiles.
 template <class RealOp, class TD, class DLayout, class TA, class ALayout, class TB, class BLayout, class TC, class CLayout>
 void mma_unpack(MMA_Traits<sinkattn::emu::EmuMma<RealOp>> const&, Tensor<TD, DLayout>& D, Tensor<TA, ALayout> const& A,
                 Tensor<TB, BLayout> const& B, Tensor<TC, CLayout> const& C) {
@@ -168,7 +170,7 @@ void mma_unpack(MMA_Traits<sinkattn::emu::EmuMma<RealOp>> const&, Tensor<TD, DLa
   constexpr int N = size<1>(typename T::Shape_MNK{});
   constexpr int K = size<2>(typename T::Shape_MNK{});
   static_assert(M * K + N * K <= sinkattn::emu::kWarpScratchFloats);
-  float* buf = sinkattn::emu::warp_scratch();
+  float* buf = sinkattn::emu::warp_slot();
   int lane = sinkattn::emu::lane_id();
   for (int v = 0; v < size(A); ++v) buf[typename T::ALayout{}(lane, v)] = float(A(v));
   for (int v = 0; v < size(B); ++v) buf[M * K + typename T::BLayout{}(lane, v)] = float(B(v));
@@ -181,8 +183,7 @@ void mma_unpack(MMA_Traits<sinkattn::emu::EmuMma<RealOp>> const&, Tensor<TD, DLa
     for (int k = 0; k < K; ++k) acc += buf[m + M * k] * buf[M * K + n + N * k];
     d[v] = acc;
   }
-  sinkattn::emu::sync_warp();
-  for (int v = 0; v < size(D); ++v) D(v) = d[v];
+  for (int v = 0; v < size(D); ++v) D(v) = d[v];  // D may be C: written once every value is computed
 }
 
 }  // namespace cute

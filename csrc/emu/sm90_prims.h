@@ -207,7 +207,9 @@ inline void retire(WgmmaGroup const& g) {
   for (size_t ai = 0; ai < g.atoms.size(); ++ai) {
     // Every thread of the warpgroup holds the same number of atoms (the same TiledMma): ai is warpgroup-uniform.
     WgmmaAtom const& atom = g.atoms[ai];
-    sync_warpgroup();
+    // The scratch is free once every thread is done with the previous atom's; the first atom's, at the barrier
+    // that ends each retire.
+    if (ai > 0) sync_warpgroup();
     if (t == 0) sc.assign(size_t(g.m + g.n) * ktot, 0.f);
     sync_warpgroup();
     float* A = sc.data();

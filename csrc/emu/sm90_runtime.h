@@ -2,12 +2,15 @@
 // on top of it are emu/sm90_prims.h). No CuTe, no CUDA, no torch.
 //
 // One std::thread per CUDA thread of a CTA (384 or 512); the CTAs of a persistent grid run one after another on
-// the same threads, with the block index and grid size a real launch would give. Every wait blocks on a condition
-// variable (none spins), under one mutex per CTA:
+// the same threads, with the block index and grid size a real launch would give. No wait spins. Under one mutex
+// per CTA, on condition variables:
 //   - mbarriers: init count, arrive, expect-tx, the wait for a phase parity, phase flips; a phase completes when
 //     its arrivals and its transaction bytes are in;
 //   - named barriers: the thread count of each generation (a sync or arrive with another count is an error);
-//   - gates: the warp and warpgroup collectives (shuffles, wgmma completion);
+// and off it, each with a lock of its own and a futex wait on its generation word (std::atomic::wait):
+//   - gates: the warp and warpgroup collectives (shuffles, wgmma completion) and __syncthreads. They are most of
+//     the emulator's waits; under the CTA mutex, each release woke 31 to 511 threads into one lock, and the kernel
+//     time of those wake-ups was two thirds of the emulated tests' time (docs/build.md has the figures);
 //   - TMA loads: issued into a pending list of their mbarrier; their destination is poisoned (0xFF: NaN in every
 //     float format) and marked pending at issue, and the data lands, with its bytes, when a thread waits on that
 //     barrier (as late as the hardware may land it before the wait returns);
@@ -49,12 +52,13 @@ constexpr auto kWaitLimit = std::chrono::seconds(120);
 
 struct Block;
 
-// A barrier of n threads reused generation after generation (a warp's shuffles, a warpgroup's wgmma completion).
+// A barrier of n threads reused generation after generation (a warp's shuffles, a warpgroup's wgmma completion,
+// the CTA's __syncthreads). Its arrivals count under its own lock; its waiters sleep on the generation word.
 struct Gate {
   int n = 0;
+  std::mutex mu;
   int arrived = 0;
-  uint64_t generation = 0;
-  std::condition_variable cv;
+  std::atomic<uint32_t> generation{0};
 };
 
 // One TMA box on its way: 16-byte chunks at their (swizzled) shared-memory offsets.
@@ -99,16 +103,19 @@ struct Block {
   size_t smem_bytes = 0;
 
   std::mutex mu;
-  int blocked = 0;  // threads blocked in a wait whose condition does not hold
-  bool aborted = false;
+  // Threads blocked in a wait whose condition does not hold: changed under the CTA mutex by the mbarrier and named
+  // barrier waits, under a gate's own lock by its arrivals and release (so it is exact whenever read).
+  std::atomic<int> blocked{0};
+  std::atomic<bool> aborted{false};
   std::string first_error;
-  std::vector<std::string> waiting_on;  // per thread, while blocked
+  std::vector<std::string> waiting_on;  // per thread, while blocked in a CTA-mutex wait
+  std::unique_ptr<std::atomic<int>[]> at_gate;  // per thread: the thread count of the gate it waits at (0: none)
 
   std::map<uint32_t, MBarrier> bars;  // by shared-memory offset
   NamedBar named[16];
   std::vector<std::unique_ptr<Gate>> warp_gates, wg_gates;
   Gate block_gate;
-  std::vector<float> warp_scratch;               // 32 per warp
+  std::vector<float> warp_scratch;               // two slots of 32 per warp, taken in turn by the shuffles
   std::vector<std::vector<float>> wg_scratch;     // per warpgroup: the A and B operands of the group completing
   std::vector<Flight> flights;
 
@@ -126,12 +133,17 @@ struct Ctx {
 inline thread_local Ctx ctx;
 
 // ---- failures -------------------------------------------------------------------------------------------------
+// A gate's waiters wake when its generation word changes; after an abort they find `aborted` and leave.
+inline void wake(Gate& g) {
+  g.generation.fetch_add(1, std::memory_order_release);
+  g.generation.notify_all();
+}
 inline void notify_all_locked(Block& b) {
   for (auto& [off, bar] : b.bars) bar.cv.notify_all();
   for (auto& n : b.named) n.cv.notify_all();
-  for (auto& g : b.warp_gates) g->cv.notify_all();
-  for (auto& g : b.wg_gates) g->cv.notify_all();
-  b.block_gate.cv.notify_all();
+  for (auto& g : b.warp_gates) wake(*g);
+  for (auto& g : b.wg_gates) wake(*g);
+  wake(b.block_gate);
 }
 inline void fail_locked(Block& b, std::string const& what) {
   if (b.first_error.empty()) b.first_error = what;
@@ -180,18 +192,37 @@ inline void land_locked(Block& b, MBarrier& bar) {
 }
 
 // ---- blocking ------------------------------------------------------------------------------------------------
+inline std::string gate_name(Block const& b, int n) {
+  return n == b.nthreads ? std::string("the CTA-wide barrier (the end of the CTA, or __syncthreads)")
+                         : "a collective of the " + std::to_string(n) + " threads of its " +
+                               (n == 32 ? "warp" : "warpgroup");
+}
 inline std::string describe_waits(Block& b) {
-  std::string out;
+  auto what = [&](int t) {
+    int const gate = b.at_gate[t].load(std::memory_order_relaxed);
+    return gate ? gate_name(b, gate) : b.waiting_on[t];
+  };
+  std::string out, prev;
   int first = -1;
   for (int t = 0; t <= b.nthreads; ++t) {
-    bool const same = t < b.nthreads && first >= 0 && b.waiting_on[t] == b.waiting_on[first];
-    if (same) continue;
-    if (first >= 0 && !b.waiting_on[first].empty()) {
-      out += "\n  threads " + std::to_string(first) + "-" + std::to_string(t - 1) + ": " + b.waiting_on[first];
+    std::string const cur = t < b.nthreads ? what(t) : std::string();
+    if (t < b.nthreads && first >= 0 && cur == prev) continue;
+    if (first >= 0 && !prev.empty()) {
+      out += "\n  threads " + std::to_string(first) + "-" + std::to_string(t - 1) + ": " + prev;
     }
     first = t;
+    prev = cur;
   }
   return out;
+}
+
+// Called under the CTA mutex when every thread is counted blocked: the loads in flight land (the hardware would
+// deliver them), which may release someone; if not, the CTA is deadlocked.
+inline void everyone_waits_locked(Block& b) {
+  for (auto& [off, bar] : b.bars) land_locked(b, bar);
+  if (b.blocked == b.nthreads) {
+    fail_locked(b, "deadlock in block " + std::to_string(b.index) + ": every thread waits" + describe_waits(b));
+  }
 }
 
 // Block until ready() holds (under the CTA's lock), counted as blocked meanwhile; `what` says what this thread
@@ -205,13 +236,7 @@ void block_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv
   ++on_block;
   ++b.blocked;
   b.waiting_on[ctx.tid] = what();
-  if (b.blocked == b.nthreads) {
-    // Everyone waits: the loads in flight land (the hardware would deliver them), which may release someone.
-    for (auto& [off, bar] : b.bars) land_locked(b, bar);
-    if (b.blocked == b.nthreads) {
-      fail_locked(b, "deadlock in block " + std::to_string(b.index) + ": every thread waits" + describe_waits(b));
-    }
-  }
+  if (b.blocked == b.nthreads) everyone_waits_locked(b);
   auto const start = std::chrono::steady_clock::now();
   while (!ready() && !b.aborted) {
     cv.wait_for(lock, std::chrono::milliseconds(250));
@@ -224,38 +249,54 @@ void block_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv
   if (b.aborted) throw Aborted{};
 }
 
+// A gate's arrival and (but for the last arrival) its wait. The arrival and the blocked count change together
+// under the gate's lock, and the release subtracts its n - 1 waiters, so `blocked` never counts a thread that is
+// free to run; the waiter that makes it reach every thread runs the deadlock check.
 inline void gate_wait(Gate& g) {
   Block& b = *ctx.block;
-  std::unique_lock<std::mutex> lock(b.mu);
   if (b.aborted) throw Aborted{};
-  uint64_t const gen = g.generation;
-  if (++g.arrived == g.n) {
-    g.arrived = 0;
-    ++g.generation;
-    b.blocked -= g.n - 1;
-    g.cv.notify_all();
+  uint32_t gen;
+  bool last;
+  {
+    std::lock_guard<std::mutex> lock(g.mu);
+    gen = g.generation.load(std::memory_order_relaxed);
+    last = ++g.arrived == g.n;
+    if (last) {
+      g.arrived = 0;
+      b.blocked -= g.n - 1;
+      g.generation.fetch_add(1, std::memory_order_release);
+    } else {
+      b.at_gate[ctx.tid].store(g.n, std::memory_order_relaxed);
+      ++b.blocked;
+    }
+  }
+  if (last) {
+    g.generation.notify_all();
     return;
   }
-  int dummy = 0;  // the gate's release subtracts its n - 1 waiters itself
-  block_until(lock, g.cv, dummy, [&] { return g.generation != gen; }, [&] {
-    return g.n == b.nthreads ? std::string("the CTA-wide barrier (the end of the CTA, or __syncthreads)")
-                             : "a collective of the " + std::to_string(g.n) + " threads of its " +
-                                   (g.n == 32 ? "warp" : "warpgroup");
-  });
+  if (b.blocked == b.nthreads) {
+    std::lock_guard<std::mutex> lock(b.mu);
+    if (b.blocked == b.nthreads) everyone_waits_locked(b);
+  }
+  while (g.generation.load(std::memory_order_acquire) == gen && !b.aborted) g.generation.wait(gen);
+  b.at_gate[ctx.tid].store(0, std::memory_order_relaxed);
+  if (b.aborted) throw Aborted{};
 }
 
 inline void sync_threads() { gate_wait(ctx.block->block_gate); }
 inline void sync_warp() { gate_wait(*ctx.block->warp_gates[ctx.tid / 32]); }
 inline void sync_warpgroup() { gate_wait(*ctx.block->wg_gates[ctx.tid / 128]); }
 
+// Two scratch slots per warp taken in turn: one barrier per shuffle, after the lanes publish (a lane writes a slot
+// again two shuffles later, past the barrier of the one in between, which every lane reaches after its read here).
+inline thread_local unsigned warp_shuffles = 0;
 inline float shfl_xor(float x, int lane_mask) {
-  float* buf = ctx.block->warp_scratch.data() + 32 * (ctx.tid / 32);
+  unsigned const turn = warp_shuffles++ & 1u;
+  float* buf = ctx.block->warp_scratch.data() + 32 * (2 * (ctx.tid / 32) + turn);
   int const lane = ctx.tid % 32;
   buf[lane] = x;
   sync_warp();
-  float const y = buf[lane ^ lane_mask];
-  sync_warp();
-  return y;
+  return buf[lane ^ lane_mask];
 }
 
 // ---- mbarriers -----------------------------------------------------------------------------------------------
@@ -509,7 +550,7 @@ inline void launch(int64_t grid, int nthreads, int smem_bytes, std::function<voi
     b.wg_gates.push_back(std::make_unique<Gate>());
     b.wg_gates.back()->n = 128;
   }
-  b.warp_scratch.assign(size_t(nthreads + 31) / 32 * 32, 0.f);
+  b.warp_scratch.assign(size_t(nthreads + 31) / 32 * 64, 0.f);
   b.wg_scratch.resize(b.wg_gates.size());
   b.waiting_on.resize(nthreads);
   std::unique_ptr<char[]> storage(new char[size_t(smem_bytes) + 1024]);
@@ -520,7 +561,8 @@ inline void launch(int64_t grid, int nthreads, int smem_bytes, std::function<voi
   b.last_write.reset(new std::atomic<uint64_t>[words]);
   b.last_read.reset(new std::atomic<uint64_t>[words]);
   b.fences.reset(new std::atomic<uint32_t>[nthreads]);
-  for (int t = 0; t < nthreads; ++t) b.fences[t] = 0;
+  b.at_gate.reset(new std::atomic<int>[nthreads]);
+  for (int t = 0; t < nthreads; ++t) b.fences[t] = 0, b.at_gate[t] = 0;
 
   std::vector<std::thread> threads;
   threads.reserve(nthreads);
