@@ -53,6 +53,10 @@ struct FwdFp8Traits : FwdTraits<Tile_, Element_, Prims_, Softcap::kRunTime> {
     using GmemTiledCopyLoad = decltype(make_tiled_copy(Copy_Atom<typename Prims_::GmemCopyAsync, uint8_t>{},
                                                        Fp8ThreadLayout{}, Layout<Shape<_1, _16>>{}));
   };
+  // The loader's view (fwd_traits.h): codes, their copy, the row-major FP8 stages.
+  using CacheElement = uint8_t;
+  using KvLoad = Fp8Load;
+  using SmemLayoutKvLoad = SmemLayoutFp8;
 };
 
 // 16 FP8 codes -> 16 Elements (two 16-byte halves), exact. kFormat: common/fp8.h Fp8Format.

@@ -24,6 +24,7 @@
 #include "sm80/fwd_traits.h"
 #include "sm80/gemm.h"
 #include "sm80/key_groups.h"
+#include "sm80/kv_loader.h"
 #include "sm80/layout_utils.h"
 #include "sm80/row_loader.h"
 #include "sm80/split_epilogue.h"
@@ -57,40 +58,24 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   int t_begin = 0, t_end = range.count();
   if (p.num_splits > 1) split_share(range.count(), split, p.num_splits, t_begin, t_end);
 
-  // ---- global rows: Q of tile row r; key j of this sequence, contiguous or slot j % page_size of a page ------
-  // (SeqExtent gives each sequence's base; a row adds row * row_stride + head * head_stride.)
+  // ---- global rows: Q of tile row r (SeqExtent gives each sequence's base; a row adds row * row_stride + head *
+  // head_stride); K and V rows: kv_loader.h ----------------------------------------------------------------------
   Element const* q_seq = static_cast<Element const*>(p.q) + ext.q_row(bidb, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
   auto q_row = [&](int r) {
     return q_seq + int64_t(at.query_of(r)) * p.q_row_stride + int64_t(at.head_of(r)) * p.q_head_stride;
   };
-  // K and V: SeqExtent::k_row's rule, except that a paged cache has no batch term (its batch strides are page
-  // strides, applied per key by kv_offset; k_start is 0: a cache's keys are never packed). Written out here: through
-  // k_row with a zero batch stride, or through a SeqExtent member taking the block table, the hd128 tiles took 2-4
-  // more registers (ptxas, sm_80 and sm_90).
-  Element const* k_seq = static_cast<Element const*>(p.k) + int64_t(bidh_k) * p.k_head_stride +
-                         (p.block_table || ext.k_varlen ? ext.k_start * p.k_row_stride : bidb * p.k_batch_stride);
-  Element const* v_seq = static_cast<Element const*>(p.v) + int64_t(bidh_k) * p.v_head_stride +
-                         (p.block_table || ext.k_varlen ? ext.k_start * p.v_row_stride : bidb * p.v_batch_stride);
-  int const* pages = p.block_table ? p.block_table + bidb * p.block_table_batch_stride : nullptr;
-  // Key j's offset from *_seq: in a paged cache slot j % page_size of page pages[j / page_size] (shifts for the
-  // usual power-of-two page sizes).
-  auto kv_offset = [&](int64_t page_stride, int64_t row_stride, int j) {
-    if (!pages) return int64_t(j) * row_stride;
-    int const page = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
-    int const slot = p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size;
-    return int64_t(pages[page]) * page_stride + int64_t(slot) * row_stride;
-  };
+  KvLoader<Kt> const load_block{p, ext, bidb, bidh_k};  // K and V rows, contiguous, packed or paged
 
-  // ---- shared memory: Q, then K stages, then V stages ---------------------------------------------------
+  // ---- shared memory: Q, the K stages, the V stages as loaded (Kt::SmemLayoutKvLoad); over an FP8 cache then the
+  // one K and one V block of Element the MMAs read (fp8_kv.h), otherwise the MMAs read the stages -----------------
+  using Cache = typename Kt::CacheElement;  // Element, or the codes of an FP8 cache
+  using KvStage = typename Kt::SmemLayoutKvLoad;
   Element* smem_q = reinterpret_cast<Element*>(smem);
-  Element* smem_k = smem_q + cosize_v<typename Kt::SmemLayoutQ>;
-  Element* smem_v = smem_k + Kt::kStages * cosize_v<typename Kt::SmemLayoutKV>;
-  // FP8: the FP8 K stages, the FP8 V stages, then the one K and one V block of Element the MMAs read.
-  uint8_t* const smem_f8 = reinterpret_cast<uint8_t*>(smem_k);
-  if constexpr (Kt::kFp8) {
-    smem_k = reinterpret_cast<Element*>(smem_f8 + 2 * Kt::kStages * Kt::kFp8StageBytes);
-    smem_v = smem_k + cosize_v<typename Kt::SmemLayoutKV>;
-  }
+  Cache* const stage_k = reinterpret_cast<Cache*>(smem_q + cosize_v<typename Kt::SmemLayoutQ>);
+  Cache* const stage_v = stage_k + Kt::kStages * cosize_v<KvStage>;
+  Element* const smem_k = reinterpret_cast<Element*>(Kt::kFp8 ? stage_v + Kt::kStages * cosize_v<KvStage> : stage_k);
+  Element* const smem_v =
+      Kt::kFp8 ? smem_k + cosize_v<typename Kt::SmemLayoutKV> : reinterpret_cast<Element*>(stage_v);
   Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
   // Stage s of K or V (base smem_k or smem_v) from key row0 on (whole 8-row swizzle atoms), seen in `layout`.
   auto stage = [&](Element* base, int s, int row0, auto layout) {
@@ -101,75 +86,9 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   typename Kt::GmemTiledCopyLoad gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   auto const vec = gmem_vector<Element, kBlockN, kHeadDim>(gmem_thr);
-  // Interior key blocks (every key < seqlen_k, the kernel's whole head dim) in a contiguous cache or inside one
-  // page load as whole tiles (load_tile): a block offset and unpredicated copies. Decode tiles over pages
-  // smaller than a block load them row by row from their pages, still without bounds or zero-fill
-  // (load_rows<kWhole>; in the 255-register prefill tiles this third path made ptxas spill, so they take the
-  // checked load_rows there). The last block and a head dim below the kernel's go through load_rows, row by row with
-  // bounds and zero-fill.
-  int const whole_blocks = p.headdim == kHeadDim ? ext.seqlen_k / kBlockN : 0;  // blocks n < whole_blocks
-  bool const block_in_page = !pages || p.page_size % kBlockN == 0;
-  // FP8: the same three paths over 16-code vectors into the row-major FP8 stages (k/v offsets in elements are
-  // bytes).
-  auto load_kv_fp8 = [&](int n, int s) {
-    if constexpr (Kt::kFp8) {
-      using L = typename Kt::Fp8Load;
-      typename L::GmemTiledCopyLoad f8_copy;
-      auto f8_thr = f8_copy.get_thread_slice(tid);
-      Tensor tcKV = f8_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-      auto const vec8 = gmem_vector<uint8_t, kBlockN, kHeadDim>(f8_thr);
-      typename Kt::SmemLayoutFp8 const f8_layout;
-      auto tKsK = f8_thr.partition_D(make_tensor(make_smem_ptr(smem_f8 + s * Kt::kFp8StageBytes), f8_layout));
-      auto tVsV = f8_thr.partition_D(
-          make_tensor(make_smem_ptr(smem_f8 + (Kt::kStages + s) * Kt::kFp8StageBytes), f8_layout));
-      uint8_t const* k8 = static_cast<uint8_t const*>(p.k) + int64_t(bidh_k) * p.k_head_stride +
-                          (p.block_table ? int64_t(0) : bidb * p.k_batch_stride);
-      uint8_t const* v8 = static_cast<uint8_t const*>(p.v) + int64_t(bidh_k) * p.v_head_stride +
-                          (p.block_table ? int64_t(0) : bidb * p.v_batch_stride);
-      int const j0 = n * kBlockN;
-      if (n < whole_blocks && block_in_page) {
-        load_tile<L>(tKsK, tcKV, vec8, k8 + kv_offset(p.k_batch_stride, p.k_row_stride, j0), p.k_row_stride);
-        load_tile<L>(tVsV, tcKV, vec8, v8 + kv_offset(p.v_batch_stride, p.v_row_stride, j0), p.v_row_stride);
-      } else if (n < whole_blocks) {
-        load_rows<L, true>(tKsK, tcKV, vec8, kBlockN, kHeadDim,
-                           [&](int r) { return k8 + kv_offset(p.k_batch_stride, p.k_row_stride, j0 + r); });
-        load_rows<L, true>(tVsV, tcKV, vec8, kBlockN, kHeadDim,
-                           [&](int r) { return v8 + kv_offset(p.v_batch_stride, p.v_row_stride, j0 + r); });
-      } else {
-        load_rows<L>(tKsK, tcKV, vec8, ext.seqlen_k - j0, p.headdim,
-                     [&](int r) { return k8 + kv_offset(p.k_batch_stride, p.k_row_stride, j0 + r); });
-        load_rows<L>(tVsV, tcKV, vec8, ext.seqlen_k - j0, p.headdim,
-                     [&](int r) { return v8 + kv_offset(p.v_batch_stride, p.v_row_stride, j0 + r); });
-      }
-    }
-  };
   auto load_kv = [&](int t) {
-    int const n = range.block(t), s = int(unsigned(t - t_begin) % Kt::kStages), j0 = n * kBlockN;
-    if constexpr (Kt::kFp8) {
-      load_kv_fp8(n, s);
-      return;
-    }
-    typename Kt::SmemLayoutKV const whole;
-    auto tKsK = gmem_thr.partition_D(stage(smem_k, s, 0, whole));
-    auto tVsV = gmem_thr.partition_D(stage(smem_v, s, 0, whole));
-    if (n < whole_blocks && block_in_page) {
-      load_tile<Kt>(tKsK, tKVcKV, vec, k_seq + kv_offset(p.k_batch_stride, p.k_row_stride, j0), p.k_row_stride);
-      load_tile<Kt>(tVsV, tKVcKV, vec, v_seq + kv_offset(p.v_batch_stride, p.v_row_stride, j0), p.v_row_stride);
-      return;
-    }
-    if (!kComputeBound<typename Kt::TileTag> && n < whole_blocks) {
-      load_rows<Kt, true>(tKsK, tKVcKV, vec, kBlockN, kHeadDim,
-                          [&](int r) { return k_seq + kv_offset(p.k_batch_stride, p.k_row_stride, j0 + r); });
-      load_rows<Kt, true>(tVsV, tKVcKV, vec, kBlockN, kHeadDim,
-                          [&](int r) { return v_seq + kv_offset(p.v_batch_stride, p.v_row_stride, j0 + r); });
-      return;
-    }
-    load_rows<Kt>(tKsK, tKVcKV, vec, ext.seqlen_k - j0, p.headdim,
-                  [&](int r) { return k_seq + kv_offset(p.k_batch_stride, p.k_row_stride, j0 + r); });
-    load_rows<Kt>(tVsV, tKVcKV, vec, ext.seqlen_k - j0, p.headdim,
-                  [&](int r) { return v_seq + kv_offset(p.v_batch_stride, p.v_row_stride, j0 + r); });
+    load_block(range.block(t), int(unsigned(t - t_begin) % Kt::kStages), stage_k, stage_v, tid);
   };
 
   // One cp.async group per key block, committed even when empty (past the last block), so the group of
@@ -249,7 +168,7 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
       // FP8 stage s (landed: the wait and barrier above) -> the Element K and V blocks, which every MMA read of
       // block t - 1 is done with (same barrier); a barrier before the MMAs read them. FP8 stage s is then free
       // for the loads issued after the next iteration's barrier, so no end-of-iteration barrier is needed.
-      convert_fp8_stage<Kt>(smem_f8, smem_f8 + Kt::kStages * Kt::kFp8StageBytes, s, smem_k, smem_v, tid, p.kv_fp8);
+      convert_fp8_stage<Kt>(stage_k, stage_v, s, smem_k, smem_v, tid, p.kv_fp8);
       Prims::sync_threads();
     }
     if (!warp_active) {
@@ -294,7 +213,7 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
     int tile_rows[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) tile_rows[r] = get<0>(tOcO(r, 0));
-    holds_rows = merge_key_groups<Kt>(reinterpret_cast<char*>(smem_f8), tid, score.log2, tile_rows, softmax.row_max,
+    holds_rows = merge_key_groups<Kt>(reinterpret_cast<char*>(stage_k), tid, score.log2, tile_rows, softmax.row_max,
                                       softmax.row_sum, acc_o);
   }
   bool const split_kv = p.num_splits > 1;

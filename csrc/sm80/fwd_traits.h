@@ -104,6 +104,11 @@ struct FwdTraits {
   using SmemCopyAtom = Copy_Atom<typename Prims::LdsmN, Element>;
   using SmemCopyAtomT = Copy_Atom<typename Prims::LdsmT, Element>;
   using SmemCopyAtomO = Copy_Atom<typename Prims::SmemStore32, Element>;
+  // The K/V stages as loaded (fwd_kernel.h's one loader): what the cache holds, the copy row_loader.h reads, the
+  // stage's shared-memory layout. Here the MMAs read the stages themselves; fp8_kv.h loads FP8 codes instead.
+  using CacheElement = Element;
+  using KvLoad = FwdTraits;
+  using SmemLayoutKvLoad = SmemLayoutKV;
 };
 
 }  // namespace sinkattn::sm80

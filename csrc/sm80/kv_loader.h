@@ -1,0 +1,87 @@
+// kv_loader.h: the sm80 forward's one K/V loader: key block n of a sequence's keys, contiguous, packed (varlen) or
+// in the pages of a paged cache, from global memory into a shared-memory stage with cp.async. One code for a
+// cache of the kernel's Element and for FP8 codes alike: the traits name what the cache holds (CacheElement), the
+// copy row_loader.h reads (KvLoad) and the stage's layout (SmemLayoutKvLoad); fp8_kv.h's conversion pass is a step
+// of its own after the load lands.
+#pragma once
+#include <cstdint>
+#include <cute/tensor.hpp>
+
+#include "common/defs.h"
+#include "common/seq_extent.h"
+#include "sm80/fwd_tiles.h"
+#include "sm80/row_loader.h"
+
+namespace sinkattn::sm80 {
+
+using namespace cute;
+
+template <class Kt>
+struct KvLoader {
+  using Cache = typename Kt::CacheElement;
+  using Load = typename Kt::KvLoad;
+  using Stage = typename Kt::SmemLayoutKvLoad;
+  static constexpr int kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+
+  typename Kt::Params const& p;
+  Cache const* k_seq;
+  Cache const* v_seq;
+  int const* pages;  // this sequence's row of the block table, or nullptr
+  int seqlen_k;
+  int whole_blocks;    // blocks n < whole_blocks hold only keys < seqlen_k, at the kernel's whole head dim
+  bool block_in_page;  // a key block never straddles two pages
+
+  // K and V: SeqExtent::k_row's rule, except that a paged cache has no batch term (its batch strides are page
+  // strides, applied per key by offset(); k_start is 0: a cache's keys are never packed). Written out here: through
+  // k_row with a zero batch stride, or through a SeqExtent member taking the block table, the hd128 tiles took 2-4
+  // more registers (ptxas, sm_80 and sm_90).
+  SA_DEVICE KvLoader(typename Kt::Params const& p_, SeqExtent const& ext, int bidb, int bidh_k)
+      : p(p_),
+        k_seq(static_cast<Cache const*>(p_.k) + int64_t(bidh_k) * p_.k_head_stride +
+              (p_.block_table || ext.k_varlen ? ext.k_start * p_.k_row_stride : bidb * p_.k_batch_stride)),
+        v_seq(static_cast<Cache const*>(p_.v) + int64_t(bidh_k) * p_.v_head_stride +
+              (p_.block_table || ext.k_varlen ? ext.k_start * p_.v_row_stride : bidb * p_.v_batch_stride)),
+        pages(p_.block_table ? p_.block_table + bidb * p_.block_table_batch_stride : nullptr),
+        seqlen_k(ext.seqlen_k),
+        whole_blocks(p_.headdim == kHeadDim ? ext.seqlen_k / kBlockN : 0),
+        block_in_page(!pages || p_.page_size % kBlockN == 0) {}
+
+  // Key j's offset from *_seq: in a paged cache slot j % page_size of page pages[j / page_size] (shifts for the
+  // usual power-of-two page sizes).
+  SA_DEVICE int64_t offset(int64_t page_stride, int64_t row_stride, int j) const {
+    if (!pages) return int64_t(j) * row_stride;
+    int const page = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
+    int const slot = p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size;
+    return int64_t(pages[page]) * page_stride + int64_t(slot) * row_stride;
+  }
+
+  // Key block n into stage s of the K stages at stage_k and the V stages at stage_v, by thread tid. Interior
+  // blocks in a contiguous cache or inside one page load as whole tiles (load_tile): a block offset and
+  // unpredicated copies. Decode tiles over pages smaller than a block load them row by row from their pages,
+  // still without bounds or zero-fill (load_rows<kWhole>; in the 255-register prefill tiles this third path made
+  // ptxas spill, so they take the checked load_rows there). The last block and a head dim below the kernel's go
+  // through load_rows, row by row with bounds and zero-fill.
+  SA_DEVICE void operator()(int n, int s, Cache* stage_k, Cache* stage_v, int tid) const {
+    typename Load::GmemTiledCopyLoad copy;
+    auto thr = copy.get_thread_slice(tid);
+    Tensor tKVcKV = thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    auto const vec = gmem_vector<Cache, kBlockN, kHeadDim>(thr);
+    auto tKsK = thr.partition_D(make_tensor(make_smem_ptr(stage_k + s * cosize_v<Stage>), Stage{}));
+    auto tVsV = thr.partition_D(make_tensor(make_smem_ptr(stage_v + s * cosize_v<Stage>), Stage{}));
+    int const j0 = n * kBlockN;
+    auto k_row = [&](int r) { return k_seq + offset(p.k_batch_stride, p.k_row_stride, j0 + r); };
+    auto v_row = [&](int r) { return v_seq + offset(p.v_batch_stride, p.v_row_stride, j0 + r); };
+    if (n < whole_blocks && block_in_page) {
+      load_tile<Load>(tKsK, tKVcKV, vec, k_row(0), p.k_row_stride);
+      load_tile<Load>(tVsV, tKVcKV, vec, v_row(0), p.v_row_stride);
+    } else if (!kComputeBound<typename Kt::TileTag> && n < whole_blocks) {
+      load_rows<Load, true>(tKsK, tKVcKV, vec, kBlockN, kHeadDim, k_row);
+      load_rows<Load, true>(tVsV, tKVcKV, vec, kBlockN, kHeadDim, v_row);
+    } else {
+      load_rows<Load>(tKsK, tKVcKV, vec, seqlen_k - j0, p.headdim, k_row);
+      load_rows<Load>(tVsV, tKVcKV, vec, seqlen_k - j0, p.headdim, v_row);
+    }
+  }
+};
+
+}  // namespace sinkattn::sm80
