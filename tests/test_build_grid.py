@@ -100,7 +100,7 @@ def test_diagnostic_switch_off_by_default_and_units_unchanged():
 
 # The sm90 seam (csrc/sm90/pipeline.cuh: the protocol vocabulary; sm90/prims_gpu.cuh: GpuPrims, the hardware): the
 # kernel bodies reach TMA, mbarriers, named barriers, wgmma, setmaxnreg, the thread and block indices, atomics and
-# inline asm only through their `Hw` parameter, so that a host implementation (issue 28, Deliver 4) can run the same
+# inline asm only through their `Prims` parameter, so that a host implementation (emu/sm90_prims.h) can run the same
 # bodies, and the diagnostic build bounds every mbarrier wait (GpuPrims::wait). What counts as raw, by kind:
 SM90_RAW = {
     "inline asm": r"\basm\b",
@@ -138,9 +138,9 @@ def _sm90_files():
 
 
 def test_sm90_hardware_primitives_only_in_the_seam():
-    """No sm90 file but prims_gpu.cuh issues a raw primitive; the kernels take them from Hw."""
+    """No sm90 file but prims_gpu.cuh issues a raw primitive; the kernels take them from Prims."""
     raw = [u for p in _sm90_files() if p.name != SM90_SEAM_IMPL for u in _raw_uses(p.name, p.read_text())]
-    assert raw == [], f"raw hardware primitives outside sm90/{SM90_SEAM_IMPL} (go through Hw / GpuPrims): {raw}"
+    assert raw == [], f"raw hardware primitives outside sm90/{SM90_SEAM_IMPL} (go through Prims / GpuPrims): {raw}"
 
 
 def test_sm90_seam_patterns_are_live():
@@ -162,9 +162,10 @@ def test_sm90_seam_patterns_are_live():
     assert set(planted) == set(SM90_RAW)
     for kind, line in planted.items():
         assert kind in {k for _, k in _raw_uses("planted", line)}, kind
-    seam_calls = ("Hw::template wgmma<true>(mma_s, a, b, acc); Hw::template wgmma_wait<1>(); Hw::fence_operand(acc);"
-                  " wait_full<Hw>(ss.k_full, kv, BarrierId::kKFull); Hw::tma_load(tma.k, ss.k_full[st], src, dst);"
-                  " Hw::named_sync(256, id_of(NamedBarrier::kBwdDs)); // a comment: asm threadIdx.x gemm(")
+    seam_calls = ("Prims::template wgmma<true>(mma_s, a, b, acc); Prims::template wgmma_wait<1>();"
+                  " Prims::fence_operand(acc); wait_full<Prims>(ss.k_full, kv, BarrierId::kKFull);"
+                  " Prims::tma_load(tma.k, ss.k_full[st], src, dst);"
+                  " Prims::named_sync(256, id_of(NamedBarrier::kBwdDs)); // a comment: asm threadIdx.x gemm(")
     assert _raw_uses("seam", seam_calls) == []
 
 
@@ -177,9 +178,9 @@ def test_sm90_kernel_bodies_take_the_seam_as_a_parameter():
               and not p.name.endswith("_traits.h")]
     named = [f"{p.name}:{n}" for p in bodies for n, code in _code_lines(p.read_text())
              if "GpuPrims" in code and not re.search(r"\b(fwd|bwd)_cta<Kt, GpuPrims", code)]
-    assert named == [], f"kernel code naming GpuPrims instead of its Hw parameter: {named}"
+    assert named == [], f"kernel code naming GpuPrims instead of its Prims parameter: {named}"
     kernels = [p.read_text() for p in bodies if p.name.endswith("_kernel.cuh")]
-    waits = sum(len(re.findall(r"\bwait_(full|empty)<Hw>\(|\bHw::wait\(", k)) for k in kernels)
+    waits = sum(len(re.findall(r"\bwait_(full|empty)<Prims>\(|\bPrims::wait\(", k)) for k in kernels)
     assert waits >= 14, waits
 
 

@@ -1,7 +1,7 @@
 """The sm90 forward kernel (TMA + wgmma, warp-specialized, persistent) run on the CPU under host emulation.
 
 The kernel body is the GPU's (sm90/fwd_kernel.cuh fwd_cta), run through the seam's host implementation
-(csrc/emu/sm90_prims.h HostPrims on csrc/emu/sm90_runtime.h): 384 or 512 real threads per CTA, blocking mbarrier
+(csrc/emu/sm90_prims.h EmuPrims on csrc/emu/sm90_runtime.h): 384 or 512 real threads per CTA, blocking mbarrier
 and named-barrier waits, TMA boxes described by the project's own tensor map (zero fill, the hardware's swizzle),
 wgmma reading the real descriptors CuTe builds, in the hardware's fragment layouts, with deferred completion; a
 deadlock detector and ordering checks fail a launch (docs/DESIGN.md section 6, "the sm90 host emulation").

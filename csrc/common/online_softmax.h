@@ -7,7 +7,7 @@
 //   adds the learnable sink once per row and gives the output scale and the LSE.
 // - finalize_row: that last step on plain numbers (host tests call it through the extension).
 // The row reductions across the 4 lanes of a quad go through Shfl::shfl_xor, so the same code runs on the GPU
-// and under host emulation (emu/emu_prims.h).
+// and under host emulation (emu/sm80_prims.h).
 #pragma once
 #include <cmath>
 #include "common/defs.h"

@@ -1,5 +1,5 @@
 // fwd_sm90_emu.h: the sm90 forward kernel body (sm90/fwd_kernel.cuh fwd_cta) run on the CPU under host emulation
-// (emu/sm90_prims.h HostPrims; compiled by the host C++ compiler: no CUDA, no torch). Same tiles, tile order and
+// (emu/sm90_prims.h EmuPrims; compiled by the host C++ compiler: no CUDA, no torch). Same tiles, tile order and
 // descriptors as sm90/fwd_launch.cuh launch_fwd (both through sm90/fwd_host.h), on a persistent grid of
 // EmuLaunch::sm_count CTAs.
 #pragma once
@@ -20,10 +20,10 @@ void launch_fwd_emulated(FwdParams const& p, EmuLaunch const& launch) {
   using Kt = FwdTraits<Tile, Element>;
   if (!fwd_has_work<Kt>(p)) return;
   PersistentTileOrder const sched = fwd_schedule<Kt>(p);
-  TmaParams<Kt> const tma = fwd_tma_params<Kt, emu90::HostPrims>(p);
+  TmaParams<Kt> const tma = fwd_tma_params<Kt, emu90::EmuPrims>(p);
   int64_t const grid = sched.count() < launch.sm_count ? sched.count() : launch.sm_count;
   emu90::launch_cta_grid(grid, Kt::kNThreads, Kt::kSmemBytes,
-                         [&](char* smem) { fwd_cta<Kt, emu90::HostPrims>(p, tma, sched, smem); });
+                         [&](char* smem) { fwd_cta<Kt, emu90::EmuPrims>(p, tma, sched, smem); });
 }
 
 }  // namespace sm90

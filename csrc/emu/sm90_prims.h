@@ -1,4 +1,4 @@
-// sm90_prims.h: HostPrims, the host implementation of the sm90 kernels' seam (the `Hw` their bodies take; the GPU's
+// sm90_prims.h: EmuPrims, the host implementation of the sm90 kernels' seam (the `Prims` their bodies take; the GPU's
 // is sm90/prims_gpu.cuh GpuPrims), on emu/sm90_runtime.h's CTA model. Each primitive does what the comment on its
 // GpuPrims twin says it means, on CPU threads.
 //
@@ -249,7 +249,7 @@ inline void retire(WgmmaGroup const& g) {
   sync_warpgroup();
 }
 
-struct HostPrims {
+struct EmuPrims {
   // ---- host side: descriptors --------------------------------------------------------------------------------
   template <class GmemTensor, class SmemLayout>
   static auto make_tma_load(GmemTensor const& gmem, SmemLayout const& smem_layout) {

@@ -17,7 +17,7 @@
 //   - a deadlock detector: when every thread of the CTA is blocked, the pending loads land; if still every thread
 //     is blocked, the launch fails with who waits on what. A wait longer than kWaitLimit fails it too.
 // Ordering checks (the first violation fails the launch), per 4-byte shared-memory word:
-//   - a generic access through the seam (Hw::lds128 / sts32 / sts128_zero2) or a wgmma operand read of a word a
+//   - a generic access through the seam (Prims::lds128 / sts32 / sts128_zero2) or a wgmma operand read of a word a
 //     TMA load has not delivered (its full barrier not waited for);
 //   - a TMA load into words an in-flight wgmma group reads (a stage released before its wgmma_wait);
 //   - a TMA load over words a thread accessed through the generic proxy, or a wgmma read of words a thread wrote,
@@ -415,7 +415,7 @@ inline void fence_proxy_async() { ctx.block->fences[ctx.tid].fetch_add(1, std::m
 
 // ---- TMA -----------------------------------------------------------------------------------------------------
 // The project's description of a tiled tensor map, in the 128 bytes of CuTe's TmaDescriptor (the driver's
-// cuTensorMapEncodeTiled does not run on the host; emu/sm90_prims.h HostPrims::make_tma_load fills it from what
+// cuTensorMapEncodeTiled does not run on the host; emu/sm90_prims.h EmuPrims::make_tma_load fills it from what
 // CuTe would have passed to it).
 struct TensorMap {
   static constexpr uint64_t kMagic = 0x53494e4b544d4150ull;  // "SINKTMAP"

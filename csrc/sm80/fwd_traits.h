@@ -1,7 +1,7 @@
 // fwd_traits.h: tile shapes, shared-memory layouts and atoms of the sm80 forward kernel.
 //
 // Prims names the hardware-facing pieces (MMA and copy atoms, barriers, shuffles, cp.async fences): the GPU
-// build passes GpuPrims (sm80/prims_gpu.cuh), the host-emulation build EmuPrims (emu/emu_prims.h), and the
+// build passes GpuPrims (sm80/prims_gpu.cuh), the host-emulation build EmuPrims (emu/sm80_prims.h), and the
 // kernel body is the same code for both. No torch, no CUDA intrinsics here.
 #pragma once
 #include <cute/tensor.hpp>

@@ -1,6 +1,6 @@
 // bwd_host.h: the host side of the sm90 backward's main step that the GPU launcher (sm90/bwd_launch.cuh) and the host
 // emulation's (emu/bwd_sm90_emu.h) share: the grid, whether there is anything to do, and the TMA descriptors, made
-// through the implementation's make_tma_load (Hw). No CUDA runtime, no torch.
+// through the implementation's make_tma_load (Prims). No CUDA runtime, no torch.
 #pragma once
 #include <stdexcept>
 
@@ -30,7 +30,7 @@ bool bwd_has_work(BwdParams const& p) {
   return grid.count() > 0 && rows_q > 0 && rows_k > 0;
 }
 
-template <class Kt, class Hw>
+template <class Kt, class Prims>
 BwdTmaParams<Kt> bwd_tma_params(BwdParams const& p) {
   using namespace cute;
   using Element = typename Kt::Element;
@@ -44,10 +44,10 @@ BwdTmaParams<Kt> bwd_tma_params(BwdParams const& p) {
   auto const gK = tensor(p.k, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
   auto const gV = tensor(p.v, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   auto const q_tile = take<0, 2>(typename Kt::SmemLayoutQ{});
-  return BwdTmaParams<Kt>{checked_tma(Hw::make_tma_load(gQ, q_tile), "q"),
-                          checked_tma(Hw::make_tma_load(gdO, q_tile), "dout"),
-                          checked_tma(Hw::make_tma_load(gK, typename Kt::SmemLayoutKV{}), "k"),
-                          checked_tma(Hw::make_tma_load(gV, typename Kt::SmemLayoutKV{}), "v")};
+  return BwdTmaParams<Kt>{checked_tma(Prims::make_tma_load(gQ, q_tile), "q"),
+                          checked_tma(Prims::make_tma_load(gdO, q_tile), "dout"),
+                          checked_tma(Prims::make_tma_load(gK, typename Kt::SmemLayoutKV{}), "k"),
+                          checked_tma(Prims::make_tma_load(gV, typename Kt::SmemLayoutKV{}), "v")};
 }
 
 }  // namespace sinkattn::sm90

@@ -14,7 +14,7 @@
 // dK (times softmax_scale) and dV go out in fp32 per query head, as the sm80 kernel's: the postprocess sums the
 // GQA group. Varlen: the consumers zero the rows of a sequence's last key block and last M tile that lie past its
 // end (the next sequence's, which TMA loads with them), as the sm80 backward's zero-filled loads (zero_tail).
-// Every hardware primitive goes through Hw (sm90/prims_gpu.cuh GpuPrims on the GPU), the ring positions, barrier ids
+// Every hardware primitive goes through Prims (sm90/prims_gpu.cuh GpuPrims on the GPU), the ring positions, barrier ids
 // and warp roles are sm90/pipeline.cuh's.
 #pragma once
 #include <cmath>
@@ -41,12 +41,12 @@ using namespace cute;
 
 namespace bwd {
 
-// The consumer thread index (0-255), read from %tid.x each time (Hw::thread_index_reread): a value the compiler
+// The consumer thread index (0-255), read from %tid.x each time (Prims::thread_index_reread): a value the compiler
 // cannot keep live across a loop, so what is derived from it is recomputed where used instead of held in a register
 // (or spilled).
-template <class Hw>
+template <class Prims>
 SA_DEVICE int consumer_tid() {
-  return WarpRoles::consumer_thread(Hw::thread_index_reread());
+  return WarpRoles::consumer_thread(Prims::thread_index_reread());
 }
 
 // Varlen only: rows [valid, rows) of two tiles TMA has just filled (the block's K and V, or a stage's Q and dO) are
@@ -54,18 +54,18 @@ SA_DEVICE int consumer_tid() {
 // wgmma and sync before either warpgroup's product reads them. Called where a tile runs past its sequence's end:
 // a sequence's last key block (once per CTA) and its last M tile, never on the common path. (Padded batches need
 // none: each sequence has its own rows in the descriptor, and TMA zero-fills past them.)
-template <class Hw, class TileA, class TileB>
+template <class Prims, class TileA, class TileB>
 SA_DEVICE void zero_tail(TileA const& a, TileB const& b, int valid) {
-  zero_tail_rows<Hw, 256>(a, b, valid, consumer_tid<Hw>());
-  Hw::fence_async_shared();
-  Hw::named_sync(256, id_of(NamedBarrier::kBwdTail));
+  zero_tail_rows<Prims, 256>(a, b, valid, consumer_tid<Prims>());
+  Prims::fence_async_shared();
+  Prims::named_sync(256, id_of(NamedBarrier::kBwdTail));
 }
 
 // The producer: one thread (warp 0, lane 0) issues every TMA load; warp 1 writes each step's LSE and delta rows.
 // Both walk the same M tiles through the same stages: q_full[s] completes when the TMA bytes have landed and the
 // 32 lanes of warp 1 have arrived (each arrival releases that lane's rows). Two warps, not one: at hd64's 24
 // producer registers, one warp doing both spilled.
-template <class Kt, class Hw>
+template <class Kt, class Prims>
 SA90_DEVICE void produce_tma(BwdParams const& p, BwdTmaParams<Kt> const& tma, typename Kt::SharedStorage& ss,
                              Work const& w) {
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
@@ -83,9 +83,9 @@ SA90_DEVICE void produce_tma(BwdParams const& p, BwdTmaParams<Kt> const& tma, ty
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(w.n_block, _0{}));
     auto [tKgK, tKsK] = tma_partition(tma.k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(tma.v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    Hw::arrive_expect_tx(&ss.kv_full, 2 * Kt::kKVBytes);
-    Hw::tma_load(tma.k, ss.kv_full, tKgK, tKsK);
-    Hw::tma_load(tma.v, ss.kv_full, tVgV, tVsV);
+    Prims::arrive_expect_tx(&ss.kv_full, 2 * Kt::kKVBytes);
+    Prims::tma_load(tma.k, ss.kv_full, tKgK, tKsK);
+    Prims::tma_load(tma.v, ss.kv_full, tVgV, tVsV);
   }
   // Q and dO of each step: the views are rebuilt every step from p (parameter space) and w (shared memory, reread
   // after the previous step's TMA asm, which clobbers memory), so nothing but the loop counters lives across steps
@@ -93,7 +93,7 @@ SA90_DEVICE void produce_tma(BwdParams const& p, BwdTmaParams<Kt> const& tma, ty
   PipelineState<kStages> s;  // the Q / dO stages, one step per M tile
   for (int m = w.m_begin; m < w.m_end; ++m, s.advance()) {
     int const st = s.index();
-    wait_empty<Hw>(ss.q_empty, s, BarrierId::kQEmpty);
+    wait_empty<Prims>(ss.q_empty, s, BarrierId::kQEmpty);
     bool const varlen_now = p.cu_seqlens_q != nullptr;
     int const bdim_now = varlen_now ? 1 : p.batch, b_now = varlen_now ? 0 : w.batch;
     int const rows_now = max_i(varlen_now ? p.total_q : p.seqlen_q, 1);
@@ -107,23 +107,23 @@ SA90_DEVICE void produce_tma(BwdParams const& p, BwdTmaParams<Kt> const& tma, ty
                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
     auto [tQgQ, tQsQ] = tma_partition(tma.q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto [tdOgdO, tdOsdO] = tma_partition(tma.dout, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-    Hw::arrive_expect_tx(&ss.q_full[st], 2 * Kt::kQBytes);
-    Hw::tma_load(tma.q, ss.q_full[st], tQgQ, tQsQ(_, st));
-    Hw::tma_load(tma.dout, ss.q_full[st], tdOgdO, tdOsdO(_, st));
+    Prims::arrive_expect_tx(&ss.q_full[st], 2 * Kt::kQBytes);
+    Prims::tma_load(tma.q, ss.q_full[st], tQgQ, tQsQ(_, st));
+    Prims::tma_load(tma.dout, ss.q_full[st], tdOgdO, tdOsdO(_, st));
   }
 }
 
-template <class Kt, class Hw>
+template <class Kt, class Prims>
 SA90_DEVICE void produce_rows(BwdParams const& p, typename Kt::SharedStorage& ss, Work const& w, int lane) {
   constexpr int kBlockM = Kt::kBlockM, kStages = Kt::kStages;
   float const log2e = float(M_LOG2E);
   PipelineState<kStages> s;  // the same stages as produce_tma's
   for (int m = w.m_begin; m < w.m_end; ++m, s.advance()) {
     int const st = s.index();
-    wait_empty<Hw>(ss.q_empty, s, BarrierId::kQEmpty);
+    wait_empty<Prims>(ss.q_empty, s, BarrierId::kQEmpty);
     // The rows' offset is recomputed every step from w in shared memory (the fence makes the compiler reread it):
     // held across steps, it and its pointers spilled at hd64's 24 producer registers.
-    Hw::compiler_fence();
+    Prims::compiler_fence();
     int64_t const row0 = bwd_lse_index(p, w.batch, w.head, 0) + int64_t(m) * kBlockM;
     int const rows = w.ext.seqlen_q - m * kBlockM;
 #pragma unroll 1
@@ -137,12 +137,12 @@ SA90_DEVICE void produce_rows(BwdParams const& p, typename Kt::SharedStorage& ss
       ss.delta[st][r] = delta;
     }
     // The stores above must not move past the arrival (it is what releases them to the consumers).
-    Hw::compiler_fence();
-    Hw::arrive(&ss.q_full[st]);
+    Prims::compiler_fence();
+    Prims::arrive(&ss.q_full[st]);
   }
 }
 
-template <class Kt, class Hw, bool kSoftcap>
+template <class Kt, class Prims, bool kSoftcap>
 SA90_DEVICE void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Work const& w_smem, int ctid) {
   // In registers: read from shared memory at each use instead, ptxas spilled 108 bytes here, not 36. (The mask's
   // block sizes are then run-time values; rebuilding it with compile-time ones spilled 56 bytes, not 16: ptxas
@@ -209,22 +209,22 @@ SA90_DEVICE void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Wor
   int const j0 = w.n_block * kBlockN;
 
   // kv_full completes once (phase 0): K and V stay for the whole CTA.
-  Hw::wait(&ss.kv_full, 0, BarrierId::kKVFull, 0);
-  if (varlen && j0 + kBlockN > w.ext.seqlen_k) zero_tail<Hw>(sK, sV, w.ext.seqlen_k - j0);
+  Prims::wait(&ss.kv_full, 0, BarrierId::kKVFull, 0);
+  if (varlen && j0 + kBlockN > w.ext.seqlen_k) zero_tail<Prims>(sK, sV, w.ext.seqlen_k - j0);
   PipelineState<kStages> s;  // the Q / dO stages
   for (int m = w.m_begin; m < w.m_end; ++m, s.advance()) {
     PipelineState<2> const ds{s.count};  // the two dS buffers, a ring that steps with the stages'
     int const st = s.index(), buf = ds.index();
     int const i0 = m * kBlockM;
-    wait_full<Hw>(ss.q_full, s, BarrierId::kQFull);
+    wait_full<Prims>(ss.q_full, s, BarrierId::kQFull);
     // The stage's LSE / delta rows (plain stores of warp 1, released by its arrivals on q_full) are read below:
     // no load of them may move above the wait.
-    Hw::compiler_fence();
-    if (varlen && i0 + kBlockM > w.ext.seqlen_q) zero_tail<Hw>(sQ(_, _, st), sdO(_, _, st), w.ext.seqlen_q - i0);
-    Hw::template wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
-    Hw::template wgmma<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st), tdPrdP);
-    Hw::template wgmma_wait<1>();  // S^T in; dP^T may still run
-    Hw::fence_operand(tSrS);
+    Prims::compiler_fence();
+    if (varlen && i0 + kBlockM > w.ext.seqlen_q) zero_tail<Prims>(sQ(_, _, st), sdO(_, _, st), w.ext.seqlen_q - i0);
+    Prims::template wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
+    Prims::template wgmma<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st), tdPrdP);
+    Prims::template wgmma_wait<1>();  // S^T in; dP^T may still run
+    Prims::fence_operand(tSrS);
 
     // P^T element by element, while the dP^T product runs. Columns are queries: the LSE of column c is the
     // stage's row. Hidden pairs get P = 0 from the key's row bounds; rows past the sequence have lse = +inf.
@@ -233,8 +233,8 @@ SA90_DEVICE void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Wor
     // (key, query) of each S^T element within the block and the M tile, from the thread index read afresh: held
     // through the loop, the thread's offsets were what ptxas spilled (16 bytes), and recomputing them is a few
     // integer instructions per step.
-    Tensor tScS = rowcol_view(
-        mma_sdp.get_thread_slice(consumer_tid<Hw>()).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{})));
+    Tensor tScS = rowcol_view(mma_sdp.get_thread_slice(consumer_tid<Prims>())
+                                  .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{})));
     // Columns outside, the thread's two rows inside: each query's LSE is read once and dies at once (rows outside,
     // ptxas kept every column's LSE live across both rows).
     auto probs = [&]<bool kMasked, bool kCap>() {
@@ -262,15 +262,15 @@ SA90_DEVICE void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Wor
     bool const masked = mask.needs_mask(m, w.n_block);
     if (score.on()) {
       // With softcap (a tanh per element) the pass does not fit beside dP^T's in-flight registers: it waits.
-      Hw::template wgmma_wait<0>();
+      Prims::template wgmma_wait<0>();
       if (masked) probs.template operator()<true, true>();
       else probs.template operator()<false, true>();
     } else {
       if (masked) probs.template operator()<true, false>();
       else probs.template operator()<false, false>();
     }
-    Hw::template wgmma_wait<0>();
-    Hw::fence_operand(tdPrdP);
+    Prims::template wgmma_wait<0>();
+    Prims::fence_operand(tdPrdP);
     // dS^T = P^T (dP^T - delta) (times the softcap's derivative, already in S^T).
     float const* delta = ss.delta[st];
     CUTE_UNROLL
@@ -284,30 +284,30 @@ SA90_DEVICE void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Wor
     // tests/layout_facts checks it): one st.shared.b32 per pair through a 32-bit shared address. (Element by
     // element through the tensor, they compiled to generic 2-byte stores with 64-bit addresses.)
     Tensor tdSsdS_b = tdSsdS(_, _, _, buf);
-    uint32_t const ds_base = Hw::smem_address(ss.ds);
+    uint32_t const ds_base = Prims::smem_address(ss.ds);
     CUTE_UNROLL
     for (int e = 0; e < size(rdS); e += 2) {
       uint32_t const offset = uint32_t(&tdSsdS_b(e) - ss.ds);  // elements from dS's start (the swizzle included)
       uint32_t const pair = uint32_t(rdS(e).raw()) | (uint32_t(rdS(e + 1).raw()) << 16);
-      Hw::sts32(ds_base + offset * 2, pair);
+      Prims::sts32(ds_base + offset * 2, pair);
     }
-    Hw::fence_async_shared();  // generic-proxy writes, read by wgmma (the async proxy)
+    Prims::fence_async_shared();  // generic-proxy writes, read by wgmma (the async proxy)
 
-    Hw::fence_operand(rP);
-    Hw::fence_operand(rdS);
-    Hw::template wgmma<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), acc_dv);
-    Hw::template wgmma<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
+    Prims::fence_operand(rP);
+    Prims::fence_operand(rdS);
+    Prims::template wgmma<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), acc_dv);
+    Prims::template wgmma<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
 
-    Hw::named_sync(256, id_of(NamedBarrier::kBwdDs));  // both warpgroups' dS^T written
-    Hw::template wgmma<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
-    Hw::template wgmma_wait<1>();  // dV and dK done: Q, dO and the stage's rows are free
-    Hw::fence_operand(acc_dv);
-    Hw::fence_operand(acc_dk);
-    Hw::fence_operand(rP);
-    Hw::fence_operand(rdS);
-    Hw::arrive(&ss.q_empty[st]);
-    Hw::template wgmma_wait<0>();
-    Hw::fence_operand(acc_dq);
+    Prims::named_sync(256, id_of(NamedBarrier::kBwdDs));  // both warpgroups' dS^T written
+    Prims::template wgmma<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
+    Prims::template wgmma_wait<1>();  // dV and dK done: Q, dO and the stage's rows are free
+    Prims::fence_operand(acc_dv);
+    Prims::fence_operand(acc_dk);
+    Prims::fence_operand(rP);
+    Prims::fence_operand(rdS);
+    Prims::arrive(&ss.q_empty[st]);
+    Prims::template wgmma_wait<0>();
+    Prims::fence_operand(acc_dq);
 
     // Deterministic: this key block's turn on the M tile (the visitors are the forward's block range of that
     // tile; they add in increasing order, so the rank of n_block among them is its turn).
@@ -316,28 +316,30 @@ SA90_DEVICE void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Wor
     if (p.dq_semaphore) {
       turn = mask.range(m).rank(w.n_block);
       sem = p.dq_semaphore + (int64_t(w.batch) * p.nheads + w.head) * p.dq_m_blocks + m;
-      if (WarpRoles::first_consumer(ctid)) Hw::wait_until_equal(sem, turn);
-      Hw::named_sync(256, id_of(NamedBarrier::kBwdDqTurn));
+      if (WarpRoles::first_consumer(ctid)) Prims::wait_until_equal(sem, turn);
+      Prims::named_sync(256, id_of(NamedBarrier::kBwdDqTurn));
     }
     // dQ (unscaled) into dq_accum, two adjacent columns per atomic; the tail tile's rows past the sequence are
     // skipped (varlen: they are the next sequence's). Columns past headdim add the zeros of K's zero-filled
     // columns, which the postprocess never reads.
     bool const dq_full = i0 + kBlockM <= w.ext.seqlen_q;
     // (query, column) of each dQ element: this thread's first, the rest a compile-time offset from it.
-    Tensor tdQcdQ = mma_dq.get_thread_slice(consumer_tid<Hw>()).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tdQcdQ = mma_dq.get_thread_slice(consumer_tid<Prims>())
+                        .partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     int const dq_r0 = get<0>(tdQcdQ(0)), dq_c0 = get<1>(tdQcdQ(0));
     float* dq_tile = dq_head + (int64_t(i0) + dq_r0) * dq_row_stride + dq_c0;
     CUTE_UNROLL
     for (int e = 0; e < size(acc_dq); e += 2) {
       int const r = get<0>(tdQcdQ(e)) - dq_r0, c = get<1>(tdQcdQ(e)) - dq_c0;
       if (dq_full || i0 + dq_r0 + r < w.ext.seqlen_q) {
-        Hw::atomic_add(reinterpret_cast<float2*>(dq_tile + r * dq_row_stride + c), make_float2(acc_dq(e), acc_dq(e + 1)));
+        Prims::atomic_add(reinterpret_cast<float2*>(dq_tile + r * dq_row_stride + c),
+                          make_float2(acc_dq(e), acc_dq(e + 1)));
       }
     }
     if (sem) {
-      Hw::thread_fence();  // this thread's adds visible before the next key block's turn
-      Hw::named_sync(256, id_of(NamedBarrier::kBwdDqTurn));
-      if (WarpRoles::first_consumer(ctid)) Hw::signal(sem, turn + 1);
+      Prims::thread_fence();  // this thread's adds visible before the next key block's turn
+      Prims::named_sync(256, id_of(NamedBarrier::kBwdDqTurn));
+      if (WarpRoles::first_consumer(ctid)) Prims::signal(sem, turn + 1);
     }
   }
 
@@ -356,44 +358,44 @@ SA90_DEVICE void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Wor
 
 }  // namespace bwd
 
-// One CTA of the backward, on whatever implements the primitives (Hw).
-template <class Kt, class Hw, bool kSoftcap>
+// One CTA of the backward, on whatever implements the primitives (Prims).
+template <class Kt, class Prims, bool kSoftcap>
 SA_DEVICE void bwd_cta(BwdParams const& p, BwdTmaParams<Kt> const& tma, BwdTileOrder const& grid, char* smem) {
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(smem);
-  unsigned const tid = Hw::thread_index();
+  unsigned const tid = Prims::thread_index();
   if (WarpRoles::initializer(tid)) {
-    ss.work = bwd::Work::make<Kt>(p, grid, Hw::block_index());
-    Hw::barrier_init(&ss.kv_full, 1);
+    ss.work = bwd::Work::make<Kt>(p, grid, Prims::block_index());
+    Prims::barrier_init(&ss.kv_full, 1);
     CUTE_UNROLL
     for (int s = 0; s < Kt::kStages; ++s) {
-      Hw::barrier_init(&ss.q_full[s], 1 + 32);  // the TMA thread and warp 1's lanes
-      Hw::barrier_init(&ss.q_empty[s], 128 * Kt::kConsumerWarpgroups);
+      Prims::barrier_init(&ss.q_full[s], 1 + 32);  // the TMA thread and warp 1's lanes
+      Prims::barrier_init(&ss.q_empty[s], 128 * Kt::kConsumerWarpgroups);
     }
-    Hw::prefetch_tma(tma.q);
-    Hw::prefetch_tma(tma.dout);
-    Hw::prefetch_tma(tma.k);
-    Hw::prefetch_tma(tma.v);
+    Prims::prefetch_tma(tma.q);
+    Prims::prefetch_tma(tma.dout);
+    Prims::prefetch_tma(tma.k);
+    Prims::prefetch_tma(tma.v);
   }
-  Hw::fence_barrier_init();
-  Hw::sync_threads();
+  Prims::fence_barrier_init();
+  Prims::sync_threads();
   bwd::Work const& w = ss.work;
   // No M tile sees a key of this block (or the block is past its sequence): dk_accum / dv_accum are zero-filled
   // and nothing is added to dq_accum. Uniform per CTA.
   if (w.m_end <= w.m_begin) return;
 
   if (WarpRoles::producer(tid)) {
-    Hw::template setmaxnreg_dec<Kt::kProducerRegs>();
-    if (WarpRoles::tma_thread(tid)) bwd::produce_tma<Kt, Hw>(p, tma, ss, w);
-    else if (WarpRoles::rows_warp(tid)) bwd::produce_rows<Kt, Hw>(p, ss, w, WarpRoles::rows_lane(tid));
+    Prims::template setmaxnreg_dec<Kt::kProducerRegs>();
+    if (WarpRoles::tma_thread(tid)) bwd::produce_tma<Kt, Prims>(p, tma, ss, w);
+    else if (WarpRoles::rows_warp(tid)) bwd::produce_rows<Kt, Prims>(p, ss, w, WarpRoles::rows_lane(tid));
   } else {
-    Hw::template setmaxnreg_inc<Kt::kConsumerRegs>();
-    bwd::consume<Kt, Hw, kSoftcap>(p, ss, w, WarpRoles::consumer_thread(tid));
+    Prims::template setmaxnreg_inc<Kt::kConsumerRegs>();
+    bwd::consume<Kt, Prims, kSoftcap>(p, ss, w, WarpRoles::consumer_thread(tid));
   }
 }
 
 // kSoftcap: softcap compiled in (the launcher picks this kernel when softcap > 0); a tanh per element takes
 // registers the plain kernel's passes then do not have to share.
-#if defined(__CUDACC__)  // the GPU's kernel; the host emulation runs bwd_cta<Kt, HostPrims, ...>
+#if defined(__CUDACC__)  // the GPU's kernel; the host emulation runs bwd_cta<Kt, EmuPrims, ...>
 template <class Kt, bool kSoftcap>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     bwd_kernel(__grid_constant__ const BwdParams p, __grid_constant__ const BwdTmaParams<Kt> tma, BwdTileOrder const grid) {

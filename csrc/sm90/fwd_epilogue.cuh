@@ -1,6 +1,6 @@
 // fwd_epilogue.cuh: the sm90 forward's epilogue: one consumer warpgroup's 64 rows of O out through shared memory
 // in 16-byte stores, predicated on the sequence's rows (varlen rows past the end belong to the next sequence),
-// and the LSE per row. Its shared-memory loads and named barrier go through Hw (sm90/prims_gpu.cuh GpuPrims).
+// and the LSE per row. Its shared-memory loads and named barrier go through Prims (sm90/prims_gpu.cuh GpuPrims).
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -17,9 +17,9 @@ using namespace cute;
 // O (finalized, in registers) into warpgroup wg's 64 rows of this tile's Q buffer `smem_q` (its own wgmmas
 // were their last readers and have completed), the LSE of its rows, then 16-byte stores of the rows inside
 // the sequence. tid: the thread's index in its warpgroup. O's shared-memory loads are 16-byte loads through 32-bit
-// shared addresses (Hw::lds128: a generic pointer would hold 64 bits per precomputed address, which the epilogue
+// shared addresses (Prims::lds128: a generic pointer would hold 64 bits per precomputed address, which the epilogue
 // then spilled).
-template <class Kt, class Hw, class ThrMma, class AccO, class CoordsO, int kRows>
+template <class Kt, class Prims, class ThrMma, class AccO, class CoordsO, int kRows>
 __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::Element* smem_q, ThrMma const& thr_o,
                                               AccO const& tOrO, CoordsO const& tOcO, float const (&lse)[kRows],
                                               int m_block, int head, int batch, SeqExtent const& ext, int wg, int tid) {
@@ -39,7 +39,7 @@ __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::E
     if (get<1>(tOcO(r, 0)) == 0 && m0 + row < ext.seqlen_q) p.lse[lse_head + m0 + row] = lse[r];
   }
 
-  Hw::named_sync(128, FwdNamedBarriers<Kt::kConsumerWarpgroups>::own(wg));
+  Prims::named_sync(128, FwdNamedBarriers<Kt::kConsumerWarpgroups>::own(wg));
   Element* o_seq =
       static_cast<Element*>(p.out) + ext.q_row(batch, p.o_batch_stride, p.o_row_stride, p.o_head_stride, head);
   constexpr int kVecsPerRow = kHeadDim / 8;
@@ -48,7 +48,7 @@ __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::E
   for (int v = tid; v < kVecs; v += 128) {
     int const row = wg * 64 + v / kVecsPerRow, col = (v % kVecsPerRow) * 8;
     if (m0 + row < ext.seqlen_q && col < p.headdim) {
-      uint4 const val = Hw::lds128(&sO(row, col));
+      uint4 const val = Prims::lds128(&sO(row, col));
       *reinterpret_cast<uint4*>(o_seq + int64_t(m0 + row) * p.o_row_stride + col) = val;
     }
   }

@@ -1,6 +1,6 @@
 // fwd_host.h: the host side of the sm90 forward that the GPU launcher (sm90/fwd_launch.cuh) and the host emulation's
 // (emu/fwd_sm90_emu.h) share: the tile order, the checks of what the kernel needs, and the TMA descriptors, made
-// through the implementation's make_tma_load (Hw: GpuPrims encodes through the driver, HostPrims writes the host
+// through the implementation's make_tma_load (Prims: GpuPrims encodes through the driver, EmuPrims writes the host
 // emulation's own description). No CUDA runtime, no torch.
 #pragma once
 #include <stdexcept>
@@ -32,7 +32,7 @@ bool fwd_has_work(FwdParams const& p) {
 }
 
 // The descriptors of q, k and v (fwd_has_work(p) must hold).
-template <class Kt, class Hw>
+template <class Kt, class Prims>
 TmaParams<Kt> fwd_tma_params(FwdParams const& p) {
   using namespace cute;
   using Element = typename Kt::Element;
@@ -49,9 +49,9 @@ TmaParams<Kt> fwd_tma_params(FwdParams const& p) {
                              : tensor(p.q, 1, 1, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   auto const gV = rows_k > 0 ? tensor(p.v, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride)
                              : gK;
-  return TmaParams<Kt>{checked_tma(Hw::make_tma_load(gQ, typename Kt::SmemLayoutQ{}), "q"),
-                       checked_tma(Hw::make_tma_load(gK, take<0, 2>(typename Kt::SmemLayoutKV{})), "k"),
-                       checked_tma(Hw::make_tma_load(gV, take<0, 2>(typename Kt::SmemLayoutKV{})), "v")};
+  return TmaParams<Kt>{checked_tma(Prims::make_tma_load(gQ, typename Kt::SmemLayoutQ{}), "q"),
+                       checked_tma(Prims::make_tma_load(gK, take<0, 2>(typename Kt::SmemLayoutKV{})), "k"),
+                       checked_tma(Prims::make_tma_load(gV, take<0, 2>(typename Kt::SmemLayoutKV{})), "v")};
 }
 
 }  // namespace sinkattn::sm90

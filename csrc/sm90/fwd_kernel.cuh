@@ -15,7 +15,7 @@
 //     at the packed tensor's end) are zeroed before a product reads them (VTail below).
 // The grid is persistent: CTA c takes tiles c, c + gridDim.x, ... in the forward's tile order
 // (common/tile_order.h: last M tiles first; under a causal mask they are the heaviest).
-// Every hardware primitive goes through Hw (sm90/prims_gpu.cuh GpuPrims on the GPU), the ring positions, barrier ids
+// Every hardware primitive goes through Prims (sm90/prims_gpu.cuh GpuPrims on the GPU), the ring positions, barrier ids
 // and warp roles are sm90/pipeline.cuh's: the body says what the protocol is, the seam how it is issued.
 #pragma once
 #include <cmath>
@@ -63,8 +63,8 @@ struct TileWork {
 // (static) every gridDim.x-th of the tile order, or (kDynamicTiles) the next index drawn from p.tile_counter by
 // the producer, which hands each index (the first too) to the consumers through a two-slot ring in shared
 // memory; an index >= count ends the walk for all of them.
-// The slot's plain accesses stay between the wait and the arrive through Hw::compiler_fence.
-template <class Kt, class Hw>
+// The slot's plain accesses stay between the wait and the arrive through Prims::compiler_fence.
+template <class Kt, class Prims>
 struct TileWalk {
   typename Kt::SharedStorage& ss;
   int64_t count;
@@ -73,27 +73,27 @@ struct TileWalk {
   // Producer: the index of this round (published to the consumers when dynamic).
   __device__ int64_t publish(int64_t t) {
     if constexpr (Kt::kDynamicTiles) {
-      wait_empty<Hw>(ss.tile_empty, round, BarrierId::kTileEmpty);
-      Hw::compiler_fence();
+      wait_empty<Prims>(ss.tile_empty, round, BarrierId::kTileEmpty);
+      Prims::compiler_fence();
       ss.tile_index[round.index()] = t;
-      Hw::compiler_fence();
-      Hw::arrive(&ss.tile_full[round.index()]);
+      Prims::compiler_fence();
+      Prims::arrive(&ss.tile_full[round.index()]);
     }
     round.advance();
     return t;
   }
   __device__ int64_t producer_next(FwdParams const& p, int64_t t) const {
-    if constexpr (Kt::kDynamicTiles) return int64_t(Hw::grid_size()) + Hw::fetch_add(p.tile_counter, 1);
-    return t + Hw::grid_size();
+    if constexpr (Kt::kDynamicTiles) return int64_t(Prims::grid_size()) + Prims::fetch_add(p.tile_counter, 1);
+    return t + Prims::grid_size();
   }
   // Consumers: the index of this round (t is the static walk's).
   __device__ int64_t consumer_next(int64_t t) {
     if constexpr (Kt::kDynamicTiles) {
-      wait_full<Hw>(ss.tile_full, round, BarrierId::kTileFull);
-      Hw::compiler_fence();
+      wait_full<Prims>(ss.tile_full, round, BarrierId::kTileFull);
+      Prims::compiler_fence();
       t = ss.tile_index[round.index()];
-      Hw::compiler_fence();
-      Hw::arrive(&ss.tile_empty[round.index()]);
+      Prims::compiler_fence();
+      Prims::arrive(&ss.tile_empty[round.index()]);
     }
     round.advance();
     return t;
@@ -102,7 +102,7 @@ struct TileWalk {
 
 // The producer (one thread): every TMA load of this CTA's tiles, in schedule order, from (rows, d, heads,
 // batch) views of q, k and v.
-template <class Kt, class Hw>
+template <class Kt, class Prims>
 SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
                          typename Kt::SharedStorage& ss) {
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
@@ -118,8 +118,8 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
 
   PipelineState<Kt::kQBuffers> qs;  // Q buffers, one step per tile
   PipelineState<kStages> kv;        // K/V stages, one step per key block
-  TileWalk<Kt, Hw> walk{ss, sched.count()};
-  for (int64_t t = walk.publish(Hw::block_index()); t < walk.count; t = walk.publish(walk.producer_next(p, t))) {
+  TileWalk<Kt, Prims> walk{ss, sched.count()};
+  for (int64_t t = walk.publish(Prims::block_index()); t < walk.count; t = walk.publish(walk.producer_next(p, t))) {
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
     int const b = varlen ? 0 : w.batch, hk = w.head / group;
@@ -136,25 +136,25 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
     int const nblocks = w.range.count();
     auto load_k = [&](int i, PipelineState<kStages> const& s) {  // block i of the range into stage s
       int const st = s.index();
-      wait_empty<Hw>(ss.k_empty, s, BarrierId::kKEmpty);
-      Hw::arrive_expect_tx(&ss.k_full[st], Kt::kKVBytes);
-      Hw::tma_load(tma.k, ss.k_full[st], tKgK(_, w.range.block(i)), tKsK(_, st));
+      wait_empty<Prims>(ss.k_empty, s, BarrierId::kKEmpty);
+      Prims::arrive_expect_tx(&ss.k_full[st], Kt::kKVBytes);
+      Prims::tma_load(tma.k, ss.k_full[st], tKgK(_, w.range.block(i)), tKsK(_, st));
     };
     // The first K block goes out before the wait for Q's buffer, which also carries an earlier tile's O out
     // (with one buffer the previous tile's: this K load then overlaps the consumers' epilogue).
     if (nblocks > 0) load_k(0, kv);
     int const qb = qs.index();
-    wait_empty<Hw>(ss.q_empty, qs, BarrierId::kQEmpty);
-    Hw::arrive_expect_tx(&ss.q_full[qb], Kt::kQBytes);
-    Hw::tma_load(tma.q, ss.q_full[qb], tQgQ, tQsQ(_, qb));
+    wait_empty<Prims>(ss.q_empty, qs, BarrierId::kQEmpty);
+    Prims::arrive_expect_tx(&ss.q_full[qb], Kt::kQBytes);
+    Prims::tma_load(tma.q, ss.q_full[qb], tQgQ, tQsQ(_, qb));
     qs.advance();
 
     for (int i = 0; i < nblocks; ++i, kv.advance()) {
       int const n = w.range.block(i), st = kv.index();
       if (i > 0) load_k(i, kv);
-      wait_empty<Hw>(ss.v_empty, kv, BarrierId::kVEmpty);
-      Hw::arrive_expect_tx(&ss.v_full[st], Kt::kKVBytes);
-      Hw::tma_load(tma.v, ss.v_full[st], tVgV(_, n), tVsV(_, st));
+      wait_empty<Prims>(ss.v_empty, kv, BarrierId::kVEmpty);
+      Prims::arrive_expect_tx(&ss.v_full[st], Kt::kKVBytes);
+      Prims::tma_load(tma.v, ss.v_full[st], tVgV(_, n), tVsV(_, st));
     }
   }
 }
@@ -163,23 +163,23 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
 // the turn to the next (round robin over kWarpgroups; two in the default tiles). Per tile each warpgroup
 // takes nblocks + 1 turns; the last warpgroup gives warpgroup 0 the first turn up front and skips handing
 // over after its last, so every barrier is balanced per tile. kOn false: no turns (each issues when ready).
-template <class Hw, int kWarpgroups, bool kOn>
+template <class Prims, int kWarpgroups, bool kOn>
 struct PingPong {
   using Ids = FwdNamedBarriers<kWarpgroups>;
   int wg;
   static constexpr bool kActive = kOn && kWarpgroups > 1;
   __device__ void begin() const {
-    if constexpr (kActive) Hw::named_sync(256, Ids::turn(wg));
+    if constexpr (kActive) Prims::named_sync(256, Ids::turn(wg));
   }
   __device__ void end(bool last_of_tile) const {
     if constexpr (kActive) {
-      if (wg + 1 < kWarpgroups) Hw::named_arrive(256, Ids::turn(wg + 1));
-      else if (!last_of_tile) Hw::named_arrive(256, Ids::turn(0));
+      if (wg + 1 < kWarpgroups) Prims::named_arrive(256, Ids::turn(wg + 1));
+      else if (!last_of_tile) Prims::named_arrive(256, Ids::turn(0));
     }
   }
   __device__ void tile_start() const {
     if constexpr (kActive) {
-      if (wg == kWarpgroups - 1) Hw::named_arrive(256, Ids::turn(0));
+      if (wg == kWarpgroups - 1) Prims::named_arrive(256, Ids::turn(0));
     }
   }
 };
@@ -193,7 +193,7 @@ struct PingPong {
 // so all of them are done before its product) and arrives on each other warpgroup's v_tail barrier; warpgroup w
 // syncs on its own before its product. No warpgroup waits for another that needs the turn it holds: warpgroup 0
 // only arrives, and warpgroup w waits for warpgroup 0 alone, which (with ping-pong) had its turn before.
-template <class Kt, class Hw>
+template <class Kt, class Prims>
 struct VTail {
   using Ids = FwdNamedBarriers<Kt::kConsumerWarpgroups>;
   int valid;  // rows of the stage that are the sequence's; kBlockN when the block does not cross its end
@@ -203,24 +203,24 @@ struct VTail {
   __device__ void zero(StageV const& sv, int wg, int ctid) const {
     if (valid >= Kt::kBlockN) return;
     if (wg == 0) {
-      zero_tail_rows<Hw, 128>(sv, valid, WarpRoles::thread_in_warpgroup(ctid));
-      Hw::fence_async_shared();
-      Hw::named_sync(128, Ids::own(0));
+      zero_tail_rows<Prims, 128>(sv, valid, WarpRoles::thread_in_warpgroup(ctid));
+      Prims::fence_async_shared();
+      Prims::named_sync(128, Ids::own(0));
       CUTE_UNROLL
-      for (int w = 1; w < Kt::kConsumerWarpgroups; ++w) Hw::named_arrive(256, Ids::v_tail(w));
+      for (int w = 1; w < Kt::kConsumerWarpgroups; ++w) Prims::named_arrive(256, Ids::v_tail(w));
     } else {
-      Hw::named_sync(256, Ids::v_tail(wg));
+      Prims::named_sync(256, Ids::v_tail(wg));
     }
   }
 };
 
-template <class Kt, class Hw>
+template <class Kt, class Prims>
 SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, typename Kt::SharedStorage& ss,
                          int ctid) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
   int const wg = WarpRoles::consumer_warpgroup(ctid);
-  PingPong<Hw, Kt::kConsumerWarpgroups, Kt::kPingPong> const turn{wg};
+  PingPong<Prims, Kt::kConsumerWarpgroups, Kt::kPingPong> const turn{wg};
 
   typename Kt::TiledMmaS mma_s;
   typename Kt::TiledMmaO mma_o;
@@ -250,13 +250,13 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
 
   PipelineState<Kt::kQBuffers> qs;
   PipelineState<kStages> kv;
-  TileWalk<Kt, Hw> walk{ss, sched.count()};
-  for (int64_t t = walk.consumer_next(Hw::block_index()); t < walk.count;
-       t = walk.consumer_next(t + Hw::grid_size())) {
+  TileWalk<Kt, Prims> walk{ss, sched.count()};
+  for (int64_t t = walk.consumer_next(Prims::block_index()); t < walk.count;
+       t = walk.consumer_next(t + Prims::grid_size())) {
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
     int const m0 = w.m_block * kBlockM;
-    OnlineSoftmax<kRows, Hw> softmax;  // its quad reductions: Hw::shfl_xor
+    OnlineSoftmax<kRows, Prims> softmax;  // its quad reductions: Prims::shfl_xor
     clear(tOrO);
 
     // The element mask's per-block question, the rule the sm80 forward asks too (common/mask.h mask_test): the
@@ -280,54 +280,54 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
     };
 
     int const qb = qs.index();
-    wait_full<Hw>(ss.q_full, qs, BarrierId::kQFull);
+    wait_full<Prims>(ss.q_full, qs, BarrierId::kQFull);
     int const nblocks = w.range.count();
     if (nblocks > 0) {
-      VTail<Kt, Hw> const tail(varlen, w.range.block(0), w.ext.seqlen_k);
+      VTail<Kt, Prims> const tail(varlen, w.range.block(0), w.ext.seqlen_k);
       turn.tile_start();
-      wait_full<Hw>(ss.k_full, kv, BarrierId::kKFull);
+      wait_full<Prims>(ss.k_full, kv, BarrierId::kKFull);
       turn.begin();
-      Hw::template wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, kv.index()), tSrS);
+      Prims::template wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, kv.index()), tSrS);
       turn.end(false);
-      Hw::template wgmma_wait<0>();
-      Hw::fence_operand(tSrS);
-      Hw::arrive(&ss.k_empty[kv.index()]);
+      Prims::template wgmma_wait<0>();
+      Prims::fence_operand(tSrS);
+      Prims::arrive(&ss.k_empty[kv.index()]);
       softmax_block(w.range.block(0));
       convert_p();
 
       for (int i = 1; i < nblocks; ++i) {
         PipelineState<kStages> const prev = kv;  // block i - 1's stage: its V is read below
         kv.advance();
-        wait_full<Hw>(ss.k_full, kv, BarrierId::kKFull);
+        wait_full<Prims>(ss.k_full, kv, BarrierId::kKFull);
         turn.begin();
-        Hw::template wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, kv.index()), tSrS);
-        wait_full<Hw>(ss.v_full, prev, BarrierId::kVFull);
+        Prims::template wgmma<true>(mma_s, tSrQ(_, _, _, qb), tSrK(_, _, _, kv.index()), tSrS);
+        wait_full<Prims>(ss.v_full, prev, BarrierId::kVFull);
         if (i == 1) tail.zero(sV(_, _, prev.index()), wg, ctid);
-        Hw::fence_operand(tOrP);
-        Hw::template wgmma<false>(mma_o, tOrP, tOrV(_, _, _, prev.index()), tOrO);
+        Prims::fence_operand(tOrP);
+        Prims::template wgmma<false>(mma_o, tOrP, tOrV(_, _, _, prev.index()), tOrO);
         turn.end(false);
-        Hw::template wgmma_wait<1>();  // S of block i is in; P V of block i-1 may still run
-        Hw::fence_operand(tSrS);
-        Hw::arrive(&ss.k_empty[kv.index()]);
+        Prims::template wgmma_wait<1>();  // S of block i is in; P V of block i-1 may still run
+        Prims::fence_operand(tSrS);
+        Prims::arrive(&ss.k_empty[kv.index()]);
         softmax_block(w.range.block(i));
-        Hw::template wgmma_wait<0>();
-        Hw::fence_operand(tOrO);
-        Hw::fence_operand(tOrP);
-        Hw::arrive(&ss.v_empty[prev.index()]);
+        Prims::template wgmma_wait<0>();
+        Prims::fence_operand(tOrO);
+        Prims::fence_operand(tOrP);
+        Prims::arrive(&ss.v_empty[prev.index()]);
         softmax.rescale_rows(out_rows, correction);
         convert_p();
       }
 
-      wait_full<Hw>(ss.v_full, kv, BarrierId::kVFull);
+      wait_full<Prims>(ss.v_full, kv, BarrierId::kVFull);
       turn.begin();
       if (nblocks == 1) tail.zero(sV(_, _, kv.index()), wg, ctid);
-      Hw::fence_operand(tOrP);
-      Hw::template wgmma<false>(mma_o, tOrP, tOrV(_, _, _, kv.index()), tOrO);
+      Prims::fence_operand(tOrP);
+      Prims::template wgmma<false>(mma_o, tOrP, tOrV(_, _, _, kv.index()), tOrO);
       turn.end(true);
-      Hw::template wgmma_wait<0>();
-      Hw::fence_operand(tOrO);
-      Hw::fence_operand(tOrP);
-      Hw::arrive(&ss.v_empty[kv.index()]);
+      Prims::template wgmma_wait<0>();
+      Prims::fence_operand(tOrO);
+      Prims::fence_operand(tOrP);
+      Prims::arrive(&ss.v_empty[kv.index()]);
       kv.advance();
     }
 
@@ -341,59 +341,59 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
       CUTE_UNROLL
       for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
     }
-    store_out_lse<Kt, Hw>(p, ss.q + qb * cosize_v<typename Kt::SmemLayoutQ>, thr_o, tOrO, tOcO, lse, w.m_block,
+    store_out_lse<Kt, Prims>(p, ss.q + qb * cosize_v<typename Kt::SmemLayoutQ>, thr_o, tOrO, tOcO, lse, w.m_block,
                           w.head, w.batch, w.ext, wg, WarpRoles::thread_in_warpgroup(ctid));
     // Every read of O's shared memory is done before the producer's next Q load (an async-proxy write)
     // may land there.
-    Hw::fence_async_shared();
-    Hw::arrive(&ss.q_empty[qb]);
+    Prims::fence_async_shared();
+    Prims::arrive(&ss.q_empty[qb]);
     qs.advance();
   }
 }
 
-// One CTA of the forward, on whatever implements the primitives (Hw). Full barriers count the producer's one
+// One CTA of the forward, on whatever implements the primitives (Prims). Full barriers count the producer's one
 // arrival (with its expected TMA bytes; tile_full: its plain store of the index), empty barriers one arrival per
 // consumer thread.
-template <class Kt, class Hw>
+template <class Kt, class Prims>
 SA_DEVICE void fwd_cta(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched, char* smem) {
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(smem);
-  unsigned const tid = Hw::thread_index();
+  unsigned const tid = Prims::thread_index();
   if (WarpRoles::initializer(tid)) {
     CUTE_UNROLL
     for (int b = 0; b < Kt::kQBuffers; ++b) {
-      Hw::barrier_init(&ss.q_full[b], 1);
-      Hw::barrier_init(&ss.q_empty[b], 128 * Kt::kConsumerWarpgroups);
+      Prims::barrier_init(&ss.q_full[b], 1);
+      Prims::barrier_init(&ss.q_empty[b], 128 * Kt::kConsumerWarpgroups);
     }
     CUTE_UNROLL
     for (int s = 0; s < Kt::kStages; ++s) {
-      Hw::barrier_init(&ss.k_full[s], 1);
-      Hw::barrier_init(&ss.v_full[s], 1);
-      Hw::barrier_init(&ss.k_empty[s], 128 * Kt::kConsumerWarpgroups);
-      Hw::barrier_init(&ss.v_empty[s], 128 * Kt::kConsumerWarpgroups);
+      Prims::barrier_init(&ss.k_full[s], 1);
+      Prims::barrier_init(&ss.v_full[s], 1);
+      Prims::barrier_init(&ss.k_empty[s], 128 * Kt::kConsumerWarpgroups);
+      Prims::barrier_init(&ss.v_empty[s], 128 * Kt::kConsumerWarpgroups);
     }
     if constexpr (Kt::kDynamicTiles) {
       for (int s = 0; s < 2; ++s) {
-        Hw::barrier_init(&ss.tile_full[s], 1);
-        Hw::barrier_init(&ss.tile_empty[s], 128 * Kt::kConsumerWarpgroups);
+        Prims::barrier_init(&ss.tile_full[s], 1);
+        Prims::barrier_init(&ss.tile_empty[s], 128 * Kt::kConsumerWarpgroups);
       }
     }
-    Hw::prefetch_tma(tma.q);
-    Hw::prefetch_tma(tma.k);
-    Hw::prefetch_tma(tma.v);
+    Prims::prefetch_tma(tma.q);
+    Prims::prefetch_tma(tma.k);
+    Prims::prefetch_tma(tma.v);
   }
-  Hw::fence_barrier_init();
-  Hw::sync_threads();
+  Prims::fence_barrier_init();
+  Prims::sync_threads();
 
   if (WarpRoles::producer(tid)) {
-    Hw::template setmaxnreg_dec<Kt::kProducerRegs>();
-    if (WarpRoles::tma_thread(tid)) produce<Kt, Hw>(p, tma, sched, ss);
+    Prims::template setmaxnreg_dec<Kt::kProducerRegs>();
+    if (WarpRoles::tma_thread(tid)) produce<Kt, Prims>(p, tma, sched, ss);
   } else {
-    Hw::template setmaxnreg_inc<Kt::kConsumerRegs>();
-    consume<Kt, Hw>(p, sched, ss, WarpRoles::consumer_thread(tid));
+    Prims::template setmaxnreg_inc<Kt::kConsumerRegs>();
+    consume<Kt, Prims>(p, sched, ss, WarpRoles::consumer_thread(tid));
   }
 }
 
-#if defined(__CUDACC__)  // the GPU's kernel; the host emulation runs fwd_cta<Kt, HostPrims> (emu/fwd_sm90_emu.h)
+#if defined(__CUDACC__)  // the GPU's kernel; the host emulation runs fwd_cta<Kt, EmuPrims> (emu/fwd_sm90_emu.h)
 template <class Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     fwd_kernel(__grid_constant__ const FwdParams p, __grid_constant__ const TmaParams<Kt> tma, PersistentTileOrder const sched) {

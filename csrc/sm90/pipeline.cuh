@@ -6,8 +6,9 @@
 //   - wait_full / wait_empty: the two ways a ring's mbarrier is waited on, the parity rule written once;
 //   - WarpRoles: which threads of a CTA are the producer, its TMA thread, the backward's row warp and the consumers.
 // The other half is the implementation of the primitives, a struct of static functions the kernel bodies take as
-// their template parameter `Hw` (as the sm80 bodies take `Prims`): sm90/prims_gpu.cuh's GpuPrims on the GPU,
-// emu/sm90_prims.h's HostPrims on CPU threads (the host emulation). Nothing here issues an instruction; tests/test_build_grid.py checks that no sm90 file but prims_gpu.cuh reaches the hardware directly.
+// their template parameter `Prims` (the sm80 bodies read theirs as `Kt::Prims`): sm90/prims_gpu.cuh's GpuPrims on
+// the GPU, emu/sm90_prims.h's EmuPrims on CPU threads (the host emulation). Nothing here issues an instruction;
+// tests/test_build_grid.py checks that no sm90 file but prims_gpu.cuh reaches the hardware directly.
 #pragma once
 #include <cstdint>
 
@@ -87,18 +88,18 @@ struct PipelineState {
 // A consumer waits until the stage's full barrier completes the phase of this pass (its data landed). A producer
 // waits on the stage's empty barrier for the phase before it (the consumers released the stage one pass ago): on
 // the first pass that is the phase "before" a freshly initialized barrier, which counts as complete, so the
-// producer fills every stage once without waiting. Hw: the implementation (prims_gpu.cuh's GpuPrims).
-template <class Hw, int kStages>
+// producer fills every stage once without waiting. Prims: the implementation (prims_gpu.cuh's GpuPrims).
+template <class Prims, int kStages>
 SA_DEVICE void wait_full(uint64_t* bars, PipelineState<kStages> const& s, BarrierId id) {
-  Hw::wait(&bars[s.index()], s.phase(), id, s.index());
+  Prims::wait(&bars[s.index()], s.phase(), id, s.index());
 }
-template <class Hw, int kStages>
+template <class Prims, int kStages>
 SA_DEVICE void wait_empty(uint64_t* bars, PipelineState<kStages> const& s, BarrierId id) {
-  Hw::wait(&bars[s.index()], s.phase() ^ 1, id, s.index());
+  Prims::wait(&bars[s.index()], s.phase() ^ 1, id, s.index());
 }
 
 // Who does what in a CTA of 128 * (1 + consumer warpgroups) threads, by thread index (the CTA's, as
-// Hw::thread_index gives it; unsigned, as the hardware's). Warpgroup 0 produces: its thread 0 (warp 0, lane 0)
+// Prims::thread_index gives it; unsigned, as the hardware's). Warpgroup 0 produces: its thread 0 (warp 0, lane 0)
 // initializes the barriers and issues every TMA load; in the backward its warp 1 writes each stage's LSE / delta
 // rows; the rest of it idles after giving its registers back. Warpgroups 1.. consume, numbered 0.. among themselves
 // (a consumer thread index ctid in [0, 128 * consumer warpgroups)).

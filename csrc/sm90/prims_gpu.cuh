@@ -1,12 +1,12 @@
 // prims_gpu.cuh: the sm90 kernels' hardware primitives on a real GPU (nvcc, sm_90a): GpuPrims, the implementation
-// the kernel bodies (sm90/fwd_kernel.cuh, bwd_kernel.cuh) take as their `Hw` parameter, and the only sm90 file that
+// the kernel bodies (sm90/fwd_kernel.cuh, bwd_kernel.cuh) take as their `Prims` parameter, and the only sm90 file that
 // issues an mbarrier, named-barrier, TMA, wgmma, setmaxnreg or other inline-asm instruction, or reads the thread
 // and block indices (tests/test_build_grid.py checks it). The protocol vocabulary around it (barrier ids, stage
 // rings, warp roles) is sm90/pipeline.cuh's.
 //
 // Each primitive is the instruction sequence the kernels issued before the seam, through the same CUTLASS / CuTe
 // calls, force-inlined: the seam changes no SASS (checked with tools/sass_report.py and cuobjdump -sass per kernel).
-// The host implementation (emu/sm90_prims.h HostPrims) gives each of them its meaning on CPU threads; the comments
+// The host implementation (emu/sm90_prims.h EmuPrims) gives each of them its meaning on CPU threads; the comments
 // here say what that meaning is.
 #pragma once
 #include <cstdint>
@@ -41,7 +41,7 @@ template <class GmemTensor, class SmemLayout>
 using TmaLoad = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayout{}));
 
 // The GPU implementation only where nvcc compiles (the host emulation's units include this header for TmaLoad and
-// take emu/sm90_prims.h HostPrims instead).
+// take emu/sm90_prims.h EmuPrims instead).
 #if defined(__CUDACC__)
 struct GpuPrims {
   // ---- host side: descriptors --------------------------------------------------------------------------------

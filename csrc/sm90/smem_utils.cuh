@@ -1,6 +1,6 @@
 // smem_utils.cuh: what the sm90 kernels (forward and backward) share about plain shared-memory accesses beside the
 // mbarrier pipeline: the zeroing of a tile's rows past its sequence (docs/DESIGN.md section 6, "varlen tails"),
-// its stores through the seam (Hw: sm90/prims_gpu.cuh GpuPrims).
+// its stores through the seam (Prims: sm90/prims_gpu.cuh GpuPrims).
 #pragma once
 #include <cstdint>
 #include <cute/tensor.hpp>
@@ -17,7 +17,7 @@ namespace sinkattn::sm90 {
 // so the rows of a key block or M tile past its sequence's end are the next sequence's (or, past the last
 // sequence, the allocation's) rows, and they enter the products: they get zero weight by multiplication, and
 // 0 * inf is NaN. Zeroed, they contribute exact zeros, as the sm80 kernels' zero-filled loads give.
-template <class Hw, int kThreads, class TileA, class TileB>
+template <class Prims, int kThreads, class TileA, class TileB>
 __device__ __forceinline__ void zero_tail_rows(TileA const& a, TileB const& b, int valid, int tid) {
   using namespace cute;
   constexpr int kRows = decltype(size<0>(a))::value, kVecs = decltype(size<1>(a))::value / 8;
@@ -26,13 +26,13 @@ __device__ __forceinline__ void zero_tail_rows(TileA const& a, TileB const& b, i
 #pragma unroll 1
   for (int v = valid * kVecs + tid; v < kRows * kVecs; v += kThreads) {
     int const r = v / kVecs, c = v % kVecs * 8;
-    Hw::sts128_zero2(Hw::smem_address(&a(r, c)), Hw::smem_address(&b(r, c)));
+    Prims::sts128_zero2(Prims::smem_address(&a(r, c)), Prims::smem_address(&b(r, c)));
   }
 }
 
 // Rows [valid, rows) of one such tile, two 16-byte stores at a time (a row holds an even number of 16-byte
 // chunks at every head dim the kernels have, so both stores of a pair are in one row). Same contract as above.
-template <class Hw, int kThreads, class Tile>
+template <class Prims, int kThreads, class Tile>
 __device__ __forceinline__ void zero_tail_rows(Tile const& a, int valid, int tid) {
   using namespace cute;
   constexpr int kRows = decltype(size<0>(a))::value, kVecs = decltype(size<1>(a))::value / 8;
@@ -40,7 +40,7 @@ __device__ __forceinline__ void zero_tail_rows(Tile const& a, int valid, int tid
 #pragma unroll 1
   for (int v = valid * kVecs + 2 * tid; v < kRows * kVecs; v += 2 * kThreads) {
     int const r = v / kVecs, c = v % kVecs * 8;
-    Hw::sts128_zero2(Hw::smem_address(&a(r, c)), Hw::smem_address(&a(r, c + 8)));
+    Prims::sts128_zero2(Prims::smem_address(&a(r, c)), Prims::smem_address(&a(r, c + 8)));
   }
 }
 

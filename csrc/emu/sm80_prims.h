@@ -1,8 +1,9 @@
-// emu_prims.h: the hardware pieces of the sm80 kernels, emulated on the host.
+// sm80_prims.h: EmuPrims, the host implementation of the sm80 kernels' seam (the `Kt::Prims` their bodies take; the
+// GPU's is sm80/prims_gpu.cuh GpuPrims): the hardware pieces, emulated on the host.
 //
 // The MMA and ldmatrix atoms keep the real atoms' CuTe traits (thread/value layouts), so the kernel's
 // partitioning is exactly the GPU's; only the execution is a warp-collective on host threads. cp.async is
-// deferred to its wait; every shared-memory access is reported to the ordering check (emu_runtime.h).
+// deferred to its wait; every shared-memory access is reported to the ordering check (sm80_runtime.h).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm75.hpp>
@@ -11,53 +12,55 @@
 #include <atomic>
 #include <type_traits>
 
-#include "emu/emu_runtime.h"
+#include "emu/sm80_runtime.h"
 
-namespace sinkattn::emu {
+namespace sinkattn::emu80 {
 
 template <class RealOp>
 struct EmuMma : RealOp {};
 
-// ldmatrix.x4: lanes 8q..8q+7 give the rows of 8x8 matrix q (16 bytes each); lane l receives in register q the
-// 32-bit word l % 4 of row l / 4 of matrix q. Each lane reads its own row into the warp's slot before the barrier,
-// so shared memory is read when the instruction issues, as on the hardware, and no lane reads it after another
-// lane of its warp has moved on.
-inline char const* publish_rows(cute::uint128_t const& src) {
+// ldmatrix.x4: lanes 8q..8q+7 give the rows of 8x8 matrix q (16 bytes each). Each lane reads its own row into the
+// warp's slot before the barrier, so shared memory is read when the instruction issues, as on the hardware, and no
+// lane reads it after another lane of its warp has moved on; then lane l takes its register q from the rows
+// (word(rows, q, l)).
+template <class Word>
+void ldsm_x4(cute::uint128_t const& src, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3, Word const& word) {
   auto* rows = reinterpret_cast<char*>(warp_slot());
   on_smem_read(&src, 16);
   std::memcpy(rows + 16 * lane_id(), &src, 16);
   sync_warp();
-  return rows;
+  int const lane = lane_id();
+  d0 = word(rows, 0, lane);
+  d1 = word(rows, 1, lane);
+  d2 = word(rows, 2, lane);
+  d3 = word(rows, 3, lane);
 }
+// Lane l receives in register q the 32-bit word l % 4 of row l / 4 of matrix q.
 struct EmuLdsmN {
   using SRegisters = cute::uint128_t[1];
   using DRegisters = uint32_t[4];
   static void copy(cute::uint128_t const& src, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
-    char const* rows = publish_rows(src);
-    int const lane = lane_id();
-    uint32_t d[4];
-    for (int q = 0; q < 4; ++q) std::memcpy(&d[q], rows + 16 * (8 * q + lane / 4) + 4 * (lane % 4), 4);
-    d0 = d[0]; d1 = d[1]; d2 = d[2]; d3 = d[3];
+    ldsm_x4(src, d0, d1, d2, d3, [](char const* rows, int q, int lane) {
+      uint32_t d;
+      std::memcpy(&d, rows + 16 * (8 * q + lane / 4) + 4 * (lane % 4), 4);
+      return d;
+    });
   }
 };
 
-// ldmatrix.x4.trans: lane l receives in register q the 16-bit elements (row 2(l%4), col l/4) and
-// (row 2(l%4)+1, col l/4) of matrix q, low half first.
+// .trans: lane l receives in register q the 16-bit elements (row 2(l%4), col l/4) and (row 2(l%4)+1, col l/4) of
+// matrix q, low half first.
 struct EmuLdsmT {
   using SRegisters = cute::uint128_t[1];
   using DRegisters = uint32_t[4];
   static void copy(cute::uint128_t const& src, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
-    char const* rows = publish_rows(src);
-    int const lane = lane_id();
-    uint32_t d[4];
-    for (int q = 0; q < 4; ++q) {
+    ldsm_x4(src, d0, d1, d2, d3, [](char const* rows, int q, int lane) {
       int const col = lane / 4, r0 = 2 * (lane % 4);
       uint16_t lo, hi;
       std::memcpy(&lo, rows + 16 * (8 * q + r0) + 2 * col, 2);
       std::memcpy(&hi, rows + 16 * (8 * q + r0 + 1) + 2 * col, 2);
-      d[q] = uint32_t(lo) | (uint32_t(hi) << 16);
-    }
-    d0 = d[0]; d1 = d[1]; d2 = d[2]; d3 = d[3];
+      return uint32_t(lo) | (uint32_t(hi) << 16);
+    });
   }
 };
 
@@ -95,8 +98,8 @@ struct EmuPrims {
   using SmemStore32 = EmuStore32;
   using SmemLoad128 = EmuLoad128;
 
-  static void sync_threads() { emu::sync_threads(); }
-  static float shfl_xor(float x, int lane_mask) { return emu::shfl_xor(x, lane_mask); }
+  static void sync_threads() { emu80::sync_threads(); }
+  static float shfl_xor(float x, int lane_mask) { return emu80::shfl_xor(x, lane_mask); }
   static void smem_store(float* p, float x) {
     on_smem_write(p, sizeof(float));
     *p = x;
@@ -115,9 +118,9 @@ struct EmuPrims {
     on_smem_read(p, sizeof(V));
     return *p;
   }
-  static void cp_async_fence() { emu::cp_async_fence(); }
+  static void cp_async_fence() { emu80::cp_async_fence(); }
   template <int N>
-  static void cp_async_wait() { emu::cp_async_wait(N); }
+  static void cp_async_wait() { emu80::cp_async_wait(N); }
   // Global fp32 accumulation (dq_accum): a real atomic, as concurrent host threads may add to one word.
   static void atomic_add(float* p, float x) { std::atomic_ref<float>(*p).fetch_add(x, std::memory_order_relaxed); }
   // Counters of the deterministic backward. Blocks run one after another here, in grid order, so a turn is
@@ -125,7 +128,7 @@ struct EmuPrims {
   static void wait_until_equal(int* p, int value) {
     int const now = std::atomic_ref<int>(*p).load(std::memory_order_acquire);
     if (now != value) {
-      emu::report("deterministic backward: waited for turn " + std::to_string(value) + " of a dq counter at " +
+      emu80::report("deterministic backward: waited for turn " + std::to_string(value) + " of a dq counter at " +
                   std::to_string(now) + " (an earlier key block skipped its turn, or blocks run out of order)");
     }
   }
@@ -141,40 +144,40 @@ struct EmuPrims {
   }
 };
 
-}  // namespace sinkattn::emu
+}  // namespace sinkattn::emu80
 
 namespace cute {
 
 template <>
-struct Copy_Traits<sinkattn::emu::EmuCpAsync> : Copy_Traits<UniversalCopy<uint128_t>> {};
+struct Copy_Traits<sinkattn::emu80::EmuCpAsync> : Copy_Traits<UniversalCopy<uint128_t>> {};
 template <>
-struct Copy_Traits<sinkattn::emu::EmuStore32> : Copy_Traits<UniversalCopy<uint32_t>> {};
+struct Copy_Traits<sinkattn::emu80::EmuStore32> : Copy_Traits<UniversalCopy<uint32_t>> {};
 template <>
-struct Copy_Traits<sinkattn::emu::EmuLoad128> : Copy_Traits<UniversalCopy<uint128_t>> {};
+struct Copy_Traits<sinkattn::emu80::EmuLoad128> : Copy_Traits<UniversalCopy<uint128_t>> {};
 template <>
-struct Copy_Traits<sinkattn::emu::EmuLdsmN> : Copy_Traits<SM75_U32x4_LDSM_N> {};
+struct Copy_Traits<sinkattn::emu80::EmuLdsmN> : Copy_Traits<SM75_U32x4_LDSM_N> {};
 template <>
-struct Copy_Traits<sinkattn::emu::EmuLdsmT> : Copy_Traits<SM75_U16x8_LDSM_T> {};
+struct Copy_Traits<sinkattn::emu80::EmuLdsmT> : Copy_Traits<SM75_U16x8_LDSM_T> {};
 
 template <class RealOp>
-struct MMA_Traits<sinkattn::emu::EmuMma<RealOp>> : MMA_Traits<RealOp> {};
+struct MMA_Traits<sinkattn::emu80::EmuMma<RealOp>> : MMA_Traits<RealOp> {};
 
 // The MMA as a warp collective: every lane publishes its A and B values into the warp's slot at the (m, k) /
 // (n, k) positions the real atom's layouts give them, then computes its own D values. Layouts map (lane, value)
 // to a column-major index in the M x K, N x K and M x N tiles.
 template <class RealOp, class TD, class DLayout, class TA, class ALayout, class TB, class BLayout, class TC, class CLayout>
-void mma_unpack(MMA_Traits<sinkattn::emu::EmuMma<RealOp>> const&, Tensor<TD, DLayout>& D, Tensor<TA, ALayout> const& A,
-                Tensor<TB, BLayout> const& B, Tensor<TC, CLayout> const& C) {
+void mma_unpack(MMA_Traits<sinkattn::emu80::EmuMma<RealOp>> const&, Tensor<TD, DLayout>& D,
+                Tensor<TA, ALayout> const& A, Tensor<TB, BLayout> const& B, Tensor<TC, CLayout> const& C) {
   using T = MMA_Traits<RealOp>;
   constexpr int M = size<0>(typename T::Shape_MNK{});
   constexpr int N = size<1>(typename T::Shape_MNK{});
   constexpr int K = size<2>(typename T::Shape_MNK{});
-  static_assert(M * K + N * K <= sinkattn::emu::kWarpScratchFloats);
-  float* buf = sinkattn::emu::warp_slot();
-  int lane = sinkattn::emu::lane_id();
+  static_assert(M * K + N * K <= sinkattn::emu80::kWarpScratchFloats);
+  float* buf = sinkattn::emu80::warp_slot();
+  int lane = sinkattn::emu80::lane_id();
   for (int v = 0; v < size(A); ++v) buf[typename T::ALayout{}(lane, v)] = float(A(v));
   for (int v = 0; v < size(B); ++v) buf[M * K + typename T::BLayout{}(lane, v)] = float(B(v));
-  sinkattn::emu::sync_warp();
+  sinkattn::emu80::sync_warp();
   float d[decltype(size(D))::value];
   for (int v = 0; v < size(D); ++v) {
     int idx = typename T::CLayout{}(lane, v);

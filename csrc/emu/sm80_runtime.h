@@ -1,4 +1,5 @@
-// emu_runtime.h: the CUDA thread model on the host, for running kernel bodies on the CPU.
+// sm80_runtime.h: the CUDA thread model on the host, for running the sm80 kernel bodies on the CPU (the primitives on
+// top of it are emu/sm80_prims.h; the sm90 kernels' CTA model is emu/sm90_runtime.h).
 //
 // One std::thread per CUDA thread of a block; __syncthreads is a block barrier, warp collectives (shuffles,
 // emulated ldmatrix and mma.sync) use a per-warp barrier and two scratch slots, taken in turn (warp_slot). Blocks
@@ -26,7 +27,7 @@
 #include <thread>
 #include <vector>
 
-namespace sinkattn::emu {
+namespace sinkattn::emu80 {
 
 constexpr int kWarpScratchFloats = 512;
 
@@ -210,4 +211,4 @@ inline void launch(int64_t nblocks, int nthreads, int smem_bytes,
   if (!block.first_error.empty()) throw std::runtime_error("sinkattn host emulation: " + block.first_error);
 }
 
-}  // namespace sinkattn::emu
+}  // namespace sinkattn::emu80
