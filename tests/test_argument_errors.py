@@ -1,5 +1,5 @@
 """What the public functions refuse: every malformed argument raises a sinkattn error of the right kind (also the
-matching builtin) whose message names the argument (issue 3, item 7; the probed cases of issue 19, item 6: flags
+matching builtin) whose message names the argument (the cases found by probing every argument: flags
 given as strings, int32 overflow, caches whose memory is shared, merge_attn_states), and the arguments at the edge
 of a check that are accepted (padding in block tables, interleaved K/V views, SINKATTN_VALUE_CHECKS=0).
 
@@ -168,7 +168,7 @@ KVCACHE = [
 
 LSE = torch.zeros(B, H, S)
 
-# Found by probing every argument of every public function (issue 19, item 6).
+# Found by probing every argument of every public function.
 PROBED = [
     ("return-lse-str", lambda: A(q0, k0, v0, return_lse="yes"), SinkattnTypeError, ["return_lse", "bool", "'yes'"]),
     ("deterministic-str", lambda: A(q0, k0, v0, deterministic="no"), SinkattnTypeError, ["deterministic", "bool"]),

@@ -1,4 +1,4 @@
-"""The CPU call path's fast paths (issue 29, bench/studies/cpu_overhead.py) against the float64 oracle.
+"""The CPU call path's fast paths (bench/studies/cpu_overhead.py) against the float64 oracle.
 
 - Eager inference calls run the op's body without the torch.library wrapper (ops.direct): the same results,
   and the wrapper still runs wherever it has work (autograd, torch.compile, modes, functorch transforms).

@@ -108,7 +108,7 @@ def test_opcheck_bwd_and_kvcache():
                            "auto"))
 
 
-# ---- torch.compile(dynamic=True, fullgraph=True) on every op (issue 29: every call died on math.isfinite of a
+# ---- torch.compile(dynamic=True, fullgraph=True) on every op (every call died on math.isfinite of a
 # SymFloat in _checks._check_float). Two shapes per op, both against eager; aot_eager keeps them fast (the op's
 # fake implementations and autograd are what is traced; inductor is covered above).
 def _dyn(fn):

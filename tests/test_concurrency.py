@@ -1,4 +1,4 @@
-"""Concurrency (issue 19, item 4): the ops from several Python threads at once give the serial results bit for
+"""Concurrency: the ops from several Python threads at once give the serial results bit for
 bit (CPU: reference and emulated backends; GPU, marked: one CUDA stream per thread); CUDA-graph capture and
 replay of decode while cache_seqlens and the block table change between replays (marked gpu); the capability
 report and the dispatch caches answer the same from many threads."""

@@ -1,6 +1,6 @@
 """The sm80 decode tiles over FP8 KV caches (csrc/sm80/fp8_kv.h) run on the CPU under host emulation, against the
 float64 oracle on the dequantized cache (codes * descale), so what is measured is the kernel's own error, apart
-from the quantization's (issue 30 Deliver 4; docs/DESIGN.md sections 1 and 4).
+from the quantization's (docs/DESIGN.md sections 1 and 4).
 
 Both formats, per-tensor and per-(batch, KV head) scales, contiguous and paged caches (pages that cut blocks, odd
 page sizes, whole-block pages), split-KV 1 and > 1, GQA packing (1, 4, 8 heads per KV head, 3 queries x 8), windows,

@@ -1,4 +1,4 @@
-"""FP8 KV caches through flash_attn_with_kvcache (issue 30; docs/DESIGN.md section 1, sinkattn/fp8.py).
+"""FP8 KV caches through flash_attn_with_kvcache (docs/DESIGN.md section 1, sinkattn/fp8.py).
 
 The oracle runs on the dequantized cache (fp8 * scale in float64), so what is measured is the attention's own
 error, apart from the quantization's. Both formats, both scale forms (per tensor as a float and as a 1-element

@@ -1,8 +1,8 @@
 """The sm90 backward (csrc/sm90/bwd_*) against float64 autograd on the oracle, on a cc 9.0 GPU (skipped elsewhere):
-every case of the sm80 backward's GPU tests (tests/bwd_cases.py, plus a large one), issue 16's own cases (more
+every case of the sm80 backward's GPU tests (tests/bwd_cases.py, plus a large one), the sm90 backward's own cases (more
 CTAs than SMs, varlen lengths 0 to 4000, GQA 8:1 at gpt-oss's shape with window (127, 0) and full causal, sinks 0 /
 -inf / +30, each with gradients through a returned LSE), the deterministic mode bitwise equal over 3 runs, and the
-public autograd path with backend="sm90". Issue 28's edge cases: varlen tiles that run into the next sequence's
+public autograd path with backend="sm90". The edge cases: varlen tiles that run into the next sequence's
 poisoned rows (Q, K, dO; at every compiled head dim, whose tiles differ), seqlen_q = 0 with keys (padded and
 varlen: no TMA descriptor over an empty tensor, zero gradients). A file of its own: bench/gpu/check.sh runs it in
 its own time box before the other GPU tests (a hung pipeline costs that box, not the run)."""

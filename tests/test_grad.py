@@ -160,7 +160,7 @@ def test_backward_is_deterministic(rng_seed):
 
 
 # ---- every public op: a backward, or a sinkattn error at call time that names what to use for training -------
-# (issue 29: flash_attn_with_kvcache returned an output with requires_grad=True whose .backward() died inside
+# (flash_attn_with_kvcache returned an output with requires_grad=True whose .backward() died inside
 # torch's "please use register_autograd" message). A public callable added to sinkattn.__all__ must be sorted here.
 DIFFERENTIABLE = {"flash_attn_with_sinks", "flash_attn_varlen_with_sinks", "merge_attn_states"}
 INFERENCE_ONLY = {"flash_attn_with_kvcache", "SinkKVCache"}

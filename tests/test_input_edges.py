@@ -1,6 +1,6 @@
 """Valid inputs at the edges give defined outputs on every backend (nothing visible, infinite sinks, empty batches,
 windows and sink-token counts past int32, varlen rows past the last sequence), and a call writes nothing but its
-outputs and the appended cache slots, refused calls included (issue 19, item 6).
+outputs and the appended cache slots, refused calls included.
 
 tests/test_argument_errors.py holds what the public functions refuse, with the messages."""
 import pytest

@@ -1,4 +1,4 @@
-"""Large and odd tensors (issue 19, item 3).
+"""Large and odd tensors.
 
 Past 2^31 elements: the tensors are allocated with torch.empty, which on the CPU only reserves address space;
 only the pages a call touches get memory. Each test puts the data it uses past element 2^31 (the last pages of a

@@ -1,4 +1,4 @@
-"""Issue 3's bound: the reference backend runs batch 1, 8 heads, head dim 128, seqlen 32k causal within
+"""The memory bound: the reference backend runs batch 1, 8 heads, head dim 128, seqlen 32k causal within
 4 GiB of extra memory. Minutes of CPU, so it is skipped unless asked for: `pytest -m slow`."""
 import os
 import subprocess

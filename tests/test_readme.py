@@ -1,4 +1,4 @@
-"""The README is a front page that works as written (issue 29, Deliver 4).
+"""The README is a front page that works as written.
 
 - README.md has at most 180 lines.
 - Its quick start (the python block under "## Quick start") runs as written on CPU tensors, and what it computes

@@ -786,7 +786,7 @@ def test_make_report_builds_only_when_sinkattn_does_not_import(tmp_path):
 
 
 def test_make_build_all_uses_the_repositorys_sass_report_and_fails_first_without_it(tmp_path):
-    # The SASS report is the repository's own (issue 43): build-all defaults to it and names it when a given path
+    # The SASS report is the repository's own: build-all defaults to it and names it when a given path
     # is wrong, before building anything.
     assert (ROOT / "tools" / "sass_report.py").is_file()
     r = _make("-n", "build-all")

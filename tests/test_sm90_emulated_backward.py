@@ -3,7 +3,7 @@ host emulation (csrc/emu/bwd_sm90_emu.h; the CTA model and its checks are tests/
 
 Gradients dq, dk, dv and dsinks against float64 autograd on the oracle (tests/bwd_cases.py, the tolerance rule of
 docs/DESIGN.md section 6), with and without a returned lse in the loss, over the masks, GQA 8:1, varlen with empty
-sequences, softcap and sinks 0 / -inf / +30; the deterministic mode bit for bit over runs; issue 28's edge cases:
+sequences, softcap and sinks 0 / -inf / +30; the deterministic mode bit for bit over runs; the edge cases:
 varlen tiles that run into the next sequence's poisoned rows, seqlen_q = 0 with keys.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The sm90 forward's tile shapes under the mask policy's block rules (csrc/common/mask.h), on the host.
 
 The sm90 forward asks TileMask::mask_test(m).needs(n) per key block (the sm80 forward's rule; it asked needs_mask
-per block before, issue 31). mask_test has its own arithmetic (floor divisions by the block size), so it is checked
+per block before). mask_test has its own arithmetic (floor divisions by the block size), so it is checked
 here at the block sizes the sm90 kernels compile: the table's (128 x 128, and 128 x 48 at head dim 256, a block
 size that is no power of two) and the tuning grid's (csrc/sweep_grid.py SWEEP_SM90: 192-row tiles, 32 to 192 keys).
 The host entry mask_tile_blocks fails when mask_test and needs_mask disagree on any block; check_tiles holds the

@@ -1,5 +1,5 @@
 """The process-wide cap on the shared memory the sm80 tile tables read (`sinkattn.sm80_smem_limit`,
-SINKATTN_SM80_MAX_SMEM; issue 15 item 5): the public API runs the tiles of a 99 KB device (A10, L4, RTX 4090)
+SINKATTN_SM80_MAX_SMEM): the public API runs the tiles of a 99 KB device (A10, L4, RTX 4090)
 on a bigger one, and dispatch declines what does not fit, naming the cap.
 
 The tile a run took is observed through its bits: under host emulation a run is deterministic, and where the

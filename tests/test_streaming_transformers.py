@@ -273,7 +273,7 @@ def test_set_streaming_left_padded_batch_equals_each_row_alone():
 
 
 
-# ---- the pinned release's call forms; padded batches (issue 29: no silent no-op, no silent wrong result) -----
+# ---- the pinned release's call forms; padded batches (no silent no-op, no silent wrong result) -----
 def test_cache_and_past_key_values_both_stream_through_the_sink_cache():
     """On the pinned release (5.24) `model(ids, cache=c)` (docs/streaming.md's form) and `past_key_values=c` both run
     through the SinkCache: it holds the tokens, evicts, is the cache returned, and the logits are the stream's."""

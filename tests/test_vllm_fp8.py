@@ -1,4 +1,4 @@
-"""sinkattn's vLLM backend over FP8 KV caches (issue 30 Deliver 3), driven through vLLM 0.33's own modules as
+"""sinkattn's vLLM backend over FP8 KV caches, driven through vLLM 0.33's own modules as
 tests/test_vllm_backend.py drives the bf16 cache (tests/vllm_stubs.py loads the wheel's modules).
 
 vLLM allocates an FP8 cache as uint8 (STR_DTYPE_TO_TORCH_DTYPE) in its logical (num_blocks, num_kv_heads, block_size,
@@ -369,7 +369,7 @@ def _run_interpreted(child: str, tmp_path) -> str:
     return vllm_stubs.run_interpreted("tests.test_vllm_fp8", child, tmp_path)
 
 
-# ---- bench: the decode grid's FP8 cases (issue 30 Deliver 5) -----------------------------------------------------
+# ---- bench: the decode grid's FP8 cases ---------------------------------------------------------------------------
 def test_bench_decode_grid_holds_fp8_cases_beside_bf16():
     from bench.harness import grids
     from bench.harness import peer_vllm as P

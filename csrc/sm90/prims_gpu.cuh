@@ -5,7 +5,7 @@
 // rings, warp roles) is sm90/pipeline.cuh's.
 //
 // Each primitive is the instruction sequence the kernels issued before the seam, through the same CUTLASS / CuTe
-// calls, force-inlined: the seam changes no SASS (checked with tools/sass_report.py and cuobjdump -sass per kernel).
+// calls, force-inlined: the seam changes no SASS (registers and instruction counts per kernel, cuobjdump -sass).
 // The host implementation (emu/sm90_prims.h EmuPrims) gives each of them its meaning on CPU threads; the comments
 // here say what that meaning is.
 #pragma once
