@@ -22,7 +22,7 @@ forward (one serving launch per batch), on "auto" and (cc 9.0) forced "sm80"; on
 flash_attn_with_kvcache call it replaced (`sinkattn-padded`), which its decode must stay within 5% of. Both are timed as CUDA graph replays where they capture
 (vLLM runs decode in full CUDA graphs), else eagerly (the `method` column says which).
 
-FP8 caches (`Batch.kv_cache_dtype` "fp8_e4m3" / "fp8_e5m2", issue 30 Deliver 5): the same random K/V quantized
+FP8 caches (`Batch.kv_cache_dtype` "fp8_e4m3" / "fp8_e5m2"): the same random K/V quantized
 once into vLLM's uint8 allocation with per-tensor scales calibrated as vLLM's would be (amax / the format's largest
 value), written by the backend's own writer (`vllm_paged.write_kv`). The peer is called as TritonAttentionImpl
 calls it on such a cache: the cache viewed as the FP8 type, kv_quant_mode FP8_PER_TENSOR and the layer's scales

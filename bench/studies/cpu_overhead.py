@@ -1,4 +1,4 @@
-"""CPU per-call time of sinkattn's public calls beside PyTorch's SDPA on identical shapes (issue 29, Deliver 6).
+"""CPU per-call time of sinkattn's public calls beside PyTorch's SDPA on identical shapes.
 
 What a call costs on the CPU when the arithmetic is small: the Python wrapper (checks, dispatch, the op
 layer) is then most of it. Every case runs in this one process; rounds are interleaved (each round times

@@ -1,5 +1,5 @@
 """The accuracy cost of an FP8 KV cache: attention over an e4m3 / e5m2 cache against the same attention over the
-bf16 cache, in float64 (issue 30 Deliver 4, the end-to-end half; docs/fp8.md holds the table).
+bf16 cache, in float64 (the end-to-end half; docs/fp8.md holds the table).
 
     python -m bench.studies.fp8_accuracy [--contexts 4096,16384] [--queries 16] [--seed 0]
 
