@@ -205,6 +205,8 @@ SA90_DEVICE void consume(BwdParams const& p, typename Kt::SharedStorage& ss, Wor
   float* const dq_head = p.dq_accum + q_row0 * dq_row_stride + int64_t(w.head) * p.headdim_rounded;
 
   ScoreScale<kSoftcap ? Softcap::kRunTime : Softcap::kOff> const score{p.softmax_scale, p.softcap};
+  // scale_log2 is ScoreScale's log2 without softcap, written from the parameter again: read from `score`, the
+  // softcap kernel at hd64 spilled one more word (sm_90a: 5 LDL / 5 STL instead of 4 / 4).
   float const log2e = float(M_LOG2E), scale_log2 = p.softmax_scale * log2e;
   int const j0 = w.n_block * kBlockN;
 
