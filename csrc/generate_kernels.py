@@ -2,10 +2,12 @@
 
 Every compiled kernel kind is listed here (KINDS: its family, which decides the gencode flags it is built with,
 its op, launcher and registry entry); which head dims it has, and which of them compile in parts, come from the
-C++ tables themselves (read strictly below), and the tuning variants from sweep_grid.py. `generate(out_dir, grid)`
-writes one translation unit per kernel into csrc/instantiations/ and returns the list of (source, family) pairs
-the build compiles. Each translation unit registers itself in the binary's kernel registry (csrc/build_info.h)
-with the archs it was really compiled for, so the capability report reads what the binary holds, not this file.
+C++ tables themselves (read strictly below), and the tuning variants from sweep_grid.py. `units(grid)` lists one
+unit per kernel (or part of one); `generate(out_dir, grid)` writes the translation units the build compiles into
+csrc/instantiations/ (`translation_units`: a GPU unit each, the emulated ones packed per header and head dim) and
+returns the list of (source, family) pairs. Each kernel registers itself in the binary's kernel registry
+(csrc/build_info.h) with the archs it was really compiled for, so the capability report reads what the binary
+holds, not this file.
 
 Environment knobs (read by setup.py and passed in as `Grid`):
     SINKATTN_CUDA_ARCHS  "80;90a" (default), or "native": the archs of the GPUs visible at build time
@@ -214,6 +216,8 @@ class Unit:
     family: str     # "common", "sm80", "sm90" or "emu" (host code compiled by the C++ compiler)
     text: str
     registers: bool = True  # False: a part of a kernel whose launcher (and registry entry) is in another unit
+    header: str = ""        # what it includes (an emulated unit is packed with the others of its header, head dim)
+    headdim: int = 0
 
 
 # ---- the facts the C++ tables own, read from them -------------------------------------------------------------
@@ -377,7 +381,6 @@ KINDS = (
          variant_launcher="sm90::launch_fwd_emulated", variant_family="emu90"),
     Kind("bwd_emu90", "emu", "sm90", "emu/bwd_sm90_emu.h", "run_bwd_sm90_emulated", "EmuLaunch const&",
          "sm90-emulated", "SINKATTN_BWD_SM90_FEATURES", "sm90/bwd_tiles.h", "BwdTileOf"),
-    # The emulated backward is one unit per (head dim, dtype): its host compile is short.
     Kind("bwd_emu", "emu", "sm80", "emu/bwd_sm80_emu.h", "run_bwd_sm80_emulated", "EmuLaunch const&", "sm80-emulated",
          "SINKATTN_BWD_FEATURES", "sm80/bwd_tiles.h", "BwdTilesOf"),
 )
@@ -426,7 +429,7 @@ namespace sinkattn {{
 template void {_part_fn(kind, hdim, dtype, part)};
 }}  // namespace sinkattn
 """
-    return Unit(name + suffix, kind.family, text, registers=False)
+    return Unit(name + suffix, kind.family, text, registers=False, header=kind.header, headdim=hdim)
 
 
 def _kernel_unit(kind: Kind, hdim: int, dtype: str) -> Unit:
@@ -442,7 +445,7 @@ SINKATTN_REGISTER_KERNEL({name}, "{kind.registry_family}", "{kind.reg_op}", {hdi
                          {kind.smem_bytes(hdim)}, ({fn}))
 }}  // namespace sinkattn
 """
-    return Unit(name, kind.family, text)
+    return Unit(name, kind.family, text, header=kind.header, headdim=hdim)
 
 
 def _merge_unit(dtype: str) -> Unit:
@@ -472,7 +475,7 @@ SINKATTN_REGISTER_KERNEL({name}, "{kind.registry_family}-sweep", "fwd", {v.head_
                          {tile}::tile.smem_bytes(), ({fn}))
 }}  // namespace sinkattn
 """
-    return Unit(name, kind.family, text)
+    return Unit(name, kind.family, text, header=kind.header, headdim=v.head_dim)
 
 
 def sweep_units(grid: Grid) -> list[Unit]:
@@ -506,11 +509,56 @@ def units(grid: Grid) -> list[Unit]:
     return out + sweep_units(grid)
 
 
+# ---- translation units ----------------------------------------------------------------------------------------------
+# The GPU units are compiled one kernel (or one part of one) per translation unit, so a many-core build runs them in
+# parallel: their device code generation, not the parse, is most of their cost. The emulated units are the other
+# way round: g++ spends most of a unit on the first instantiation of the kernel body, its CuTe layouts and the
+# emulator, which every kernel of the same header and head dim shares (measured on 2 cores, -O2: the hd64 bf16 sm80
+# forward as its three units 46 + 44 + 33 s, as one 63 s; with fp16 beside it 72 s; an sm90 twin alone 22 s, three
+# in one unit 29 s). So each emulation header's kernels at one head dim, both dtypes, every part and every twin,
+# are one translation unit: PACK_NAME of the header, "_hdim", the head dim.
+PACK_NAME = {"emu/fwd_sm80_emu.h": "emu80_fwd", "emu/bwd_sm80_emu.h": "emu80_bwd",
+             "emu/fwd_sm90_emu.h": "emu90_fwd", "emu/bwd_sm90_emu.h": "emu90_bwd"}
+_BODY = re.compile(r"^namespace sinkattn \{\n(.*)^\}  // namespace sinkattn\n\Z", re.M | re.S)
+
+
+def _pack(members: list[Unit]) -> Unit:
+    """One translation unit holding `members` (one header, one head dim): their bodies in order, the parts'
+    `extern template` declarations dropped (the parts are instantiated in the same unit)."""
+    first = members[0]
+    if first.header not in PACK_NAME:
+        raise SystemExit(f"sinkattn build: the emulated units of {first.header} have no translation-unit name: add "
+                         "it to PACK_NAME in csrc/generate_kernels.py")
+    name = f"{PACK_NAME[first.header]}_hdim{first.headdim}"
+    bodies = []
+    for u in members:
+        m = _BODY.search(u.text)
+        if m is None or u.header != first.header or u.headdim != first.headdim:
+            raise SystemExit(f"sinkattn build: cannot pack {u.name} into {name}")
+        bodies.append(f"// {u.name}\n" + "".join(ln for ln in m.group(1).splitlines(keepends=True)
+                                                if not ln.startswith("extern template ")))
+    text = (f"// Generated by csrc/generate_kernels.py: do not edit.\n// {name}: the emulated kernels of "
+            f"{first.header} at head dim {first.headdim}, one translation unit (see PACK_NAME).\n"
+            f'#include "{first.header}"\nnamespace sinkattn {{\n' + "".join(bodies) + "}  // namespace sinkattn\n")
+    return Unit(name, "emu", text, header=first.header, headdim=first.headdim)
+
+
+def translation_units(grid: Grid) -> list[Unit]:
+    """What the build compiles: units(grid) with the emulated ones packed, one per (header, head dim)."""
+    out, packs = [], {}
+    for u in units(grid):
+        if u.family == "emu":
+            packs.setdefault((u.header, u.headdim), []).append(u)
+        else:
+            out.append(u)
+    return out + [_pack(members) for _, members in sorted(packs.items())]
+
+
 def generate(out_dir: str, grid: Grid) -> list[tuple[str, str]]:
     os.makedirs(out_dir, exist_ok=True)
     written = []
     keep = set()
-    for u in units(grid):
+    for u in translation_units(grid):
         ext = ".cpp" if u.family == "emu" else ".cu"
         path = os.path.join(out_dir, u.name + ext)
         keep.add(path)

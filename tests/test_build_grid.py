@@ -334,6 +334,31 @@ def test_units_full_grid_with_fwd(with_fwd):
     assert "sm90::bwd_min_smem<128>()" in bwd90.text
 
 
+def test_emulated_units_compile_packed_per_header_and_head_dim():
+    """The build compiles the emulated kernels of one emulation header at one head dim (both dtypes, every part,
+    every twin) as one translation unit; the GPU units one kernel (or part) each, as units() lists them."""
+    g = gen.parse_grid({"SINKATTN_EMULATION": "1", "SINKATTN_CUDA_ARCHS": "80;90a"})
+    logical, built = gen.units(g), gen.translation_units(g)
+    assert [u.name for u in built if u.family != "emu"] == [u.name for u in logical if u.family != "emu"]
+    packs = {u.name: u for u in built if u.family == "emu"}
+    assert sorted(packs) == sorted([f"emu80_{op}_hdim{h}" for op in ("fwd", "bwd") for h in (64, 128, 256)]
+                                   + [f"emu90_fwd_hdim{h}" for h in (64, 128, 256)]
+                                   + [f"emu90_bwd_hdim{h}" for h in (64, 128)])
+    # every emulated kernel is registered in exactly one pack, and each pack holds its header's kernels only
+    for u in (u for u in logical if u.family == "emu"):
+        holders = [p for p in packs.values() if f"// {u.name}\n" in p.text]
+        assert [p.name for p in holders] == [f"{gen.PACK_NAME[u.header]}_hdim{u.headdim}"], u.name
+        if u.registers:
+            assert f"SINKATTN_REGISTER_KERNEL({u.name}," in holders[0].text
+    for p in packs.values():
+        assert p.text.count("#include") == 1 and "extern template" not in p.text and "do not edit" in p.text
+    hd128 = packs["emu80_fwd_hdim128"].text
+    assert all(n in hd128 for n in ("fwd_emu_hdim128_bf16_keys", "fwd_fp8_emu_hdim128_fp16",
+                                    "sweep_fwd_emu_hdim128_bf16_m128n64w4"))
+    with pytest.raises(SystemExit, match="PACK_NAME"):
+        gen._pack([gen.Unit("x", "emu", "", header="emu/other.h", headdim=64)])
+
+
 def test_sm90_units_only_with_90a():
     for archs in (["80"], ["86", "89"], ["100", "120"]):
         names = _names(gen.Grid(archs=archs, headdims=[128], dtypes=["bf16"], emulation=False))

@@ -45,8 +45,8 @@ def test_run_ninja_reports_each_unit_and_a_summary(tmp_path, capsys, monkeypatch
     monkeypatch.setenv("SINKATTN_PROGRESS_TTY", "0")
     monkeypatch.setattr(bp, "TICK_S", 0.5)
     d = _ninja_file(tmp_path, {"fwd_sm80_hdim64_bf16.cu": "sleep 3", "merge_fp32.cu": "sleep 0.2",
-                               "bwd_emu_hdim64_bf16.cpp": "sleep 0.4"})
-    assert sorted(bp.planned_units(d)) == ["bwd_emu_hdim64_bf16.cpp", "fwd_sm80_hdim64_bf16.cu", "merge_fp32.cu"]
+                               "emu80_bwd_hdim64.cpp": "sleep 0.4"})
+    assert sorted(bp.planned_units(d)) == ["emu80_bwd_hdim64.cpp", "fwd_sm80_hdim64_bf16.cu", "merge_fp32.cu"]
     bp.run_ninja(d, 2)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("sinkattn build: 3 kernel units to compile with 2 jobs")
@@ -76,7 +76,7 @@ def test_run_ninja_failure_is_reported_and_raised(tmp_path, capsys, monkeypatch)
     assert "sinkattn build: FAILED after" in out
 
 
-@pytest.mark.parametrize("name,kind", [("fwd_sm80_hdim64_bf16.cu", "fwd_sm80"), ("bwd_emu_hdim256_fp16.cpp", "bwd_emu"),
+@pytest.mark.parametrize("name,kind", [("fwd_sm80_hdim64_bf16.cu", "fwd_sm80"), ("emu80_bwd_hdim256.cpp", "emu80_bwd"),
                                        ("fwd_sm80_hdim128_bf16_keys.cu", "fwd_sm80_keys"),
                                        ("merge_fp32.cu", "merge"), ("build_info_cuda.cu", "build_info")])
 def test_unit_kind(name, kind):
@@ -135,5 +135,5 @@ def test_every_unit_of_the_grid_has_a_measured_cost():
     sys.modules[spec.name] = gen
     spec.loader.exec_module(gen)
     grid = gen.parse_grid({"SINKATTN_EMULATION": "1", "SINKATTN_CUDA_ARCHS": "80;90a"})
-    kinds = {bp.unit_kind(u.name) for u in gen.units(grid)} | {"build_info"}
+    kinds = {bp.unit_kind(u.name) for u in gen.translation_units(grid)} | {"build_info"}
     assert kinds <= set(bp.UNIT_COST_S), kinds - set(bp.UNIT_COST_S)

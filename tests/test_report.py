@@ -271,7 +271,7 @@ def test_registry_matches_generator():
     inst = ROOT / "csrc" / "instantiations"
     if inst.is_dir():
         on_disk = sorted(p.stem for p in inst.iterdir() if p.suffix in (".cu", ".cpp"))
-        want_units = sorted(u.name for u in gen.units(grid))
+        want_units = sorted(u.name for u in gen.translation_units(grid))
         assert on_disk == want_units, f"csrc/instantiations holds {on_disk}, the build's grid {want_units}"
 
 

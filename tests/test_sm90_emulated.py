@@ -191,25 +191,35 @@ def test_an_unknown_mutation_is_refused(monkeypatch):
 def test_emulated_sm90_units_share_no_code_with_the_other_units():
     """The host-compiled sm90 units instantiate CuTe's and sm90::'s templates with the GPU units' arguments but other
     code (CuTe's driver encode and asm exist only under nvcc; its TMA copy is 256 bytes there, 192 here). The linker
-    keeps one copy of each weak symbol, so any one shared is a wrong launcher somewhere: emu/sm90_prims.h renames
-    both namespaces in the emulated units. What is shared may only be the C++ library's."""
+    keeps one copy of each weak symbol, so any one shared with a GPU unit is a wrong launcher somewhere:
+    emu/sm90_prims.h renames both namespaces in the emulated units. What they share with the GPU units may only be
+    the C++ library's. With the emulated sm80 units (the same host compiler and flags, so the same definitions) they
+    may share sinkattn's and CUTLASS's plain helpers, never CuTe's."""
     import pathlib
+    import re
     import shutil
     import subprocess
 
-    objs = sorted((pathlib.Path(__file__).resolve().parents[1] / "build" / "kernels").glob("*.o"))
-    emu90 = [o for o in objs if "emu90" in o.name]
-    if not emu90 or shutil.which("nm") is None:
-        pytest.skip("no emulated sm90 objects in build/kernels (a build made elsewhere) or no nm")
+    kernels = pathlib.Path(__file__).resolve().parents[1] / "build" / "kernels"
+    ninja = kernels / "build.ninja"
+    if not ninja.exists() or shutil.which("nm") is None:
+        pytest.skip("no kernel build in build/kernels (a build made elsewhere) or no nm")
+    # The objects this build made (build/kernels may hold stale ones of an earlier grid).
+    objs = sorted(pathlib.Path(p) for p in re.findall(r"^build (\S+\.o): ", ninja.read_text(), re.M))
+    objs = [o if o.is_absolute() else kernels / o for o in objs]
+    emu90 = [o for o in objs if o.name.startswith("emu90")]
+    if not emu90:
+        pytest.skip("no emulated sm90 objects in this build")
 
     def weak(o):
         out = subprocess.run(["nm", "--defined-only", str(o)], capture_output=True, text=True, check=True).stdout
         return {f[2] for f in (line.split() for line in out.splitlines()) if len(f) == 3 and f[1] in "WVu"}
 
-    mine, theirs = set(), set()
+    mine, gpu, emu80 = set(), set(), set()
     for o in objs:
-        (mine if o in emu90 else theirs).update(weak(o))
+        (mine if o in emu90 else emu80 if o.name.startswith("emu") else gpu).update(weak(o))
     # Itanium mangling: St (std::), 9__gnu_cxx, and the library's own helpers; nothing of sinkattn, cute or cutlass.
-    shared = {s for s in mine & theirs if any(n in s for n in ("8sinkattn", "4cute", "7cutlass"))}
+    shared = {s for s in mine & gpu if any(n in s for n in ("8sinkattn", "4cute", "7cutlass"))}
     assert not shared, sorted(shared)[:5]
+    assert not {s for s in mine & emu80 if "4cute" in s or "4sm90" in s}
     assert any("10cute_emu90" in s for s in mine), "the emulated units do not carry CuTe under its renamed namespace"

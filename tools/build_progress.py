@@ -37,13 +37,13 @@ HEARTBEAT_S = float(os.environ.get("SINKATTN_HEARTBEAT_S", "25"))
 # two kernels per unit, sm_90a only). Only the estimate of what is left
 # uses them, rescaled by the pace of the finished units.
 UNIT_COST_S = {"fwd_sm80": 40.0, "fwd_sm80_keys": 36.0, "fwd_sm80_softcap": 24.0, "bwd_sm80": 30.0,
-               "bwd_sm80_small": 31.0, "bwd_sm80_softcap": 22.0, "fwd_sm90": 19.0, "bwd_sm90": 24.0, "fwd_emu": 55.0, "fwd_emu_keys": 40.0,
-               "fwd_emu_softcap": 12.0, "bwd_emu": 40.0, "merge": 4.0, "build_info": 2.0,
-               "sweep_fwd_sm90": 16.0, "sweep_fwd_sm80": 25.0, "sweep_fwd_emu": 12.0,
+               "bwd_sm80_small": 31.0, "bwd_sm80_softcap": 22.0, "fwd_sm90": 19.0, "bwd_sm90": 24.0,
+               "merge": 4.0, "build_info": 2.0, "sweep_fwd_sm90": 16.0, "sweep_fwd_sm80": 25.0,
                # the FP8-cache decode units (2026-12-02: about the hd128 forward unit's time in the same build)
-               "fwd_fp8_sm80": 40.0, "fwd_fp8_emu": 30.0,
-               # the sm90 kernels under host emulation (2026-12-03, a cold build of the CI grid)
-               "fwd_emu90": 11.0, "bwd_emu90": 13.0, "sweep_fwd_emu90": 11.0}
+               "fwd_fp8_sm80": 40.0,
+               # the emulated kernels, one translation unit per header and head dim (generate_kernels.py
+               # PACK_NAME; 2026-12-05, hd64 with both dtypes, 2 jobs, no ccache)
+               "emu80_fwd": 86.0, "emu80_bwd": 37.0, "emu90_fwd": 49.0, "emu90_bwd": 29.0}
 DEFAULT_COST_S = 30.0
 
 
@@ -53,9 +53,10 @@ def fmt_s(s: float) -> str:
 
 
 def unit_kind(name: str) -> str:
-    """fwd_sm80_hdim64_bf16_dec -> fwd_sm80_dec; merge_fp16 -> merge; build_info_cuda -> build_info."""
+    """fwd_sm80_hdim64_bf16_keys -> fwd_sm80_keys; emu80_fwd_hdim64 -> emu80_fwd; merge_fp16 -> merge;
+    build_info_cuda -> build_info."""
     stem = name.split(".")[0]
-    base = re.sub(r"_hdim\d+_(bf16|fp16)", "", stem)
+    base = re.sub(r"_hdim\d+(_(bf16|fp16))?", "", stem)
     if base.startswith("merge"):
         return "merge"
     if base.startswith("build_info"):
