@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -374,33 +375,51 @@ def test_gpu_sweep_sh_relaunches_after_a_fault_and_a_hang_and_ends_with_the_tabl
         assert "| 2 | fake_" in md.split(f"### {label}:")[1].split("###")[0]
 
 
+def _hd64_emulated(family):
+    return next((k["name"] for k in _ext.registry() if k["family"] == family and k["op"] == "fwd"
+                 and k["headdim"] == 64 and k["dtype"] == "bf16"), None)
+
+
 @needs_emu64
 def test_cli_cpu_run_end_to_end(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "bench.sweep", "--cpu", "--headdims", "64", "--max-reps", "2",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """`python -m bench.sweep --cpu` checks and times both emulated families' defaults and their sweep variants'
+    twins (one sm90 twin here, by --filter: each is about as costly as a default on the CPU)."""
+    sm90_default, twin = _hd64_emulated("sm90-emulated"), _hd64_emulated("sm90-emulated-sweep")
+    cmd = [sys.executable, "-m", "bench.sweep", "--cpu", "--headdims", "64", "--max-reps", "2", "--out", str(tmp_path)]
+    r = subprocess.run(cmd + (["--filter", twin] if twin else []), cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(os.listdir(tmp_path)) == ["journal.jsonl", "results.csv", "results.md", "summary.txt"]
     out = r.stdout
     assert sweep.CPU_NOTE in out and sweep.CPU_NOTE in (tmp_path / "results.md").read_text()
-    assert "sweep: check fwd_emu_hdim64_bf16: PASS (6 cases)" in out
+    ranked_kernels = ["fwd_emu_hdim64_bf16"] + [n for n in (sm90_default, twin) if n]
+    for name in ranked_kernels:
+        assert re.search(rf"sweep: check {name}: PASS \(\d+ cases\)", out), (name, out)
     hd64 = [label for label, c in sweep.TARGETS if c.headdim == 64]
     # Last: one winner line per shape of head dim 64, after the ranked tables.
     assert [line.split(":")[0] for line in out.strip().splitlines()[-len(hd64):]] == [f"winner {s}" for s in hd64]
     md = (tmp_path / "results.md").read_text()
     for label in hd64:
         table = md.split(f"### {label}:")[1].split("###")[0]
-        first = next(line for line in table.splitlines() if line.startswith("| 1 |"))
-        cells = [c.strip() for c in first.split("|")[1:-1]]
-        assert cells[1] == "fwd_emu_hdim64_bf16 (default)" and float(cells[2]) > 0 and float(cells[3]) > 0
-        assert cells[4] == "1", first
+        rows = {cells[1]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                              for line in table.splitlines() if re.match(r"\| \d+ \|", line))}
+        # The CPU run's default is the sm80 emulation (where "auto" means the reference backend): x default 1.
+        default = rows["fwd_emu_hdim64_bf16 (default)"]
+        assert float(default[2]) > 0 and float(default[3]) > 0 and default[4] == "1", table
+        for name in ranked_kernels[1:]:
+            assert float(rows[name][2]) > 0 and float(rows[name][4]) > 0, table
     with open(tmp_path / "results.csv") as f:
         rows = list(csv.DictReader(f))
-    ours = [r for r in rows if r["variant"] == "fwd_emu_hdim64_bf16"]
-    assert [r["shape"] for r in ours] == hd64 and all(r["status"] == "ok" and float(r["tflops"]) > 0 for r in ours)
+    for name in ranked_kernels:
+        ours = [r for r in rows if r["variant"] == name]
+        assert [r["shape"] for r in ours] == hd64 and all(r["status"] == "ok" and float(r["tflops"]) > 0
+                                                           for r in ours), (name, ours)
     sliding = next(r for r in rows if r["shape"] == "gptoss-sliding" and r["variant"] == "sdpa-flash")
     assert sliding["status"] == "n/a" and "sliding window" in sliding["note"]
     summary = (tmp_path / "summary.txt").read_text()
     assert "PASS    fwd_emu_hdim64_bf16 (checked: odd-noncausal, causal-sq<sk" in summary
+    if twin:  # the other twins are named as left out by --filter, not silently missing
+        assert f"--filter {twin!r}" in summary
     assert '"exit_status": 0' in summary
 
 

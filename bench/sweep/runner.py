@@ -4,9 +4,10 @@
                           [--budget-ms MS] [--max-reps N] [--watchdog-s S] [--cpu] [--list]
 
 Variants are the extra forward kernels the generator compiles into the extension when asked for a tuning grid
-(registry families "sm90-sweep", "sm80-sweep", "sm80-emulated-sweep"); each runs through the normal bridge as
-backend "variant:<name>" and serves one head dim and dtype. The defaults (the kernels "auto" runs today) run
-beside them as backends "sm90" / "sm80" (CUDA) or "sm80-emulated" (CPU).
+(registry families "sm90-sweep", "sm80-sweep", and on the CPU their host twins "sm90-emulated-sweep" and
+"sm80-emulated-sweep"); each runs through the normal bridge as backend "variant:<name>" and serves one head dim
+and dtype. The defaults (the kernels "auto" runs today) run beside them as backends "sm90" / "sm80" (CUDA) or
+"sm80-emulated" / "sm90-emulated" (CPU).
 
     phase 1  every variant and default on small cases at its head dim (CHECKS): fresh random inputs, outputs
              poisoned with NaN, out and lse against the float64 oracle (tests/oracle.py). A variant that fails
@@ -76,8 +77,10 @@ from bench.harness.run import _FATAL, _first_line  # noqa: E402
 
 CPU_NOTE = ("CPU run: emulated kernels on tiny shapes timed with time.perf_counter (the wrap-around check is CUDA "
             "only); this exercises the harness and is not a performance claim.")
-SWEEP_FAMILIES = {"cuda": ("sm90-sweep", "sm80-sweep"), "cpu": ("sm80-emulated-sweep",)}
-DEFAULT_BACKENDS = {"cuda": ("sm90", "sm80"), "cpu": ("sm80-emulated",)}
+# On the CPU both families' twins run: each SWEEP_SM90 variant's host twin (an emulation build holds all of them)
+# is checked against the oracle before any GPU round times its GPU build.
+SWEEP_FAMILIES = {"cuda": ("sm90-sweep", "sm80-sweep"), "cpu": ("sm90-emulated-sweep", "sm80-emulated-sweep")}
+DEFAULT_BACKENDS = {"cuda": ("sm90", "sm80"), "cpu": ("sm90-emulated", "sm80-emulated")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
