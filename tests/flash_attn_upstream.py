@@ -24,6 +24,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+from cache_lock import cache_lock
+
 FA_VERSION = "2.8.3"
 EINOPS_VERSION = "0.8.2"
 FETCH_ENV = "SINKATTN_FETCH_FLASH_ATTN"
@@ -62,6 +64,13 @@ def suite_root(fetch: bool | None = None, announce=None) -> Path:
     base = cache_dir()
     src = base / "src"
     if all((src / m).exists() for m in MEMBERS) and (base / "site" / "einops").is_dir():
+        return base
+    with cache_lock(base):
+        return _fetch_and_unpack(base, src, fetch, announce)
+
+
+def _fetch_and_unpack(base: Path, src: Path, fetch, announce) -> Path:
+    if all((src / m).exists() for m in MEMBERS) and (base / "site" / "einops").is_dir():  # done while we waited
         return base
     if not (os.environ.get(FETCH_ENV) == "1" if fetch is None else fetch):
         raise NotFetched(fetch_hint())

@@ -31,6 +31,8 @@ import types
 import zipfile
 from pathlib import Path
 
+from cache_lock import cache_lock
+
 VLLM_VERSION = "0.33.0"
 WHEEL_SIZE = "336 MB"  # vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl: 336,361,138 bytes
 FETCH_ENV = "SINKATTN_FETCH_VLLM"
@@ -58,6 +60,13 @@ def vllm_root(fetch: bool | None = None, announce=None) -> Path:
     base = cache_dir() / f"vllm-{VLLM_VERSION}"
     src = base / "src"
     if (src / "vllm" / "v1" / "attention" / "backend.py").exists():
+        return src
+    with cache_lock(base):
+        return _fetch_and_unpack(base, src, fetch, announce)
+
+
+def _fetch_and_unpack(base: Path, src: Path, fetch, announce) -> Path:
+    if (src / "vllm" / "v1" / "attention" / "backend.py").exists():  # another worker did it while we waited
         return src
     wheels = sorted(base.glob(f"vllm-{VLLM_VERSION}-*.whl"))
     if not wheels:
