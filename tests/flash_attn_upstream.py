@@ -24,7 +24,10 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from cache_lock import cache_lock
+try:
+    from cache_lock import cache_lock
+except ImportError:  # imported as tests.<this module> (a child process with the repository, not tests/, on its path)
+    from tests.cache_lock import cache_lock
 
 FA_VERSION = "2.8.3"
 EINOPS_VERSION = "0.8.2"

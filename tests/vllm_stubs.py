@@ -31,7 +31,10 @@ import types
 import zipfile
 from pathlib import Path
 
-from cache_lock import cache_lock
+try:
+    from cache_lock import cache_lock
+except ImportError:  # imported as tests.<this module> (a child process with the repository, not tests/, on its path)
+    from tests.cache_lock import cache_lock
 
 VLLM_VERSION = "0.33.0"
 WHEEL_SIZE = "336 MB"  # vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl: 336,361,138 bytes
