@@ -38,7 +38,7 @@ deps-build: ## install what a build needs and is missing: torch $(TORCH_VERSION)
 # transformers: SinkCache needs 5.24 or later (on older releases cache= is ignored; sinkattn/integrations/
 # transformers_streaming.py refuses them), so an older installed one is upgraded to the pinned release.
 deps: deps-build ## also what the tests need and is missing: pytest and the test tools, transformers (>= 5.24)
-	@$(PYTHON) -c "import pytest, numpy, matplotlib, hypothesis" 2>/dev/null || $(PROGRESS) --name "installing test tools" --log build/logs/test-tools.log -- $(PYTHON) -m pip install pytest numpy matplotlib hypothesis
+	@$(PYTHON) -c "import pytest, xdist, numpy, matplotlib, hypothesis" 2>/dev/null || $(PROGRESS) --name "installing test tools" --log build/logs/test-tools.log -- $(PYTHON) -m pip install pytest pytest-xdist numpy matplotlib hypothesis
 	@$(PYTHON) -c "import sys, transformers; from packaging.version import Version; sys.exit(Version(transformers.__version__) < Version('5.24'))" 2>/dev/null || $(PROGRESS) --name "installing transformers" --log build/logs/transformers.log -- $(PYTHON) -m pip install "transformers==5.24.0"
 
 cutlass: ## fetch the CUTLASS/CuTe headers (the pinned nvidia-cutlass wheel) into third_party/cutlass
@@ -81,8 +81,11 @@ run: ## install (the kernels this machine needs, tools/run_grid.py), print the c
 	$(PYTHON) -m sinkattn.report
 	$(PYTHON) examples/quickstart.py
 
-test: deps $(STAMP_EMU) ## install with the host-emulated kernels and run the test suite (PYTEST_ARGS=...)
-	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
+# TEST_WORKERS: pytest-xdist processes. Two fill a 2-core machine: the emulated kernels run on every core, the rest of
+# the suite on one (a serial run used 1.4 cores on average); each worker can peak at about 3.5 GB. 0: one process.
+TEST_WORKERS ?= 2
+test: deps $(STAMP_EMU) ## install with the host-emulated kernels and run the test suite (PYTEST_ARGS=..., TEST_WORKERS=2)
+	$(PYTHON) -m pytest -q tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal) $(PYTEST_ARGS)
 
 # The report describes what is there: it builds only when sinkattn does not import at all (no torch, say).
 report: ## the capability report of what is installed (builds only when sinkattn does not import)
