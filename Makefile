@@ -140,7 +140,7 @@ gpu-prebuilt: install ## pack this build's kernel objects (and its diagnostic bu
 	tar -C .prebuilt -cJf .prebuilt.tar.xz .
 	@echo "gpu-prebuilt: $$(ls .prebuilt | wc -l) files in .prebuilt/ ($$(du -sh .prebuilt | cut -f1)), packed into .prebuilt.tar.xz ($$(du -sh .prebuilt.tar.xz | cut -f1)); carry that"
 
-# The tuning sweep of a GPU round (issue 17; docs/DESIGN.md section 8). Here: `make sweep-prebuilt` builds the
+# The tuning sweep of a GPU round (docs/DESIGN.md section 8). Here: `make sweep-prebuilt` builds the
 # sweep's grid (the tuning variants of generate_kernels.py beside the default kernels, bf16, 80;90a, no emulation;
 # SINKATTN_SWEEP=<substrings> narrows it) and packs it (gpu-prebuilt above). On the GPU machine, with
 # .prebuilt.tar.xz beside the checkout, `make gpu-sweep` (one command, about ten minutes)

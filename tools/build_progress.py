@@ -32,7 +32,7 @@ TICK_S = 20.0        # a line at least this often while units compile (the targe
 HEARTBEAT_S = float(os.environ.get("SINKATTN_HEARTBEAT_S", "25"))
 
 # Expected seconds of one unit per kind, measured on the 2-core dev machine without ccache for the default grid
-# (80;90a, commit of issue 21; `make build-times`): the front end dominates, so a narrower arch list costs about
+# (80;90a, 2026-12-01; `make build-times`): the front end dominates, so a narrower arch list costs about
 # the same per unit (the *_softcap kinds: a clean clone's .ci/run, 2026-12-01; bwd_sm90: its first build, 2026-12-01,
 # two kernels per unit, sm_90a only). Only the estimate of what is left
 # uses them, rescaled by the pace of the finished units.

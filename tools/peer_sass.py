@@ -4,7 +4,7 @@ instruction by instruction, no GPU) pointed at this tree.
 
 The comparison names our kernels by mangled-name patterns and the source lines of run-time-disabled features by fixed
 line numbers, both as the kernels stood when it was written; every change to the templates or files breaks them
-(issue 14 renamed the traits' template arguments to tile types). This wrapper derives both from the tree: the
+(renaming the traits' template arguments to tile types did). This wrapper derives both from the tree: the
 kernels from the tile tables (sm80/fwd_tiles.h, sm80/bwd_tiles.h: name, sizes, shared memory), the cold lines by
 searching each file for the code they hold. Then it runs tools/peer_compare.py.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A model of our kernels' time from their SASS (issue 43): no GPU, no profiler.
+"""A model of our kernels' time from their SASS: no GPU, no profiler.
 
 Per kernel (tools/sass.py reads the cubin inside a .so / .o / .cubin), the hot loop (the natural loop holding the
 most HMMA/HGMMA) is costed per iteration on one SM sub-partition (SMSP: one warp scheduler, a quarter of the SM):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Predicted figures for HEAD's kernels (issue 43 D3), from the SASS of a compiled extension or object, no GPU.
+"""Predicted figures for HEAD's kernels, from the SASS of a compiled extension or object, no GPU.
 
 A bench case (the fields of bench/harness/grids.Case: kind, mode, batch, seqlen_q/k, nheads(_k), headdim, causal,
 window, sink tokens, kv dtype) is mapped to the kernel that serves it and to that kernel's launch; tools/perf_model.py

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make gpu-check: one call on a fresh GPU machine with no network (docs/DESIGN.md section 6, issue 9).
+# make gpu-check: one call on a fresh GPU machine with no network (docs/DESIGN.md section 6).
 #
 #   1. build only what this GPU needs, with every core (SINKATTN_CUDA_ARCHS from the GPU's compute
 #      capability: 90a on cc 9.0, which holds the sm90 kernels and the sm80 kernels as sm_90 SASS;
@@ -213,7 +213,7 @@ if [ "$GPU_CC" = "9.0" ] && [ "$HAS_SM90" = "1" ] && [ "$SKIP_SM90_STEPS" = "0" 
     say "sm90-tests failed (exit $rc): SINKATTN_DISABLE_SM90=1 for the rest of the run"
   fi
 fi
-# The sm90 backward (issue 16: written and compiled without a GPU; dispatch does not pick it until it passes here),
+# The sm90 backward (written and compiled without a GPU; dispatch does not pick it until it passes here),
 # in its own time box too; on failure the bench leaves out its sinkattn-sm90 column.
 HAS_SM90_BWD=$("$PY" -c "from sinkattn import _ext; print(int(any(k['family'] == 'sm90' and k['op'] == 'bwd' for k in _ext.registry())))" 2>/dev/null)
 SM90_BWD_OK=0
@@ -312,7 +312,7 @@ step bench "$OUT/bench.log" "$BENCH_LIMIT" \
   ${GPU_CHECK_BENCH_ARGS---budget-ms 300 --max-reps 100} $BENCH_COMPARATORS || FAILED=1
 
 # ---------------------------------------------------------------------------------------------- 3b. prediction vs measurement
-# tools/perf_model.py on this build's SASS beside the bench's rows (issue 43: every round also tests the model).
+# tools/perf_model.py on this build's SASS beside the bench's rows (every round also tests the model).
 # Never fails the round (the script exits 0 and says why when it cannot compare); time-boxed, into the summary.
 if [ "$(left)" -gt 20 ]; then
   timeout -k 5 "$(min 90 "$(left)")" "$PY" bench/gpu/predict_check.py --out "$OUT" 2>&1 | tee -a "$SUMMARY" || true

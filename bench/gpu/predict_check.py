@@ -1,4 +1,4 @@
-"""Prediction beside measurement (issue 43 D3): run after the bench of `make gpu-check` (bench/gpu/check.sh).
+"""Prediction beside measurement: run after the bench of `make gpu-check` (bench/gpu/check.sh).
 
     python bench/gpu/predict_check.py --out DIR [--so PATH] [--device a100|h200]
 

@@ -1,4 +1,4 @@
-"""compute-sanitizer over a small case of every kernel family and mode (issue 19, item 1).
+"""compute-sanitizer over a small case of every kernel family and mode.
 
 Two commands:
 

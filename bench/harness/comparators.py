@@ -27,7 +27,7 @@
                     sinks with off Hopper), source from the vllm wheel at run time (peer_vllm.py here).
                     Paged decode on a GPU only; n/a elsewhere and when the source was not extracted.
 
-FP8 decode cases (Case.kv_dtype "fp8_e4m3" / "fp8_e5m2", issue 30): the caches hold the random bf16 K/V quantized with
+FP8 decode cases (Case.kv_dtype "fp8_e4m3" / "fp8_e5m2"): the caches hold the random bf16 K/V quantized with
 per-tensor scales calibrated as amax / the format's largest value (FP8Inputs); sinkattn and vllm-triton read the FP8
 caches with those scales, SDPA and flex run on the dequantized K/V (x.k, x.v), the same math, so their error column
 checks sinkattn's FP8 path.

@@ -1,4 +1,4 @@
-"""The benchmark grids (issue 9).
+"""The benchmark grids.
 
 Each grid is a list of `Case`s; a case is one attention call shape. Every case is run by sinkattn
 (backend "auto", i.e. the kernel a user gets) and by each comparator that can do the same math.
@@ -14,7 +14,7 @@ Each grid is a list of `Case`s; a case is one attention call shape. Every case i
                  Llama-like heads (32 q, 8 kv, head dim 128), seqlen 4k..64k, forward
     decode       gpt-oss heads with sinks, one new token, batch 1..256, seqlen_k 1k..128k, contiguous
                  and paged (page size 256) caches; cases whose K/V exceed DECODE_KV_BYTES are left out;
-                 FP8 caches (issue 30, FP8_DECODE): paged and contiguous e4m3 at batch 1/16/64, seqlen_k
+                 FP8 caches (FP8_DECODE): paged and contiguous e4m3 at batch 1/16/64, seqlen_k
                  16k..128k, and e5m2 at b64/sk64k, each right after the same case over the bf16 cache
     all          replication + gptoss + streaming + decode
 """
@@ -157,7 +157,7 @@ def streaming() -> list[Case]:
     return cases
 
 
-# FP8 caches (issue 30): which decode cases also run over each FP8 cache ((batch, seqlen_k) pairs).
+# FP8 caches: which decode cases also run over each FP8 cache ((batch, seqlen_k) pairs).
 FP8_DECODE = {"fp8_e4m3": [(b, sk) for b in (1, 16, 64) for sk in (16384, 65536, 131072)],
               "fp8_e5m2": [(64, 65536)]}
 

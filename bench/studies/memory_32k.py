@@ -1,4 +1,4 @@
-"""Issue 3's memory bound: the reference backend runs batch 1, 8 heads, head dim 128, seqlen 32k causal
+"""The reference backend's memory bound: it runs batch 1, 8 heads, head dim 128, seqlen 32k causal
 on the CPU within 4 GiB of extra memory (a dense score matrix alone would be 8 * 32k * 32k * 4 B = 32 GiB).
 
 Run in a fresh process; extra memory = peak RSS (ru_maxrss) minus the RSS just before the call, after the

@@ -1,4 +1,4 @@
-"""The reference backend against the eager concat-softmax formulation, on the CPU (issue 3, "Measure").
+"""The reference backend against the eager concat-softmax formulation, on the CPU.
 
 Eager is what transformers' gpt-oss `eager_attention_forward` does: repeat the KV heads, materialise
 the (heads, seqlen_q, seqlen_k) score matrix, add the mask, concatenate the sink logit as an extra

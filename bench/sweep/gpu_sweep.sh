@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make gpu-sweep: one round of kernel tuning on a borrowed GPU (issue 17 item 4; docs/DESIGN.md section 8).
+# make gpu-sweep: one round of kernel tuning on a borrowed GPU (docs/DESIGN.md section 8).
 #
 # Built here first: `make sweep-prebuilt` puts the default kernels and the tuning variants of csrc/sweep_grid.py
 # (SWEEP_SM90, SWEEP_SM80; bf16, 80;90a; the generator compiles them) into .prebuilt/, with the grid it was built for

@@ -1,4 +1,4 @@
-"""The tuning sweep of `make gpu-sweep` (issue 17, item 4): one call on the GPU machine covers a round of tuning.
+"""The tuning sweep of `make gpu-sweep`: one call on the GPU machine covers a round of tuning.
 
     python -m bench.sweep [--filter SUBSTR] [--headdims 64,128] [--out DIR] [--deadline-s 540]
                           [--budget-ms MS] [--max-reps N] [--watchdog-s S] [--cpu] [--list]
@@ -89,7 +89,7 @@ def _target(batch, seqlen, nheads, nheads_k, headdim, causal=False, window_left=
                 window_left=window_left, window_right=0 if causal else -1, sink_tokens=sink_tokens, sinks=sinks)
 
 
-# Issue 17's targets: bf16, 16k tokens, nheads = 2048 / headdim unless the model says otherwise.
+# The tuning targets: bf16, 16k tokens, nheads = 2048 / headdim unless the model says otherwise.
 TARGETS = [
     ("hd64-full", _target(1, 16384, 32, 32, 64)),              # FA3 paper shape; target 520 TFLOP/s
     ("hd64-causal", _target(1, 16384, 32, 32, 64, causal=True)),   # target 470
