@@ -42,8 +42,8 @@ UNIT_COST_S = {"fwd_sm80": 40.0, "fwd_sm80_keys": 36.0, "fwd_sm80_softcap": 24.0
                # the FP8-cache decode units (2026-12-02: about the hd128 forward unit's time in the same build)
                "fwd_fp8_sm80": 40.0,
                # the emulated kernels, one translation unit per header and head dim (generate_kernels.py
-               # PACK_NAME; 2026-12-05, hd64 with both dtypes, 2 jobs, no ccache)
-               "emu80_fwd": 86.0, "emu80_bwd": 37.0, "emu90_fwd": 49.0, "emu90_bwd": 29.0}
+               # PACK_NAME; the mean over CI's head dims in a cold clean-clone .ci/run, 2026-12-05, 3583a3e)
+               "emu80_fwd": 81.0, "emu80_bwd": 42.0, "emu90_fwd": 48.0, "emu90_bwd": 31.0}
 DEFAULT_COST_S = 30.0
 
 
