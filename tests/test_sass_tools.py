@@ -137,3 +137,24 @@ def test_hot_loop_and_scoreboards_on_a_compiled_cubin(cubin):
     mufu = [i for i in insns if i.op.startswith("MUFU.EX2")]
     assert mufu and all(i.wbar < 6 for i in mufu)
     assert any(i.wait & (1 << mufu[0].wbar) for i in insns if i.addr > mufu[0].addr)
+
+
+def _line(addr: int, text: str) -> str:
+    return (f"        /*{addr:04x}*/                   {text} ;    /* 0x0000000000000000 */\n"
+            "                                                  /* 0x000fea0003800000 */\n")
+
+
+# A loop whose interior iteration runs both MMAs and skips the mask (the diagonal block's FSELs) and, in the last
+# iteration, the next block's load.
+LOOP_FIXTURE = "\tcode for sm_90\n\t\tFunction : _Z4loopv\n" + "".join(_line(a, t) for a, t in (
+    (0x00, "HMMA.16816.F32.BF16 R0, R4, R8, R0"), (0x10, "@P0 BRA 0x40"), (0x20, "FSEL R1, R1, -INF, P1"),
+    (0x30, "FSEL R2, R2, -INF, P1"), (0x40, "@P2 BRA 0x60"), (0x50, "LDGSTS.E.BYPASS.128 [R10], [R12.64]"),
+    (0x60, "HMMA.16816.F32.BF16 R0, R4, R8, R0"), (0x70, "@P3 BRA 0x0"), (0x80, "EXIT")))
+
+
+def test_hot_path_is_the_interior_iteration():
+    (insns,) = sass.parse_sass(LOOP_FIXTURE, default_arch="sm_90").values()
+    loop = sass.hot_loop(insns)
+    assert loop[0] == list(range(8))  # the natural loop: every branch of the body
+    assert sass.hot_path(insns, loop) == [0, 1, 4, 6, 7]  # both MMAs, no mask, no load
+    assert sass.hot_path(insns, loop, with_loads=True) == [0, 1, 4, 5, 6, 7]  # and the next block's load

@@ -3,7 +3,7 @@ the backward rows from d6ddcbf's run: the sm80 backward kernel is the same sourc
 each ran, found by its mangled name in the SASS given:
 
   ours   4d9dcbd's units, built by `SINKATTN_SRC=<4d9dcbd worktree> bash tools/peer_build_sinkattn.sh <unit>...`
-         into --ours (default build/peer_sass/4d9dcbd)
+         into --ours (default build/peer_sass/4d9dcbd/out, where that script writes with PEER_SASS_DIR=build/peer_sass/4d9dcbd)
   FA2    SDPA's flash backend, the comparator measured: FlashAttention-2 inside torch's libtorch_cuda.so, whose sm_90
          cubins hold its kernels (extracted with `cuobjdump -xelf` into --fa2; tools/perf_fa2_cubins.sh)
 
@@ -156,7 +156,7 @@ def table(ks, dev):
 
 def main(a) -> int:
     dev = pm.DEVICES[a.device]
-    ks = kernels(getattr(a, "ours", None) or "build/peer_sass/4d9dcbd", getattr(a, "fa2", None) or "build/peer_sass/fa2_torch", dev)
+    ks = kernels(getattr(a, "ours", None) or "build/peer_sass/4d9dcbd/out", getattr(a, "fa2", None) or "build/peer_sass/fa2_torch", dev)
     print(f"| case | batch x seqlen | ours sm80 measured / predicted | FA2 measured / predicted | ratio measured / "
           f"predicted (error) | bound (W) |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -347,6 +347,58 @@ def loops(insns: list[Insn]):
     return [(idx, body, h) for idx, body, h, _ in natural_loops(blocks, succ)]
 
 
+def hot_path(insns: list[Insn], loop, key=None, with_loads: bool = False) -> list[int]:
+    """The instructions one interior iteration of `loop` (hot_loop's (indices, body blocks, header)) issues: the path
+    from the header to a back edge through the body's other edges that holds the most `key` instructions (default
+    MMAs), then (with_loads) the most global loads (an interior iteration loads the next block, the last one does
+    not), then the fewest instructions. Branches the interior iterations skip (a mask's diagonal block, a tail, a
+    wait loop) are off it; a loop body costed whole charges them to every iteration. Which branches an interior
+    iteration really takes depends on run-time values the SASS does not hold: the two rules bracket it."""
+    key = key or is_mma
+    blocks, succ, _ = cfg(insns)
+    _, body, h = loop
+    inside = set(body)
+    # The body without its back edges (edges to the header, and edges closing an inner loop: found by a DFS from h).
+    fwd, state = {b: [] for b in body}, {}
+    latch = set()
+    stack = [(h, iter(succ[h]))]
+    state[h] = 1
+    while stack:
+        x, it = stack[-1]
+        nxt = next(it, None)
+        if nxt is None:
+            state[x] = 2
+            stack.pop()
+            continue
+        if nxt == h:
+            latch.add(x)
+        elif nxt in inside and state.get(nxt) != 1:
+            fwd[x].append(nxt)
+            if nxt not in state:
+                state[nxt] = 1
+                stack.append((nxt, iter(succ[nxt])))
+    score = {}
+
+    def best(b):  # (MMAs, -instructions) from b to a back edge, and the next block on that path
+        if b in score:
+            return score[b]
+        a, e = blocks[b]
+        own = (sum(1 for i in range(a, e + 1) if key(insns[i])),
+               sum(1 for i in range(a, e + 1) if insns[i].base in ("LDGSTS", "UTMALDG", "LDG")) if with_loads else 0,
+               -(e - a + 1))
+        options = [(own, None)] if b in latch else []
+        for t in fwd[b]:
+            rest, _ = best(t)
+            options.append((tuple(x + y for x, y in zip(own, rest)), t))
+        score[b] = max(options, key=lambda o: o[0]) if options else ((own[0], own[1], own[2] - 10**9), None)
+        return score[b]
+    path, b = [], h
+    while b is not None:
+        path.extend(range(blocks[b][0], blocks[b][1] + 1))
+        b = best(b)[1]
+    return path
+
+
 def is_mma(ins: Insn) -> bool:
     return ins.op.startswith("HMMA") or ins.op.startswith("HGMMA") or ins.op.startswith("IMMA") or ins.op.startswith("QGMMA")
 
