@@ -6,7 +6,8 @@ atomics and stores), dS^T register pairs are one 4-byte word of shared memory (s
 consumer threads cover each tile once, and 8 columns of Q / dO / K / V from a multiple of 8 are one 16-byte chunk
 (the varlen tail zeroing's stores). tests/layout_facts/sm90_bwd.cu holds the checks; it is compiled here as host
 code with the host C++ compiler (CuTe's layout algebra is constexpr host code, which the emulated sm90 units compile
-with the same compiler; g++ takes 18 s where nvcc took 61) and run, and run again with --mutant, where four planted layout bugs must each be reported (the
+with the same compiler; g++ takes 18 s where nvcc took 61) and run, and run again with --mutant, where four
+planted layout bugs must each be reported (the
 untransposed dS^T view breaks two facts)."""
 from __future__ import annotations
 

@@ -58,11 +58,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sass  # noqa: E402
 
 HMMA_SM90 = 232.0   # FMA/clk/SMSP of mma.sync m16n8k16 bf16 on sm_90 (fitted, see the docstring; A100: 256)
-# What one loop iteration issues (--path): "loop", the whole natural loop (every branch of the body, each
-# iteration: the default, what the predictions in bench/RESULTS.md used); "mma" / "mma+loads", the interior
-# iteration's path by sass.hot_path's two rules. docs/internals.md has the rows under each.
+# What one loop iteration issues (make_kernel's `path`, --rows --path): "loop", the whole natural loop (every branch
+# of the body, each iteration: the default, what the predictions in bench/RESULTS.md used); "mma" / "mma+loads",
+# the interior iteration's path by sass.hot_path's two rules. docs/internals.md has the rows under each.
 PATH_RULES = ("loop", "mma", "mma+loads")
-PATH_RULE = "loop"
 LOADED_LAT = 1300.0  # ns: NOT fitted yet (the decode rows are not checked: 4d9dcbd's decode kernels were not built here)
 
 
@@ -425,8 +424,8 @@ def read_kernels(path: str, dev: Device, arch: str | None = None) -> dict[str, t
 
 
 def make_kernel(name: str, insns, loop, res: dict, dev: Device, threads: int, dyn_smem: int,
-                loop_warps: int | None = None) -> Kernel:
-    idx = loop[0] if PATH_RULE == "loop" else sass.hot_path(insns, loop, with_loads=PATH_RULE == "mma+loads")
+                loop_warps: int | None = None, path: str = "loop") -> Kernel:
+    idx = loop[0] if path == "loop" else sass.hot_path(insns, loop, with_loads=path == "mma+loads")
     lc = loop_cost(insns, idx, dev)
     return Kernel(name, res.get("reg", 255), threads, dyn_smem + res.get("shared", 0), lc,
                   len(insns) - len(loop[0]), loop_warps or threads // 32, insns, idx)
@@ -443,12 +442,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ours", help="--rows: folder of 4d9dcbd objects (default build/peer_sass/4d9dcbd/out)")
     ap.add_argument("--fa2", help="--rows: folder of FA2 cubins")
     ap.add_argument("--path", default="loop", choices=PATH_RULES,
-                    help="what one loop iteration issues: the whole loop, or the interior path (sass.hot_path)")
+                    help="--rows: what one loop iteration issues: the whole loop, or the interior path (sass.hot_path)")
     a = ap.parse_args(argv)
-    global PATH_RULE
-    PATH_RULE = a.path
-    import perf_model  # the module perf_rows imports, when this file runs as __main__
-    perf_model.PATH_RULE = a.path
     dev = DEVICES[a.device]
     if a.rows:
         import perf_rows

@@ -3,7 +3,8 @@ the backward rows from d6ddcbf's run: the sm80 backward kernel is the same sourc
 each ran, found by its mangled name in the SASS given:
 
   ours   4d9dcbd's units, built by `SINKATTN_SRC=<4d9dcbd worktree> bash tools/peer_build_sinkattn.sh <unit>...`
-         into --ours (default build/peer_sass/4d9dcbd/out, where that script writes with PEER_SASS_DIR=build/peer_sass/4d9dcbd)
+         into --ours (default build/peer_sass/4d9dcbd/out: that script's out/ with
+         PEER_SASS_DIR=build/peer_sass/4d9dcbd)
   FA2    SDPA's flash backend, the comparator measured: FlashAttention-2 inside torch's libtorch_cuda.so, whose sm_90
          cubins hold its kernels (extracted with `cuobjdump -xelf` into --fa2; tools/perf_fa2_cubins.sh)
 
@@ -105,7 +106,7 @@ def predict_bwd(kern, dev, b, h, s, hd, causal, bm, bn):
     return flops / r["time"] / 1e12, r
 
 
-def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device):
+def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop"):
     ours_files = sorted(glob.glob(os.path.join(ours_dir, "*.o")))
     fa2_files = sorted(glob.glob(os.path.join(fa2_dir, "*.cubin")))
     out = {}
@@ -116,13 +117,14 @@ def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device):
                 insns, loop, r, fn = hit
                 t = traits(fn)  # head dim, bm, bn, warps
                 smem = (t[1] + 2 * t[2]) * t[0] * 2
-                out[("fwd", hd, causal, "FA2")] = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem), t[1], t[2])
+                k = pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem, path=path)
+                out[("fwd", hd, causal, "FA2")] = (k, t[1], t[2])
         pre, smem = OURS_FWD[hd]
         hit = find(ours_files, dev, "sm8010fwd_kernel", pre)
         if hit:
             insns, loop, r, fn = hit
             t = traits(fn)
-            k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem), t[1], t[2])
+            k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem, path=path), t[1], t[2])
             out[("fwd", hd, False, "ours")] = out[("fwd", hd, True, "ours")] = k
     for causal in (False, True):
         hit = find(fa2_files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", FA2_BWD[128], fa2_bools(causal, True))
@@ -130,13 +132,14 @@ def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device):
             insns, loop, r, fn = hit
             t = traits(fn)
             smem = (3 * t[1] * t[0] + 2 * t[2] * t[0] + 2 * t[1] * t[2]) * 2
-            out[("bwd", 128, causal, "FA2")] = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem), t[1], t[2])
+            k = pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem, path=path)
+            out[("bwd", 128, causal, "FA2")] = (k, t[1], t[2])
     pre, smem = OURS_BWD[128]
     hit = find(ours_files, dev, "sm8010bwd_kernel", pre)
     if hit:
         insns, loop, r, fn = hit
         t = traits(fn)
-        k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3] * t[4], smem), t[1], t[2])
+        k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3] * t[4], smem, path=path), t[1], t[2])
         out[("bwd", 128, False, "ours")] = out[("bwd", 128, True, "ours")] = k
     return out
 
@@ -156,7 +159,8 @@ def table(ks, dev):
 
 def main(a) -> int:
     dev = pm.DEVICES[a.device]
-    ks = kernels(getattr(a, "ours", None) or "build/peer_sass/4d9dcbd/out", getattr(a, "fa2", None) or "build/peer_sass/fa2_torch", dev)
+    ks = kernels(getattr(a, "ours", None) or "build/peer_sass/4d9dcbd/out",
+                 getattr(a, "fa2", None) or "build/peer_sass/fa2_torch", dev, getattr(a, "path", "loop"))
     print(f"| case | batch x seqlen | ours sm80 measured / predicted | FA2 measured / predicted | ratio measured / "
           f"predicted (error) | bound (W) |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -379,12 +379,13 @@ def hot_path(insns: list[Insn], loop, key=None, with_loads: bool = False) -> lis
                 stack.append((nxt, iter(succ[nxt])))
     score = {}
 
-    def best(b):  # (MMAs, -instructions) from b to a back edge, and the next block on that path
+    def best(b):  # ((MMAs, loads, -instructions) from b to a back edge, the next block on that path)
         if b in score:
             return score[b]
         a, e = blocks[b]
         own = (sum(1 for i in range(a, e + 1) if key(insns[i])),
-               sum(1 for i in range(a, e + 1) if insns[i].base in ("LDGSTS", "UTMALDG", "LDG")) if with_loads else 0,
+               sum(1 for i in range(a, e + 1) if insns[i].base in ("LDGSTS", "UTMALDG", "LDG"))
+               if with_loads else 0,
                -(e - a + 1))
         options = [(own, None)] if b in latch else []
         for t in fwd[b]:
