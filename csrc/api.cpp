@@ -447,9 +447,11 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
                         std::optional<at::Tensor> block_table, MaskTuple mask, int64_t num_splits, int64_t max_smem,
                         std::optional<at::Tensor> k_descale, std::optional<at::Tensor> v_descale,
                         std::optional<at::Tensor> cu_seqlens_q, int64_t max_seqlen_q) {
-  bool const emulated = backend == "sm80-emulated";
+  bool const emulated = backend == "sm80-emulated" || backend == "sm90-emulated";
+  bool const sm90 = backend == "sm90" || backend == "sm90-emulated";
   bool const varlen = cu_seqlens_q.has_value();
-  TORCH_CHECK(emulated || backend == "sm80", "sinkattn fwd_kvcache: unknown backend '", backend, "'");
+  TORCH_CHECK(emulated || backend == "sm80" || backend == "sm90", "sinkattn fwd_kvcache: unknown backend '", backend,
+              "'");
   TORCH_CHECK(q.dim() == (varlen ? 3 : 4) && out.dim() == q.dim() && k_cache.dim() == 4 && v_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes(),
               "sinkattn fwd_kvcache: q and out must be rank 4 (rank 3 with cu_seqlens_q), the caches rank 4 and alike");
@@ -475,6 +477,15 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
         TORCH_CHECK(t->stride(i) % 16 == 0 || t->size(i) == 1,
                     "sinkattn fwd_kvcache: FP8 cache strides must be multiples of 16 elements");
   }
+  // The sm90 forward over a cache (sm90/fwd_kernel.cuh): caches in q's dtype, pages of a multiple of 16 rows (its
+  // page boxes), no split-KV and no GQA packing; the sm80 kernels serve the rest.
+  TORCH_CHECK(!sm90 || !kv_fp8, "sinkattn fwd_kvcache: the ", backend, " forward reads caches in q's dtype; FP8 caches "
+              "run on backend='sm80'");
+  TORCH_CHECK(!sm90 || !block_table || k_cache.size(1) % 16 == 0, "sinkattn fwd_kvcache: the ", backend,
+              " forward reads pages in boxes of 16 rows and needs a page size that is a multiple of 16 (got ",
+              k_cache.size(1), "); backend='sm80' takes any page size");
+  TORCH_CHECK(!sm90 || num_splits <= 1, "sinkattn fwd_kvcache: the ", backend, " forward does not split keys (got "
+              "num_splits=", num_splits, "); pass num_splits=0 or 1, or backend='sm80' for split-KV");
   KernelInfo const* info = nullptr;
   if (kv_fp8) {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -493,8 +504,9 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
   FwdFp8Params p;  // the FP8 fields stay unset (and unread) for a cache in q's dtype
   // Page pools fill the batch strides with the page strides.
   at::Tensor const sinks_f = fill_attn_params(p, q, k_cache, v_cache, out, lse, cu_seqlens_q, std::nullopt,
-                                              max_seqlen_q, 0, sinks, mask, smem_limit(emulated, max_smem, q.device()),
-                                              "fwd_kvcache", /*kv_cache=*/true);
+                                              max_seqlen_q, 0, sinks, mask,
+                                              smem_limit(emulated, max_smem, q.device(), sm90), "fwd_kvcache",
+                                              /*kv_cache=*/true);
   if (p.batch == 0 || p.total_q == 0) return;  // varlen: no sequence, or no query row (out and lse are empty)
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
@@ -506,11 +518,22 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
     p.block_table = block_table->data_ptr<int>();
     p.block_table_batch_stride = block_table->stride(0);
     p.page_size = k_cache.size(1);
+    p.num_pages = k_cache.size(0);
     for (int s = 0; s < 31; ++s)
       if (p.page_size == (1 << s)) p.page_shift = s;
     capacity = block_table->size(1) * p.page_size;
   }
   p.seqlen_k = int(capacity);
+  if (sm90) {
+    // One launch: the persistent grid over (M tile, head), packed over the sequences when varlen (from the padded
+    // sizes alone: sm90/fwd_host.h fwd_schedule), each CTA finding its sequence on the device.
+    TORCH_CHECK(info->smem_bytes <= p.max_smem_per_block, "sinkattn fwd_kvcache: the ", backend, " forward for head "
+                "dim ", info->headdim, " needs ", info->smem_bytes, " bytes of shared memory per block; the limit is ",
+                p.max_smem_per_block);
+    p.packed_tiles = varlen;
+    launch_kernel<FwdParams>(info, p, emulated, q.device());
+    return;
+  }
   p.pack_gqa = p.nheads > p.nheads_k;
   p.kv_fp8 = kv_fp8;
   auto descale = [&](std::optional<at::Tensor> const& t, char const* name, const float*& ptr, int64_t& sb, int64_t& sh) {

@@ -49,6 +49,7 @@ struct FwdParams : AttnParams {
   const int* block_table = nullptr;  // (batch, max_pages): k/v are then page pools (num_pages, page_size, nheads_k, d)
   int64_t block_table_batch_stride = 0;  // and k/v_batch_stride are the page strides
   int page_size = 0;
+  int num_pages = 0;    // pages in the pool (the sm90 forward's TMA extent: a box past it lands as zeros)
   int page_shift = -1;  // log2(page_size) when it is a power of two (vLLM's 16 to 256 are): a shift, not a division
   // GQA packing: the G = nheads / nheads_k query heads of one KV head share an M tile, so K/V are read once
   // per group. Row r of the packed problem is query r / G of head kv_head * G + r % G.

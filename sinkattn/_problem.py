@@ -28,6 +28,7 @@ class Problem:
     has_sinks: bool = False
     varlen: bool = False
     paged: bool = False
+    page_size: int = 0        # rows per page of a paged cache (0: not known, served as vLLM's 16)
     deterministic: bool = False
     device_index: int | None = None
     kv_fp8: bool = False          # the keys and values are an FP8 cache (sinkattn.fp8)
@@ -35,10 +36,12 @@ class Problem:
     @classmethod
     def of_call(cls, kind: str, q, k, sinks, mask: Mask, *, varlen: bool = False, paged: bool = False,
                 deterministic: bool = False) -> "Problem":
-        """The problem of one call on q (..., nheads, headdim) and k (..., nheads_k, headdim)."""
+        """The problem of one call on q (..., nheads, headdim) and k (..., nheads_k, headdim); a paged k is a page
+        pool (pages, page_size, nheads_k, headdim)."""
         return cls(kind=kind, device_type=q.device.type, dtype=q.dtype, headdim=q.shape[-1], nheads=q.shape[-2],
                    nheads_k=k.shape[-2], mask=mask, has_sinks=sinks is not None, varlen=varlen, paged=paged,
-                   deterministic=deterministic, device_index=q.device.index, kv_fp8=fp8.is_fp8(k.dtype))
+                   page_size=k.shape[1] if paged else 0, deterministic=deterministic, device_index=q.device.index,
+                   kv_fp8=fp8.is_fp8(k.dtype))
 
     @property
     def positive_scale(self) -> bool:

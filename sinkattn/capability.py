@@ -24,6 +24,9 @@ FEATURES = {
     "decode": dict(kind="kvcache", has_sinks=True, mask=Mask(0.125, 127, 0)),
     # decode over an FP8 (e4m3 / e5m2) KV cache: the sm80 FP8-cache kernels (csrc/sm80/fp8_kv.h)
     "fp8_decode": dict(kind="kvcache", has_sinks=True, mask=Mask(0.125, 127, 0), kv_fp8=True),
+    # a vLLM layer's step: the serving call (packed queries of every request) over vLLM's paged cache, page 16
+    "vllm_paged_step": dict(kind="kvcache", has_sinks=True, mask=Mask(0.125, 127, 0), varlen=True, paged=True,
+                            page_size=16),
 }
 
 

@@ -44,11 +44,20 @@ SM90_MIN_WINDOW = 128
 # True, with the run in bench/RESULTS.md).
 SM90_BWD_VALIDATED = False
 
+# The sm90 forward over KV caches (paged or not, the serving call's packed queries; csrc/sm90/fwd_kernel.cuh) was
+# written and emulation-tested in a session without a GPU: set this True once a GPU run passes
+# tests/test_gpu_sm90_serving.py on it (with the run in bench/RESULTS.md). "auto" keeps cache calls on the sm80
+# kernels on cc 9.0 either way for now: the sm90 forward packs no GQA heads, so a decode row takes a 128-row M tile
+# per query head (predicted 4x slower than the sm80 decode tile on vLLM's decode step, and slower on its mixed
+# step: bench/RESULTS.md); backend="sm90" runs it (prefill-heavy calls).
+SM90_CACHE_VALIDATED = False
+
 # What a registry feature means to a user (the reason a kernel is refused names what the call needs).
 _FEATURE_WORDS = {"sinks": "learnable sinks", "sink_tokens": "sink tokens", "causal": "causal masks",
                   "window": "sliding windows", "softcap": "softcap", "gqa": "GQA/MQA (fewer KV heads than query heads)",
                   "varlen": "variable-length (varlen) batches", "kvcache": "decode over a KV cache",
-                  "paged": "a paged KV cache", "deterministic": "a deterministic backward",
+                  "paged": "a paged KV cache whose page size is not a multiple of 16 rows",
+                  "paged16": "a paged KV cache (pages of a multiple of 16 rows)", "deterministic": "a deterministic backward",
                   "fp8_kv": "FP8 KV caches (float8_e4m3fn / float8_e5m2)"}
 _WHAT = {"fwd": "forward", "bwd": "backward", "kvcache": "decode (KV-cache)", "fwd_fp8": "FP8-cache decode"}
 
@@ -215,6 +224,15 @@ def preference_note(capability: tuple[int, int] | None, problem: Problem | None)
             and problem.mask.left_window_under(SM90_MIN_WINDOW)):
         return {"sm90": (f"windows under {SM90_MIN_WINDOW} keys run faster on the sm80 kernel on cc 9.0 "
                          "(measured on an H200); backend='sm90' still forces it")}
+    if capability == (9, 0) and problem is not None and problem.kind == "kvcache":
+        if not SM90_CACHE_VALIDATED:
+            return {"sm90": ("the sm90 forward over KV caches (decode, chunked prefill, the serving call) is compiled "
+                             "and emulation-tested but has not yet run on a GPU (tests/test_gpu_sm90_serving.py checks "
+                             "it against the oracle on the next one); until then the sm80 kernels serve cache calls on "
+                             "cc 9.0; backend='sm90' forces it")}
+        return {"sm90": ("the sm90 forward packs no GQA heads: a decode row takes a 128-row tile per query head "
+                         "(predicted 4x slower than the sm80 decode tiles, bench/RESULTS.md), so the sm80 kernels "
+                         "serve cache calls on cc 9.0; backend='sm90' forces it for prefill-heavy calls")}
     if capability == (9, 0) and problem is not None and problem.kind == "bwd" and not SM90_BWD_VALIDATED:
         return {"sm90": ("the sm90 backward is compiled but has not yet run on a GPU (tests/test_gpu_sm90_backward.py "
                          "checks it against the oracle on the next one); until then the sm80 backward serves "

@@ -52,7 +52,10 @@ def needed_features(problem: Problem) -> list[str]:
     m = problem.mask
     wanted = [("sinks", problem.has_sinks), ("sink_tokens", m.sink_tokens > 0), ("causal", m.causal),
               ("window", m.windowed), ("softcap", m.softcap > 0), ("gqa", problem.nheads != problem.nheads_k),
-              ("varlen", problem.varlen), ("kvcache", problem.kind == "kvcache"), ("paged", problem.paged),
+              ("varlen", problem.varlen), ("kvcache", problem.kind == "kvcache"),
+              # "paged16": pages of a multiple of 16 rows (the sm90 forward's page boxes); "paged": any page size
+              ("paged", problem.paged and problem.page_size % 16 != 0),
+              ("paged16", problem.paged and problem.page_size % 16 == 0),
               ("deterministic", problem.kind == "bwd" and problem.deterministic),
               ("fp8_kv", problem.kv_fp8)]
     return [name for name, needed in wanted if needed]

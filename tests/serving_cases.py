@@ -148,3 +148,28 @@ FP8_SERVING_CASES = [
                                                     num_splits=2)),
     ("fp8-decode-only", [(1, 300), (1, 2), (1, 0)], dict(causal=True, num_splits=3)),
 ]
+
+
+def sm90_cases(cases):
+    """The cases the sm90 forward serves, as it serves them: pages of a multiple of 16 rows (its 16-row page boxes),
+    no split-KV (num_splits dropped: the sm90 forward does not split keys)."""
+    out = []
+    for name, reqs, kw in cases:
+        if kw.get("page_size", 16) % 16:
+            continue
+        out.append((name, reqs, {k: v for k, v in kw.items() if k != "num_splits"}))
+    return out
+
+
+# The sm90 forward over a paged cache (csrc/sm90/fwd_kernel.cuh PageRows): the shared cases it serves, and the shapes
+# of its own path: several 128-row M tiles per request (packed over the batch), pages of two boxes (32), pages that
+# are not a power of two (48: divisions), pages holding whole key blocks (128, 256), keys ending inside a page box,
+# and a window whose left edge cuts a page.
+SM90_SERVING_CASES = sm90_cases(SERVING_CASES) + [
+    ("sm90-m-tiles-page32", [(1, 300), (200, 260), (0, 0), (130, 500), (3, 19)],
+     dict(page_size=32, causal=True)),
+    ("sm90-page48-window-sinktok", [(70, 400), (1, 97), (129, 129)],
+     dict(page_size=48, causal=True, window_size=(100, 0), sink_tokens=5)),
+    ("sm90-page128-gqa4-not-causal", [(9, 300), (140, 257)], dict(page_size=128, h=8, hk=2, window_size=(-1, -1))),
+    ("sm90-page256-softcap", [(33, 600), (1, 255)], dict(page_size=256, causal=True, softcap=20.0)),
+]

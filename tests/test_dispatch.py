@@ -17,11 +17,12 @@ from oracle import single_thread  # noqa: F401  (autouse: one torch thread per t
 CUDA_PROBLEM = Problem(kind="fwd", device_type="cuda", dtype=torch.bfloat16, headdim=128, nheads=8, nheads_k=8,
                        mask=Mask(0.125, -1, 0), has_sinks=True, device_index=0)
 # The families' registry features as the binary lists them (csrc: SINKATTN_FWD_FEATURES and friends).
-FEATURES = {("sm80", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv,broadcast_strides",
-            ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen",
+FEATURES = {("sm80", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,paged16,split_kv,"
+                             "broadcast_strides",
+            ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16",
             ("sm80", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic,broadcast_strides",
             ("sm90", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic",
-            ("sm80", "fwd_fp8"): "sinks,sink_tokens,causal,window,softcap,gqa,kvcache,paged,split_kv,fp8_kv,"
+            ("sm80", "fwd_fp8"): "sinks,sink_tokens,causal,window,softcap,gqa,kvcache,paged,paged16,split_kv,fp8_kv,"
                                  "broadcast_strides"}
 ARCHS = {"sm80": "sm_80,sm_90,compute_80", "sm90": "sm_90a", "sm80-emulated": "host"}
 
@@ -170,21 +171,40 @@ BWD_256 = dataclasses.replace(CUDA_PROBLEM, kind="bwd", headdim=256)
 
 
 def test_kvcache_needs_the_kvcache_feature(gpu, fake_registry):
-    gpu["cap"] = (9, 0)
-    sm90, sm80 = entry("sm90", "fwd"), entry("sm80", "fwd")
-    fake_registry((sm90, sm80))
-    reason = dispatch.why_not("sm90", KVCACHE_PROBLEM)
-    assert "decode over a KV cache" in reason and sm90["features"] in reason and sm90["name"] in reason
+    gpu["cap"] = (8, 0)
+    sm80 = entry("sm80", "fwd")
+    fake_registry((sm80,))
     assert dispatch.why_not("sm80", KVCACHE_PROBLEM) is None
-    assert dispatch.choose(KVCACHE_PROBLEM, "auto") == "sm80"
-    assert dispatch.why_not("sm90", CUDA_PROBLEM) is None  # the same kernel serves a plain forward
-    # The registry decides, not a rule about sm90: an sm90 kernel that lists kvcache serves it, an sm80 one that
-    # does not list it is refused.
-    fake_registry((entry("sm90", "fwd", features=sm90["features"] + ",kvcache"),
-                   entry("sm80", "fwd", features=sm80["features"].replace(",kvcache", ""))))
-    assert dispatch.why_not("sm90", KVCACHE_PROBLEM) is None
-    assert "decode over a KV cache" in dispatch.why_not("sm80", KVCACHE_PROBLEM)
-    assert dispatch.choose(KVCACHE_PROBLEM, "auto") == "sm90"
+    # The registry decides: a forward kernel that does not list kvcache is refused, naming the feature.
+    no_cache = entry("sm80", "fwd", features=sm80["features"].replace(",kvcache", ""))
+    fake_registry((no_cache,))
+    reason = dispatch.why_not("sm80", KVCACHE_PROBLEM)
+    assert "decode over a KV cache" in reason and no_cache["features"] in reason and no_cache["name"] in reason
+
+
+@pytest.mark.parametrize("validated", [False, True])
+def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
+    """The sm90 forward serves cache calls (contiguous, paged at multiples of 16 rows) when forced; "auto" keeps them
+    on sm80 on cc 9.0, before a GPU run validates it (SM90_CACHE_VALIDATED) and after (it packs no GQA heads: decode
+    rows would run 4x slower), and the report's note says which. Pages of other sizes and FP8 caches are the sm80
+    kernels' whatever the flag."""
+    monkeypatch.setattr(dispatch, "SM90_CACHE_VALIDATED", validated)
+    gpu["cap"] = (9, 0)
+    fake_registry(build("sm90", "sm80"))
+    paged16 = dataclasses.replace(KVCACHE_PROBLEM, paged=True, page_size=16)
+    for problem in (KVCACHE_PROBLEM, paged16, dataclasses.replace(paged16, page_size=256)):
+        assert dispatch.why_not("sm90", problem) is None
+        assert dispatch.choose(problem, "sm90") == "sm90"
+        assert dispatch.choose(problem, "auto") == "sm80"
+    note = dispatch.preference_note((9, 0), KVCACHE_PROBLEM)["sm90"]
+    assert ("has not yet run on a GPU" in note) != validated and "backend='sm90'" in note
+    assert validated == ("packs no GQA heads" in note)
+    for page in (1, 5, 24):
+        odd = dataclasses.replace(paged16, page_size=page)
+        reason = dispatch.why_not("sm90", odd)
+        assert "page size is not a multiple of 16 rows" in reason, reason
+        assert dispatch.why_not("sm80", odd) is None and dispatch.choose(odd, "auto") == "sm80"
+    assert dispatch.choose(CUDA_PROBLEM, "auto") == "sm90"  # the forward's choice is untouched
 
 
 def test_fp8_cache_runs_on_the_fwd_fp8_kernels(gpu, fake_registry, monkeypatch):
@@ -199,7 +219,7 @@ def test_fp8_cache_runs_on_the_fwd_fp8_kernels(gpu, fake_registry, monkeypatch):
         gpu["cap"] = cap
         assert dispatch.why_not("sm80", fp8) is None
         assert dispatch.choose(fp8, "auto") == "sm80"
-    assert "decode over a KV cache" in dispatch.why_not("sm90", fp8) and "FP8 KV caches" in dispatch.why_not("sm90", fp8)
+    assert "FP8 KV caches" in dispatch.why_not("sm90", fp8)  # the sm90 forward reads caches in q's dtype only
     assert "head dims 64, 128 only" in dispatch.why_not("sm80", dataclasses.replace(fp8, headdim=256))
     assert "multiple of 16" in dispatch.why_not("sm80", dataclasses.replace(fp8, headdim=120))
     assert "bf16 or fp16" in dispatch.why_not("sm80", dataclasses.replace(fp8, dtype=torch.float32))
@@ -215,7 +235,8 @@ def test_fp8_cache_runs_on_the_fwd_fp8_kernels(gpu, fake_registry, monkeypatch):
 def test_kvcache_refusal_without_the_head_dim_names_the_feature(gpu, fake_registry):
     """A build without the call's head dim still says the family cannot serve decode (its siblings' features),
     rather than advising a rebuild that would not help."""
-    fake_registry((entry("sm90", "fwd", headdim=64), entry("sm80", "fwd")))
+    no_cache = FEATURES[("sm90", "fwd")].replace(",kvcache,paged16", "")
+    fake_registry((entry("sm90", "fwd", headdim=64, features=no_cache), entry("sm80", "fwd")))
     assert "decode over a KV cache" in dispatch.why_not("sm90", KVCACHE_PROBLEM)
     assert "SINKATTN_HEADDIMS including 128" in dispatch.why_not("sm90", CUDA_PROBLEM)
 

@@ -50,7 +50,7 @@ FAKE_DEVICES = [
     DeviceInfo(5, "NVIDIA GeForce RTX 5090", (12, 0), 170, 101376),
 ]
 FWD_FEATURES = ("learnable_sinks", "sink_tokens")
-ALL_FEATURES = ("learnable_sinks", "sink_tokens", "backward", "decode", "fp8_decode")
+ALL_FEATURES = ("learnable_sinks", "sink_tokens", "backward", "decode", "fp8_decode", "vllm_paged_step")
 
 
 # ---- an independent model of what should serve ---------------------------------------------------------
@@ -79,16 +79,18 @@ def native(registry, cc) -> bool:
 
 
 def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
-    # Decode runs on the sm80 forward kernel on every device (the sm90 kernel takes q/k/v tensors, not KV
-    # caches); the backward on the bwd kernels (sm90 devices use the sm80 backward until the sm90 one has passed
-    # a GPU run: dispatch.SM90_BWD_VALIDATED).
+    # Decode runs on the sm80 forward kernel on every device (on cc 9.0 the sm90 forward over caches comes second:
+    # dispatch.SM90_CACHE_VALIDATED, and it packs no GQA heads; it reads no FP8 cache); the backward on the bwd
+    # kernels (sm90 devices use the sm80 backward until the sm90 one has passed a GPU run: dispatch.SM90_BWD_VALIDATED).
     # The learnable-sinks problem is gpt-oss's window (127, 0), which "auto" gives to sm80 first on cc 9.0
     # (dispatch.SM90_MIN_WINDOW).
     # An FP8 cache's decode runs on the family's fwd_fp8 kernels (csrc/sm80/fp8_kv.h), or, in a build without any,
     # on forward kernels that list fp8_kv.
     op = "bwd" if feature == "backward" else "fwd"
-    decode = feature in ("decode", "fp8_decode")
-    order = ["sm90", "sm80"] if cc == (9, 0) and not decode else (["sm80"] if cc[0] >= 8 else [])
+    decode = feature in ("decode", "fp8_decode", "vllm_paged_step")
+    order = ["sm90", "sm80"] if cc == (9, 0) else (["sm80"] if cc[0] >= 8 else [])
+    if cc == (9, 0) and decode:
+        order = ["sm80", "sm90"]
     if cc == (9, 0) and (feature == "learnable_sinks" or (feature == "backward" and not dispatch.SM90_BWD_VALIDATED)):
         order = ["sm80", "sm90"]
     for b in order:
@@ -104,9 +106,10 @@ def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
 
 
 # The features each family's forward kernels list in the registry (csrc: SINKATTN_FWD_FEATURES and
-# SINKATTN_FWD_SM90_FEATURES): the sm90 kernel reads q/k/v tensors, not KV caches.
-FWD_FEATURES_OF = {"sm80": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv,broadcast_strides",
-                   "sm90": "sinks,sink_tokens,causal,window,softcap,gqa,varlen"}
+# SINKATTN_FWD_SM90_FEATURES): the sm90 kernel reads caches with pages of a multiple of 16 rows only.
+FWD_FEATURES_OF = {"sm80": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,paged16,split_kv,"
+                           "broadcast_strides",
+                   "sm90": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16"}
 
 
 def fake_registry(archs: list[str], sm90: bool = False) -> tuple[dict, ...]:
@@ -383,9 +386,12 @@ def test_preferred_backends():
     short = capability._problem("learnable_sinks", 0)
     assert short.mask.window_left == 127 and dispatch.preferred_backends((9, 0), short) == ("sm80", "sm90")
     assert "sm80" in dispatch.preference_note((9, 0), short)["sm90"]
-    for feature in ("sink_tokens", "decode"):
-        p = capability._problem(feature, 0)
-        assert dispatch.preferred_backends((9, 0), p) == ("sm90", "sm80") and not dispatch.preference_note((9, 0), p)
+    p = capability._problem("sink_tokens", 0)
+    assert dispatch.preferred_backends((9, 0), p) == ("sm90", "sm80") and not dispatch.preference_note((9, 0), p)
+    # The sm90 forward over KV caches ranks below the sm80 kernels (not run on a GPU; no GQA packing yet).
+    decode = capability._problem("decode", 0)
+    assert dispatch.preferred_backends((9, 0), decode) == ("sm80", "sm90")
+    assert "backend='sm90'" in dispatch.preference_note((9, 0), decode)["sm90"]
     # The sm90 backward waits for its first GPU run (dispatch.SM90_BWD_VALIDATED) below the sm80 one.
     bwd = capability._problem("backward", 0)
     if dispatch.SM90_BWD_VALIDATED:

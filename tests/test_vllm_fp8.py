@@ -236,7 +236,7 @@ def test_fp8_refusals_say_why(vb):
 
 
 # ---- selection: an FP8 cache needs a kernel that reads FP8 (registry feature fp8_kv) -------------------------
-_KV_FEATURES = "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv,broadcast_strides"
+_KV_FEATURES = "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,paged16,split_kv,broadcast_strides"
 
 
 @pytest.fixture

@@ -167,7 +167,8 @@ if [ -n "${DIAG_DIR:-}" ]; then
     echo "== diagnostic run" >>"$OUT/tests.log"
     (cd "$DIAG_DIR" && export PYTHONPATH="$DIAG_DIR" && step diagnostic-sm90 "$OUT/tests.log" \
       "$(min "${GPU_CHECK_DIAG_CAP:-90}" $(($(left) - TEST_MIN - SAN_MIN - BENCH_MIN)))" \
-      "$PY" -m pytest -m gpu -x -q -rs -p no:cacheprovider tests/test_gpu_sm90.py tests/test_gpu_sm90_backward.py)
+      "$PY" -m pytest -m gpu -x -q -rs -p no:cacheprovider tests/test_gpu_sm90.py tests/test_gpu_sm90_serving.py \
+        tests/test_gpu_sm90_backward.py)
     rc=$?
     # (step ran in a subshell: record its verdict here)
     STEPS+=("diagnostic-sm90: exit $rc (the never-run sm90 kernels on the diagnostic build)")
@@ -204,7 +205,8 @@ PYTEST_EXTRA=()
 HAS_SM90=$("$PY" -c "from sinkattn import _ext; print(int(any(k['family'] == 'sm90' for k in _ext.registry())))" 2>/dev/null)
 if [ "$GPU_CC" = "9.0" ] && [ "$HAS_SM90" = "1" ] && [ "$SKIP_SM90_STEPS" = "0" ]; then
   step sm90-tests "$OUT/tests.log" "$(min "${GPU_CHECK_SM90_CAP:-100}" $(($(left) - TEST_MIN - SAN_MIN - BENCH_MIN)))" \
-    "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" tests/test_gpu_sm90.py
+    "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" tests/test_gpu_sm90.py \
+    tests/test_gpu_sm90_serving.py
   rc=$?
   tail -15 "$OUT/tests.log" >>"$SUMMARY"
   if [ "$rc" -ne 0 ]; then
@@ -257,7 +259,7 @@ if [ "$HAS_FP8" = "1" ]; then
 fi
 step tests "$OUT/tests.log" "$(min "$TEST_CAP" $(($(left) - SAN_MIN - BENCH_MIN)))" \
   "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" "${NOT_FP8[@]}" --ignore=tests/test_gpu_sm90.py \
-  --ignore=tests/test_gpu_sm90_backward.py --ignore=tests/test_gpu_serving.py --ignore=tests/test_vllm_graph_gpu.py \
+  --ignore=tests/test_gpu_sm90_serving.py --ignore=tests/test_gpu_sm90_backward.py --ignore=tests/test_gpu_serving.py --ignore=tests/test_vllm_graph_gpu.py \
   ${GPU_CHECK_TESTS:-tests}
 rc=$?
 if [ "$rc" -eq 5 ]; then

@@ -18,7 +18,7 @@ in vLLM's logical layout (num_blocks, 8, 16, 128) over vLLM's default physical o
 TritonAttentionImpl.forward calls it, with the split-K scratch TritonAttentionMetadataBuilder allocates
 (threshold 128 // num_kv_heads sequences, 16 segments), and a block table as wide as vLLM's (a 128k
 max_model_len: 8192 columns, whatever the batch's lengths). sinkattn runs `vllm_paged.attend`, the backend's
-forward (one serving launch per batch), on "auto" and (cc 9.0) forced "sm80"; on uniform batches also the padded
+forward (one serving launch per batch), on "auto" and (cc 9.0) forced "sm80" and "sm90"; on uniform batches also the padded
 flash_attn_with_kvcache call it replaced (`sinkattn-padded`), which its decode must stay within 5% of. Both are timed as CUDA graph replays where they capture
 (vLLM runs decode in full CUDA graphs), else eagerly (the `method` column says which).
 
@@ -454,6 +454,8 @@ def run(args) -> list[dict]:
                    "sinkattn-padded": lambda b, x: prep_sinkattn_uniform(b, x, "auto")}
     if cc == (9, 0):
         comparators["sinkattn-sm80"] = lambda b, x: prep_sinkattn(b, x, "sm80")
+        # the sm90 forward over the paged cache ("auto" keeps cache calls on sm80 until SM90_CACHE_VALIDATED)
+        comparators["sinkattn-sm90"] = lambda b, x: prep_sinkattn(b, x, "sm90")
     from . import ceilings
     copy = ceilings.measure_copy(device)  # GB/s of a large device copy (read + write), this run's ceiling
     print(f"copy ceiling: {copy['copy_GBps']:.1f} GB/s", flush=True)

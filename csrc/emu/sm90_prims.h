@@ -63,6 +63,7 @@ enum class Mutation {
   kEarlyRelease,    // wgmma_wait<N> retires one group fewer than asked (a stage released before its group ran)
   kSwizzle,         // TMA loads land unswizzled while wgmma reads swizzled
   kSwapLboSbo,      // wgmma reads its descriptors with LBO and SBO swapped
+  kPageTable,       // every block-table lookup reads the sequence's first page (a page box from the wrong page)
 };
 inline Mutation& mutation() {
   static thread_local Mutation m = Mutation::kNone;
@@ -79,6 +80,7 @@ inline Mutation read_mutation() {
   if (v == "early_release") return Mutation::kEarlyRelease;
   if (v == "swizzle") return Mutation::kSwizzle;
   if (v == "swap_lbo_sbo") return Mutation::kSwapLboSbo;
+  if (v == "page_table") return Mutation::kPageTable;
   throw std::invalid_argument("SINKATTN_EMU90_MUTATE=" + v + ": not a mutation of the sm90 host emulation");
 }
 
@@ -343,6 +345,8 @@ struct EmuPrims {
       tma_issue(m, &bar, crd, raw_pointer_cast(&dst(i)));
     }
   }
+
+  static int page_entry(int const* table, int i) { return table[mutation() == Mutation::kPageTable ? 0 : i]; }
 
   // ---- wgmma ---------------------------------------------------------------------------------------------------
   template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>

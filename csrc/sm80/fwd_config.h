@@ -10,9 +10,9 @@
 #include "sm80/fwd_traits.h"
 
 // What every sm80 forward kernel serves (recorded in the registry, shown by the report, read by dispatch).
-#define SINKATTN_FWD_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,split_kv,broadcast_strides"
+#define SINKATTN_FWD_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,paged16,split_kv,broadcast_strides"
 // What the FP8-cache decode kernels serve (sm80/fp8_kv.h; registry op "fwd_fp8": KV-cache calls over FP8 caches only).
-#define SINKATTN_FWD_FP8_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,kvcache,paged,split_kv,fp8_kv,broadcast_strides"
+#define SINKATTN_FWD_FP8_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,kvcache,paged,paged16,split_kv,fp8_kv,broadcast_strides"
 // What a tuning-grid variant of it serves (fwd_launch.cuh launch_fwd_variant: one tile, softcap compiled out,
 // the plain forward only).
 #define SINKATTN_FWD_VARIANT_FEATURES "sinks,sink_tokens,causal,window,gqa,varlen,broadcast_strides"

@@ -3,8 +3,11 @@
 // through the implementation's make_tma_load (Prims: GpuPrims encodes through the driver, EmuPrims writes the host
 // emulation's own description). No CUDA runtime, no torch.
 #pragma once
+#include <cstdint>
 #include <stdexcept>
+#include <string>
 
+#include "common/seq_extent.h"
 #include "common/tile_order.h"
 #include "params.h"
 #include "sm90/fwd_traits.h"
@@ -12,8 +15,17 @@
 
 namespace sinkattn::sm90 {
 
+// Tiles (M block, head, sequence). Packed (the serving call, FwdParams::packed_tiles): M blocks numbered over every
+// sequence (common/seq_extent.h packed_tile), their count from the padded total_q and batch alone, so the grid does
+// not depend on the batch's mix (a CUDA graph captured at one size replays any batch of it).
 template <class Kt>
 PersistentTileOrder fwd_schedule(FwdParams const& p) {
+  if (p.packed_tiles) {
+    int64_t const blocks = packed_tile_count(p.total_q, 1, Kt::kBlockM, p.batch);
+    if (blocks > int64_t(INT32_MAX))
+      throw std::invalid_argument("sinkattn fwd: too many packed query rows for the sm90 forward's tile index");
+    return PersistentTileOrder{int(blocks), 1, p.nheads, 1};
+  }
   return PersistentTileOrder{(p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM, 1, p.nheads, p.batch};
 }
 
@@ -27,31 +39,44 @@ bool fwd_has_work(FwdParams const& p) {
   if (Kt::kDynamicTiles && p.tile_counter == nullptr)
     throw std::invalid_argument("sinkattn fwd: this sm90 kernel draws its tiles from a global counter "
                                 "(dynamic tiles) and needs p.tile_counter, a zeroed int32 on the device; got null");
+  // A page pool is read in boxes of kPageRows whole rows of one page (fwd_kernel.cuh KvBlockLoad).
+  if (p.block_table != nullptr && (p.page_size < 1 || p.page_size % Kt::kPageRows != 0))
+    throw std::invalid_argument("sinkattn fwd: the sm90 forward reads a paged cache in boxes of " +
+                                std::to_string(Kt::kPageRows) + " rows and needs a page size that is a multiple of " +
+                                std::to_string(Kt::kPageRows) + " (got " + std::to_string(p.page_size) +
+                                "); the sm80 kernels take any page size");
+  if (p.num_splits > 1 || p.pack_gqa)
+    throw std::invalid_argument("sinkattn fwd: the sm90 forward neither splits keys nor packs GQA heads "
+                                "(num_splits 1, pack_gqa 0)");
   int const rows_q = p.cu_seqlens_q != nullptr ? p.total_q : p.seqlen_q;
   return fwd_schedule<Kt>(p).count() > 0 && rows_q > 0;
 }
 
-// The descriptors of q, k and v (fwd_has_work(p) must hold).
+// The descriptors of q, k and v, and of k and v in page boxes (fwd_has_work(p) must hold).
 template <class Kt, class Prims>
 TmaParams<Kt> fwd_tma_params(FwdParams const& p) {
   using namespace cute;
   using Element = typename Kt::Element;
-  bool const varlen = p.cu_seqlens_q != nullptr;
-  int const rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
-  auto tensor = [&](void const* ptr, int rows, int heads, int64_t rs, int64_t hs, int64_t bs) {
-    return tma_gmem_tensor<Element>(p, ptr, rows, heads, rs, hs, bs);
+  GmemExtent const eq = q_extent(p), ekv = kv_extent(p);
+  auto tensor = [&](void const* ptr, GmemExtent e, int heads, int64_t rs, int64_t hs, int64_t bs) {
+    return tma_gmem_tensor<Element>(p, ptr, e.rows, heads, rs, hs, bs, e.batch);
   };
-  auto const gQ = tensor(p.q, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  // No key (seqlen_k == 0, or every varlen sequence's keys empty): every tile's block range is empty, so K and V
-  // are never loaded; their descriptors describe one row of q instead of an empty tensor (the kernel prefetches
-  // them).
-  auto const gK = rows_k > 0 ? tensor(p.k, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride)
-                             : tensor(p.q, 1, 1, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto const gV = rows_k > 0 ? tensor(p.v, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride)
-                             : gK;
+  auto const gQ = tensor(p.q, eq, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  // No key (seqlen_k == 0, every varlen sequence's keys empty, an empty pool): every tile's block range is empty, so
+  // K and V are never loaded; their descriptors describe one row of q instead of an empty tensor (the kernel
+  // prefetches them). A KV cache always has its capacity (p.seqlen_k) or its pool to describe.
+  bool const any_key = p.block_table != nullptr ? p.num_pages > 0
+                                                : (p.cu_seqlens_k != nullptr ? p.total_k : p.seqlen_k) > 0;
+  auto const stand_in = tensor(p.q, GmemExtent{1, 1}, 1, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto const gK = any_key ? tensor(p.k, ekv, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride) : stand_in;
+  auto const gV = any_key ? tensor(p.v, ekv, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride) : stand_in;
+  auto const block = take<0, 2>(typename Kt::SmemLayoutKV{});
+  auto const page = typename Kt::SmemLayoutKVPage{};
   return TmaParams<Kt>{checked_tma(Prims::make_tma_load(gQ, typename Kt::SmemLayoutQ{}), "q"),
-                       checked_tma(Prims::make_tma_load(gK, take<0, 2>(typename Kt::SmemLayoutKV{})), "k"),
-                       checked_tma(Prims::make_tma_load(gV, take<0, 2>(typename Kt::SmemLayoutKV{})), "v")};
+                       checked_tma(Prims::make_tma_load(gK, block), "k"),
+                       checked_tma(Prims::make_tma_load(gV, block), "v"),
+                       checked_tma(Prims::make_tma_load(gK, page), "k (page boxes)"),
+                       checked_tma(Prims::make_tma_load(gV, page), "v (page boxes)")};
 }
 
 }  // namespace sinkattn::sm90

@@ -2,7 +2,9 @@
 //
 // Warpgroup 0 produces: one thread loads, per tile, Q once and the K/V blocks of the mask policy's range
 // (window blocks from the last down, then sink-token blocks) through a kStages-deep mbarrier pipeline
-// (full barriers: TMA bytes landed; empty barriers: both consumer warpgroups are done with the stage).
+// (full barriers: TMA bytes landed; empty barriers: both consumer warpgroups are done with the stage). K/V come from
+// q/k/v tensors, a contiguous KV cache, or a page pool (FwdParams::block_table) as boxes of 16 page rows (PageRows);
+// the serving call's M tiles are packed over its requests (FwdParams::packed_tiles, TileWork).
 // The other warpgroups (kConsumerWarpgroups: 1 to 3 by tile, 2 in the default tiles) consume 64 rows each:
 //   - S = Q K^T and O += P V on wgmma; within a warpgroup the softmax of block j runs while the P V wgmma of
 //     block j-1 is still in flight (FlashAttention-3's intra-warpgroup overlap);
@@ -11,8 +13,9 @@
 //   - the learnable sink joins once per row in the finalize (common/online_softmax.h), exactly as in the sm80 kernel;
 //   - O goes back through Q's shared memory and out in 16-byte stores, predicated on the sequence's rows
 //     (varlen rows past the end belong to the next sequence), with the LSE per row;
-//   - varlen: the V rows of a sequence's last key block past its end (the next sequence's: a TMA box stops only
-//     at the packed tensor's end) are zeroed before a product reads them (VTail below).
+//   - varlen and KV caches: the V rows of a sequence's last key block past its end (the next sequence's, a cache's
+//     stale slots or another request's pages: a TMA box stops only at the tensor's end) are zeroed before a product
+//     reads them (VTail below).
 // The grid is persistent: CTA c takes tiles c, c + gridDim.x, ... in the forward's tile order
 // (common/tile_order.h: last M tiles first; under a causal mask they are the heaviest).
 // Every hardware primitive goes through Prims (sm90/prims_gpu.cuh GpuPrims on the GPU), the ring positions, barrier ids
@@ -52,6 +55,8 @@ struct TileWork {
   __device__ TileWork(FwdParams const& p, PersistentTileOrder const& s, int64_t t) {
     int split;
     s.decode(t, m_block, split, head, batch);
+    // Packed M blocks (the serving call): block -> (sequence, its M block), found on the device.
+    if (p.packed_tiles) packed_tile(p.cu_seqlens_q, p.batch, 1, Kt::kBlockM, m_block, batch, m_block);
     ext = seq_extent(p, batch);
     mask = TileMask{mask_policy(p, ext), Kt::kBlockM, Kt::kBlockN, 1};
     valid = m_block * Kt::kBlockM < ext.seqlen_q;
@@ -100,6 +105,37 @@ struct TileWalk {
   }
 };
 
+// Where a key row of sequence b lives in a page pool (FwdParams::block_table): a box of kPageRows rows starting at
+// key row j (a multiple of kPageRows, and the page size one too, so the box stays in one page) is rows
+// [slot, slot + kPageRows) of pool page `page`. Rows at or past the sequence's keys come from its last page (any of
+// its rows: the consumers mask them in S and zero them in V, VTail), so no block-table entry past the sequence's
+// pages is read, and every box still lands its bytes. Prims::page_entry reads the table (the emulation's planted
+// bug can misread it).
+template <class Kt, class Prims>
+struct PageRows {
+  int const* pages = nullptr;  // the sequence's row of the block table; null when not paged
+  int page_size = 0, page_shift = -1, last_page = 0;
+  struct Box {
+    int page, slot;
+  };
+  __device__ PageRows(FwdParams const& p, int b, int seqlen_k) {
+    if (p.block_table == nullptr) return;
+    pages = p.block_table + int64_t(b) * p.block_table_batch_stride;
+    page_size = p.page_size;
+    page_shift = p.page_shift;
+    last_page = seqlen_k > 0 ? (seqlen_k - 1) / p.page_size : 0;
+  }
+  __device__ Box box(int j) const {
+    int logical = page_shift >= 0 ? j >> page_shift : j / page_size;
+    int slot = j - logical * page_size;
+    if (logical > last_page) {
+      logical = last_page;
+      slot = 0;
+    }
+    return Box{Prims::page_entry(pages, logical), slot};
+  }
+};
+
 // The producer (one thread): every TMA load of this CTA's tiles, in schedule order, from (rows, d, heads,
 // batch) views of q, k and v.
 template <class Kt, class Prims>
@@ -109,12 +145,14 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQs{});  // (M, d, Q buffer)
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutKV{});
-  bool const varlen = p.cu_seqlens_q != nullptr;
-  int const bdim = varlen ? 1 : p.batch;
-  Tensor mQ = tma.q.get_tma_tensor(make_shape(max_i(varlen ? p.total_q : p.seqlen_q, 1), p.headdim, p.nheads, bdim));
-  Tensor mK = tma.k.get_tma_tensor(make_shape(max_i(varlen ? p.total_k : p.seqlen_k, 1), p.headdim, p.nheads_k, bdim));
-  Tensor mV = tma.v.get_tma_tensor(make_shape(max_i(varlen ? p.total_k : p.seqlen_k, 1), p.headdim, p.nheads_k, bdim));
+  GmemExtent const eq = q_extent(p), ekv = kv_extent(p);  // the shapes the launcher encoded (sm90/tma_gmem.h)
+  Tensor mQ = tma.q.get_tma_tensor(make_shape(eq.rows, p.headdim, p.nheads, eq.batch));
+  Tensor mK = tma.k.get_tma_tensor(make_shape(ekv.rows, p.headdim, p.nheads_k, ekv.batch));
+  Tensor mV = tma.v.get_tma_tensor(make_shape(ekv.rows, p.headdim, p.nheads_k, ekv.batch));
+  Tensor mKp = tma.k_page.get_tma_tensor(make_shape(ekv.rows, p.headdim, p.nheads_k, ekv.batch));
+  Tensor mVp = tma.v_page.get_tma_tensor(make_shape(ekv.rows, p.headdim, p.nheads_k, ekv.batch));
   int const group = p.nheads / p.nheads_k;
+  bool const paged = p.block_table != nullptr;
 
   PipelineState<Kt::kQBuffers> qs;  // Q buffers, one step per tile
   PipelineState<kStages> kv;        // K/V stages, one step per key block
@@ -122,23 +160,47 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
   for (int64_t t = walk.publish(Prims::block_index()); t < walk.count; t = walk.publish(walk.producer_next(p, t))) {
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
-    int const b = varlen ? 0 : w.batch, hk = w.head / group;
-    Tensor gQ = local_tile(domain_offset(make_coord(int(w.ext.q_start), _0{}), mQ(_, _, w.head, b)),
+    // The batch-mode index of q (0 when packed) and of k/v (0 when packed; a cache's sequence; unused when paged).
+    int const bq = eq.batch > 1 ? w.batch : 0, bk = paged || ekv.batch == 1 ? 0 : w.batch, hk = w.head / group;
+    Tensor gQ = local_tile(domain_offset(make_coord(int(w.ext.q_start), _0{}), mQ(_, _, w.head, bq)),
                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, _0{}));
-    Tensor gK = local_tile(domain_offset(make_coord(int(w.ext.k_start), _0{}), mK(_, _, hk, b)),
+    Tensor gK = local_tile(domain_offset(make_coord(int(w.ext.k_start), _0{}), mK(_, _, hk, bk)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    Tensor gV = local_tile(domain_offset(make_coord(int(w.ext.k_start), _0{}), mV(_, _, hk, b)),
+    Tensor gV = local_tile(domain_offset(make_coord(int(w.ext.k_start), _0{}), mV(_, _, hk, bk)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     auto [tQgQ, tQsQ] = tma_partition(tma.q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto [tKgK, tKsK] = tma_partition(tma.k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(tma.v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    PageRows<Kt, Prims> const pages(p, w.batch, w.ext.seqlen_k);
+    // Key block n of K or V into stage st: one box of the whole block, or from a page pool kBlockN / kPageRows boxes
+    // of page rows. Either way the stage's kKVBytes arrive on its full barrier.
+    auto load_block = [&](auto const& tma_block, auto const& tg, auto const& ts, auto const& tma_page,
+                          auto const& mPool, auto const& sStages, uint64_t& bar, int n, int st) {
+      if (!paged) {
+        Prims::tma_load(tma_block, bar, tg(_, n), ts(_, st));
+        return;
+      }
+      // Not unrolled: unrolled (8 boxes at hd64), the consumers' key-block loop lost its paired P conversion
+      // (sm_90a hd64 bf16: 32 F2FP -> 64 F2FP + 33 PRMT per block, path 449 -> 513 instructions); rolled, their
+      // SASS path is the q/k/v kernel's (449).
+#pragma unroll 1
+      for (int r = 0; r < kBlockN / Kt::kPageRows; ++r) {
+        auto const box = pages.box(n * kBlockN + r * Kt::kPageRows);
+        Tensor g = local_tile(domain_offset(make_coord(box.slot, _0{}), mPool(_, _, hk, box.page)),
+                              Shape<Int<Kt::kPageRows>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
+        Tensor s = local_tile(sStages(_, _, st), Shape<Int<Kt::kPageRows>, Int<kHeadDim>>{}, make_coord(r, _0{}));
+        auto [tg_page, ts_page] = tma_partition(tma_page, _0{}, Layout<_1>{}, group_modes<0, 2>(s),
+                                                group_modes<0, 2>(g));
+        Prims::tma_load(tma_page, bar, tg_page, ts_page);
+      }
+    };
 
     int const nblocks = w.range.count();
     auto load_k = [&](int i, PipelineState<kStages> const& s) {  // block i of the range into stage s
       int const st = s.index();
       wait_empty<Prims>(ss.k_empty, s, BarrierId::kKEmpty);
       Prims::arrive_expect_tx(&ss.k_full[st], Kt::kKVBytes);
-      Prims::tma_load(tma.k, ss.k_full[st], tKgK(_, w.range.block(i)), tKsK(_, st));
+      load_block(tma.k, tKgK, tKsK, tma.k_page, mKp, sK, ss.k_full[st], w.range.block(i), st);
     };
     // The first K block goes out before the wait for Q's buffer, which also carries an earlier tile's O out
     // (with one buffer the previous tile's: this K load then overlaps the consumers' epilogue).
@@ -154,7 +216,7 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
       if (i > 0) load_k(i, kv);
       wait_empty<Prims>(ss.v_empty, kv, BarrierId::kVEmpty);
       Prims::arrive_expect_tx(&ss.v_full[st], Kt::kKVBytes);
-      Prims::tma_load(tma.v, ss.v_full[st], tVgV(_, n), tVsV(_, st));
+      load_block(tma.v, tVgV, tVsV, tma.v_page, mVp, sV, ss.v_full[st], n, st);
     }
   }
 }
@@ -184,8 +246,9 @@ struct PingPong {
   }
 };
 
-// Varlen: the key block that holds a sequence's end also holds the next sequence's first rows (a TMA box stops only
-// at the packed tensor's end). Their scores are masked, so K is harmless (the score becomes -inf whatever it was),
+// Varlen and KV caches: the key block that holds a sequence's end also holds rows that are not its keys: the next
+// sequence's first rows (a TMA box stops only at the packed tensor's end), a contiguous cache's stale slots, or a
+// paged cache's other rows (PageRows). Their scores are masked, so K is harmless (the score becomes -inf whatever it was),
 // but P = 0 does not survive 0 * inf in P V: one request's inf or NaN values would reach another's output. So the
 // rows past the end are zeroed in the V stage before any product reads it, as the sm80 kernels' loads zero-fill
 // them and the sm90 backward zeroes its tails. The block is a tile's first (the range runs from the last block
@@ -197,8 +260,10 @@ template <class Kt, class Prims>
 struct VTail {
   using Ids = FwdNamedBarriers<Kt::kConsumerWarpgroups>;
   int valid;  // rows of the stage that are the sequence's; kBlockN when the block does not cross its end
-  __device__ VTail(bool varlen, int first_block, int seqlen_k)
-      : valid(varlen ? min_i(Kt::kBlockN, seqlen_k - first_block * Kt::kBlockN) : Kt::kBlockN) {}
+  // rows_loaded_past_end: a box reads real rows past the sequence's keys (packed keys, a KV cache's stale slots or
+  // another sequence's pages); padded q/k/v tensors end each sequence at the descriptor's extent (zero fill).
+  __device__ VTail(bool rows_loaded_past_end, int first_block, int seqlen_k)
+      : valid(rows_loaded_past_end ? min_i(Kt::kBlockN, seqlen_k - first_block * Kt::kBlockN) : Kt::kBlockN) {}
   template <class StageV>
   __device__ void zero(StageV const& sv, int wg, int ctid) const {
     if (valid >= Kt::kBlockN) return;
@@ -230,7 +295,7 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Kt::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutVt{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Kt::SmemLayoutKV{});  // (N, d, stage): the V tail's rows
-  bool const varlen = p.cu_seqlens_q != nullptr;
+  bool const rows_past_end = p.cu_seqlens_k != nullptr || p.seqused_k != nullptr;  // VTail
   Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors (MMA, MMA_M, MMA_K, Q buffer)
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
@@ -283,7 +348,7 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
     wait_full<Prims>(ss.q_full, qs, BarrierId::kQFull);
     int const nblocks = w.range.count();
     if (nblocks > 0) {
-      VTail<Kt, Prims> const tail(varlen, w.range.block(0), w.ext.seqlen_k);
+      VTail<Kt, Prims> const tail(rows_past_end, w.range.block(0), w.ext.seqlen_k);
       turn.tile_start();
       wait_full<Prims>(ss.k_full, kv, BarrierId::kKFull);
       turn.begin();
@@ -380,6 +445,10 @@ SA_DEVICE void fwd_cta(FwdParams const& p, TmaParams<Kt> const& tma, PersistentT
     Prims::prefetch_tma(tma.q);
     Prims::prefetch_tma(tma.k);
     Prims::prefetch_tma(tma.v);
+    if (p.block_table != nullptr) {
+      Prims::prefetch_tma(tma.k_page);
+      Prims::prefetch_tma(tma.v_page);
+    }
   }
   Prims::fence_barrier_init();
   Prims::sync_threads();

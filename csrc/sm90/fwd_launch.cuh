@@ -1,9 +1,10 @@
 // fwd_launch.cuh: the host side of the sm90 forward kernel: tile configuration, TMA descriptors, the
 // persistent grid (nvcc only, no torch).
 //
-// Serves what api.cpp routes here: padded or varlen q/k/v, every mask, sinks, softcap, GQA. KV caches
-// (seqused_k, paged), split-KV and GQA packing stay on the sm80 kernel (decode is memory-bound; the
-// capability report says so).
+// Serves what api.cpp routes here: padded or varlen q/k/v, every mask, sinks, softcap, GQA; and attention over a KV
+// cache (seqused_k; contiguous, or a page pool with pages of a multiple of 16 rows), padded queries or the serving
+// call's packed ones (one launch per batch). Split-KV, GQA packing and FP8 caches stay on the sm80 kernels (decode
+// is memory-bound: docs/DESIGN.md section 4).
 #pragma once
 #include <cuda_runtime.h>
 #include <stdexcept>

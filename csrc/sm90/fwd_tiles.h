@@ -4,7 +4,7 @@
 #pragma once
 
 // What the sm90 forward serves (recorded in the registry, shown by the report), on the GPU and under host emulation.
-#define SINKATTN_FWD_SM90_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen"
+#define SINKATTN_FWD_SM90_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16"
 
 namespace sinkattn::sm90 {
 

@@ -69,6 +69,16 @@ struct FwdTraits {
   using TmaQ = TmaLoad<GmemTensor, SmemLayoutQ>;
   using TmaKV = TmaLoad<GmemTensor, decltype(take<0, 2>(SmemLayoutKV{}))>;
 
+  // A page pool's key block arrives as kBlockN / kPageRows boxes of kPageRows rows, each inside one page, into the
+  // stage's rows [r * kPageRows, (r + 1) * kPageRows): the same swizzled bytes one whole-block box would write
+  // (each box starts on a 1024-byte swizzle-atom boundary), so the consumers read a stage the same way either way.
+  // 16 rows serve every page size that is a multiple of 16 (vLLM's FlashAttention backends take those only).
+  static constexpr int kPageRows = 16;
+  static_assert(kBlockN % kPageRows == 0 && kPageRows % 8 == 0);
+  using SmemLayoutKVPage = decltype(composition(take<0, 2>(SmemLayoutKV{}),
+                                                make_tile(Layout<Int<kPageRows>>{}, Layout<Int<kHeadDim>>{})));
+  using TmaKVPage = TmaLoad<GmemTensor, SmemLayoutKVPage>;
+
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
 
@@ -95,6 +105,7 @@ template <class Kt>
 struct TmaParams {
   typename Kt::TmaQ q;
   typename Kt::TmaKV k, v;
+  typename Kt::TmaKVPage k_page, v_page;  // page pools (FwdParams::block_table); else over k and v, never loaded
 };
 
 }  // namespace sinkattn::sm90

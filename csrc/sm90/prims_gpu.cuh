@@ -164,6 +164,10 @@ struct GpuPrims {
     cute::copy(tma.with(bar), src, dst);
   }
 
+  // Entry i of a block-table row: the pool page that holds a sequence's i-th page of keys (read-only for the kernel's
+  // life, so through the non-coherent cache).
+  static __device__ __forceinline__ int page_entry(int const* table, int i) { return __ldg(table + i); }
+
   // ---- wgmma ----------------------------------------------------------------------------------------------------
   // acc (+)= A * B over the K mode, issued as one committed group by the warpgroup: the operands' registers fenced,
   // wgmma.fence, one wgmma per K step (the first zeroing acc when kZeroInit), commit_group. The group runs

@@ -1,0 +1,33 @@
+"""The sm90 forward over KV caches on the GPU (marked gpu; cc 9.0): the serving call's mixed batches over paged caches
+and the padded decode / chunked-prefill calls, the same cases the emulation runs (tests/test_sm90_serving.py), plus
+gpt-oss's shape at long contexts. Written and emulation-tested without a GPU: bench/gpu/check.sh runs this file
+first, on the diagnostic build; set sinkattn.dispatch.SM90_CACHE_VALIDATED once it passes ("auto" still keeps cache
+calls on the sm80 kernels: the sm90 forward packs no GQA heads yet)."""
+import pytest
+import torch
+
+from decode_cases import run_decode
+from serving_cases import SM90_SERVING_CASES, run_serving
+from test_sm90_serving import SM90_DECODE_CASES
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                 reason="the sm90 kernels run on cc 9.0")]
+
+
+@pytest.mark.parametrize("name,reqs,kw", SM90_SERVING_CASES, ids=[c[0] for c in SM90_SERVING_CASES])
+def test_sm90_serving_matches_oracle(name, reqs, kw, rng_seed):
+    run_serving("sm90", "cuda", rng_seed, reqs, **kw)
+
+
+@pytest.mark.parametrize("name,kw", SM90_DECODE_CASES, ids=[c[0] for c in SM90_DECODE_CASES])
+def test_sm90_kvcache_matches_oracle(name, kw, rng_seed):
+    run_decode("sm90", "cuda", rng_seed, **kw)
+
+
+@pytest.mark.parametrize("window", [(127, 0), (-1, -1)], ids=["win128", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_serving_gpt_oss_mixed_step(window, dtype, rng_seed):
+    """vLLM's mixed step at gpt-oss's shape: decodes at 8k beside prefill chunks over cached prefixes, page 16."""
+    reqs = [(1, 8192)] * 6 + [(4, 3000), (1, 17), (0, 0), (512, 2048), (300, 300)]
+    run_serving("sm90", "cuda", rng_seed, reqs, h=64, hk=8, d=64, dtype=dtype, causal=True, window_size=window)

@@ -1,0 +1,117 @@
+"""The sm90 forward over KV caches (csrc/sm90/fwd_kernel.cuh: packed M tiles over the serving call's requests, a
+contiguous cache's batch mode, a page pool read in 16-row TMA boxes) run on the CPU under host emulation, against the
+float64 oracle: the serving call's mixed batches (tests/serving_cases.py SM90_SERVING_CASES), the padded decode and
+chunked-prefill calls with their append (tests/decode_cases.py), the same bits from a contiguous and a paged cache,
+one call per batch, the planted bug of the page lookup, and what the sm90 path refuses (FP8 caches, pages that are
+not a multiple of 16 rows, split-KV) with the fix named.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sinkattn
+from decode_cases import DECODE_CASES, run_decode
+from serving_cases import SM90_SERVING_CASES, PagedBatch, run_serving
+from sinkattn import _ext
+from sinkattn.errors import SinkattnError
+from test_sm90_emulated import MUTATIONS, check_planted_bug
+from test_serving import _CountingModule
+
+_REG = _ext.registry() if _ext.loaded() else []
+pytestmark = pytest.mark.skipif(
+    not any(k["family"] == "sm90-emulated" and k["op"] == "fwd" and k["headdim"] == 64 and k["dtype"] == "bf16"
+            for k in _REG), reason="no emulated sm90 hdim64 bf16 forward in this build")
+
+SM90_DECODE_CASES = [(name, {k: v for k, v in kw.items() if k != "num_splits"}) for name, kw in DECODE_CASES
+                     if (kw.get("page_size") or 16) % 16 == 0]
+
+
+@pytest.mark.parametrize("name,reqs,kw", SM90_SERVING_CASES, ids=[c[0] for c in SM90_SERVING_CASES])
+def test_sm90_emulated_serving_matches_oracle(name, reqs, kw, rng_seed):
+    run_serving("sm90-emulated", "cpu", rng_seed, reqs, **kw)
+
+
+@pytest.mark.parametrize("name,kw", SM90_DECODE_CASES, ids=[c[0] for c in SM90_DECODE_CASES])
+def test_sm90_emulated_kvcache_matches_oracle(name, kw, rng_seed):
+    run_decode("sm90-emulated", "cpu", rng_seed, **kw)
+
+
+EMU_HEADDIMS = sorted({k["headdim"] for k in _REG if k["family"] == "sm90-emulated" and k["op"] == "fwd"
+                       and k["dtype"] == "bf16"} - {64})
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("d", EMU_HEADDIMS or [pytest.param(0, marks=pytest.mark.skip("no other emulated head dim"))])
+def test_sm90_emulated_serving_other_head_dims(d, page_size, rng_seed):
+    """Head dims 128 (128-key blocks, two 64-column boxes per page box) and 256 (48-key blocks: a block's three
+    page boxes straddle pages of 16 and 32 rows) over a mixed batch."""
+    reqs = [(1, 200), (130, 150), (0, 0), (9, 97)]
+    run_serving("sm90-emulated", "cpu", rng_seed, reqs, h=4, hk=2, d=d, page_size=page_size, causal=True,
+                window_size=(90, 0), sink_tokens=3)
+
+
+def test_sm90_emulated_gpt_oss_shape(rng_seed):
+    """gpt-oss-20b's attention on one rank (64 query heads over 8 KV heads, head dim 64, page 16, the sliding layer):
+    decodes beside two prefill chunks, one launch."""
+    reqs = [(1, 700), (1, 130), (2, 400), (150, 300), (33, 33)]
+    run_serving("sm90-emulated", "cpu", rng_seed, reqs, h=64, hk=8, causal=True, window_size=(127, 0))
+
+
+def test_sm90_contiguous_cache_serves_as_the_paged_one(rng_seed):
+    """A contiguous cache (batch, capacity, hk, d) and a paged one holding the same keys give the same bits: the
+    page boxes land a stage's bytes exactly where the whole-block box does."""
+    reqs = [(1, 90), (140, 33), (0, 0), (20, 250)]
+    pb = PagedBatch(reqs, h=4, hk=2, d=64, page_size=16, dtype=torch.bfloat16, pad_rows=2)
+    cap = pb.block_table.shape[1] * 16
+    pos = torch.arange(cap)
+    pages = pb.block_table.long()[:, pos // 16]
+    k_dense = pb.k_cache[pages, pos % 16].contiguous()
+    v_dense = pb.v_cache[pages, pos % 16].contiguous()
+    s = torch.randn(4)
+    kw = dict(cache_seqlens=pb.seqused_k, cu_seqlens_q=pb.cu_seqlens_q, max_seqlen_q=140, causal=True,
+              return_lse=True, backend="sm90-emulated")
+    paged = sinkattn.flash_attn_with_kvcache(pb.q, pb.k_cache, pb.v_cache, s, block_table=pb.block_table, **kw)
+    dense = sinkattn.flash_attn_with_kvcache(pb.q, k_dense, v_dense, s, **kw)
+    assert torch.equal(paged[0], dense[0]) and torch.equal(paged[1], dense[1])
+
+
+def test_sm90_one_call_per_batch(monkeypatch, rng_seed):
+    counting = _CountingModule(_ext.require())
+    monkeypatch.setattr(_ext, "require", lambda: counting)
+    run_serving("sm90-emulated", "cpu", rng_seed, [(1, 100), (1, 50), (4, 80), (0, 0), (130, 60), (7, 90)],
+                causal=True)
+    assert len(counting.calls) == 1
+
+
+def test_sm90_page_lookup_planted_bug_fails(monkeypatch, rng_seed):
+    """The page lookup misread (every box from the request's first page: SINKATTN_EMU90_MUTATE=page_table) fails the
+    oracle; without it the same batch passes."""
+    monkeypatch.setitem(MUTATIONS, "page_table", None)
+    check_planted_bug("page_table", monkeypatch, lambda: run_serving(
+        "sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True))
+
+
+@pytest.mark.parametrize("mutation", ["expect_tx", "parity", "no_fence"])
+def test_sm90_protocol_planted_bugs_fail_over_pages(mutation, monkeypatch, rng_seed):
+    """The pipeline's planted bugs fail on the paged path too (its stages fill with several boxes each)."""
+    check_planted_bug(mutation, monkeypatch, lambda: run_serving(
+        "sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True))
+
+
+def test_sm90_cache_refusals():
+    """What the sm90 forward does not serve over a cache is refused with the backend that does, never run wrong."""
+    pb = PagedBatch([(1, 20), (2, 10)], h=4, hk=1, d=64, page_size=8, dtype=torch.bfloat16)
+    kw = dict(cache_seqlens=pb.seqused_k, block_table=pb.block_table, cu_seqlens_q=pb.cu_seqlens_q, max_seqlen_q=2,
+              backend="sm90-emulated")
+    with pytest.raises(SinkattnError, match="multiple of 16"):
+        sinkattn.flash_attn_with_kvcache(pb.q, pb.k_cache, pb.v_cache, **kw)
+    pb = PagedBatch([(1, 20), (2, 10)], h=4, hk=1, d=64, page_size=16, dtype=torch.bfloat16)
+    kw.update(block_table=pb.block_table, cache_seqlens=pb.seqused_k)
+    with pytest.raises(RuntimeError, match="does not split keys.*backend='sm80'"):
+        sinkattn.flash_attn_with_kvcache(pb.q, pb.k_cache, pb.v_cache, num_splits=2, **kw)
+    fp8 = PagedBatch([(1, 20), (2, 10)], h=4, hk=1, d=64, page_size=16, dtype=torch.bfloat16, fp8="e4m3fn")
+    with pytest.raises(SinkattnError, match="FP8"):
+        sinkattn.flash_attn_with_kvcache(fp8.q, fp8.k_cache, fp8.v_cache, cache_seqlens=fp8.seqused_k,
+                                         block_table=fp8.block_table, cu_seqlens_q=fp8.cu_seqlens_q, max_seqlen_q=2,
+                                         backend="sm90-emulated")
