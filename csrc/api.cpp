@@ -478,7 +478,7 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
                     "sinkattn fwd_kvcache: FP8 cache strides must be multiples of 16 elements");
   }
   // The sm90 forward over a cache (sm90/fwd_kernel.cuh): caches in q's dtype, pages of a multiple of 16 rows (its
-  // page boxes), no split-KV and no GQA packing; the sm80 kernels serve the rest.
+  // page boxes), GQA packing, no split-KV; the sm80 kernels serve the rest.
   TORCH_CHECK(!sm90 || !kv_fp8, "sinkattn fwd_kvcache: the ", backend, " forward reads caches in q's dtype; FP8 caches "
               "run on backend='sm80'");
   TORCH_CHECK(!sm90 || !block_table || k_cache.size(1) % 16 == 0, "sinkattn fwd_kvcache: the ", backend,
@@ -531,6 +531,9 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
                 "dim ", info->headdim, " needs ", info->smem_bytes, " bytes of shared memory per block; the limit is ",
                 p.max_smem_per_block);
     p.packed_tiles = varlen;
+    // GQA packing: the group's query heads share a tile, so K and V are read once per KV head (a decode row fills
+    // group rows of a tile instead of one row of a tile per query head).
+    p.pack_gqa = p.nheads > p.nheads_k;
     launch_kernel<FwdParams>(info, p, emulated, q.device());
     return;
   }

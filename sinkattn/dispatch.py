@@ -47,9 +47,9 @@ SM90_BWD_VALIDATED = False
 # The sm90 forward over KV caches (paged or not, the serving call's packed queries; csrc/sm90/fwd_kernel.cuh) was
 # written and emulation-tested in a session without a GPU: set this True once a GPU run passes
 # tests/test_gpu_sm90_serving.py on it (with the run in bench/RESULTS.md). "auto" keeps cache calls on the sm80
-# kernels on cc 9.0 either way for now: the sm90 forward packs no GQA heads, so a decode row takes a 128-row M tile
-# per query head (predicted 4x slower than the sm80 decode tile on vLLM's decode step, and slower on its mixed
-# step: bench/RESULTS.md); backend="sm90" runs it (prefill-heavy calls).
+# kernels on cc 9.0 either way for now: the sm90 forward splits no keys, so a small decode batch leaves SMs idle
+# (predicted 2x slower on one request, faster on batches that fill the SMs: bench/RESULTS.md) until a GPU round
+# measures the crossover; backend="sm90" runs it.
 SM90_CACHE_VALIDATED = False
 
 # What a registry feature means to a user (the reason a kernel is refused names what the call needs).
@@ -230,9 +230,10 @@ def preference_note(capability: tuple[int, int] | None, problem: Problem | None)
                              "and emulation-tested but has not yet run on a GPU (tests/test_gpu_sm90_serving.py checks "
                              "it against the oracle on the next one); until then the sm80 kernels serve cache calls on "
                              "cc 9.0; backend='sm90' forces it")}
-        return {"sm90": ("the sm90 forward packs no GQA heads: a decode row takes a 128-row tile per query head "
-                         "(predicted 4x slower than the sm80 decode tiles, bench/RESULTS.md), so the sm80 kernels "
-                         "serve cache calls on cc 9.0; backend='sm90' forces it for prefill-heavy calls")}
+        return {"sm90": ("the sm90 forward over KV caches splits no keys: a small decode batch leaves SMs idle "
+                         "(predicted 2x slower on one request, faster on batches that fill the SMs: bench/RESULTS.md); "
+                         "until a GPU round measures the crossover the sm80 kernels serve cache calls on cc 9.0; "
+                         "backend='sm90' forces it")}
     if capability == (9, 0) and problem is not None and problem.kind == "bwd" and not SM90_BWD_VALIDATED:
         return {"sm90": ("the sm90 backward is compiled but has not yet run on a GPU (tests/test_gpu_sm90_backward.py "
                          "checks it against the oracle on the next one); until then the sm80 backward serves "

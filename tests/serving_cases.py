@@ -161,10 +161,10 @@ def sm90_cases(cases):
     return out
 
 
-# The sm90 forward over a paged cache (csrc/sm90/fwd_kernel.cuh PageRows): the shared cases it serves, and the shapes
-# of its own path: several 128-row M tiles per request (packed over the batch), pages of two boxes (32), pages that
-# are not a power of two (48: divisions), pages holding whole key blocks (128, 256), keys ending inside a page box,
-# and a window whose left edge cuts a page.
+# The sm90 forward over a paged cache (csrc/sm90/fwd_kernel.cuh PageRows, TileWork): the shared cases it serves
+# (GQA-packed wherever h > hk), and the shapes of its own path: several 128-row M tiles per request (packed over the
+# batch), pages of two boxes (32), pages that are not a power of two (48: divisions), pages holding whole key blocks
+# (128, 256), keys ending inside a page box, a window whose left edge cuts a page, and GQA groups of 6 and 3.
 SM90_SERVING_CASES = sm90_cases(SERVING_CASES) + [
     ("sm90-m-tiles-page32", [(1, 300), (200, 260), (0, 0), (130, 500), (3, 19)],
      dict(page_size=32, causal=True)),
@@ -172,4 +172,9 @@ SM90_SERVING_CASES = sm90_cases(SERVING_CASES) + [
      dict(page_size=48, causal=True, window_size=(100, 0), sink_tokens=5)),
     ("sm90-page128-gqa4-not-causal", [(9, 300), (140, 257)], dict(page_size=128, h=8, hk=2, window_size=(-1, -1))),
     ("sm90-page256-softcap", [(33, 600), (1, 255)], dict(page_size=256, causal=True, softcap=20.0)),
+    # GQA packing's row -> (query, head) map at groups that do not divide the 128-row tile: a tile's rows start
+    # mid-query
+    ("sm90-gqa6-decode-and-chunk", [(1, 300), (50, 120), (3, 40)], dict(h=6, hk=1, causal=True)),
+    ("sm90-gqa3-window-sinktok", [(1, 200), (70, 170), (0, 9)],
+     dict(h=12, hk=4, page_size=32, causal=True, window_size=(60, 0), sink_tokens=2)),
 ]

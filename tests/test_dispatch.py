@@ -185,8 +185,8 @@ def test_kvcache_needs_the_kvcache_feature(gpu, fake_registry):
 @pytest.mark.parametrize("validated", [False, True])
 def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
     """The sm90 forward serves cache calls (contiguous, paged at multiples of 16 rows) when forced; "auto" keeps them
-    on sm80 on cc 9.0, before a GPU run validates it (SM90_CACHE_VALIDATED) and after (it packs no GQA heads: decode
-    rows would run 4x slower), and the report's note says which. Pages of other sizes and FP8 caches are the sm80
+    on sm80 on cc 9.0, before a GPU run validates it (SM90_CACHE_VALIDATED) and after (it splits no keys: small
+    decode batches would leave SMs idle), and the report's note says which. Pages of other sizes and FP8 caches are the sm80
     kernels' whatever the flag."""
     monkeypatch.setattr(dispatch, "SM90_CACHE_VALIDATED", validated)
     gpu["cap"] = (9, 0)
@@ -198,7 +198,7 @@ def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
         assert dispatch.choose(problem, "auto") == "sm80"
     note = dispatch.preference_note((9, 0), KVCACHE_PROBLEM)["sm90"]
     assert ("has not yet run on a GPU" in note) != validated and "backend='sm90'" in note
-    assert validated == ("packs no GQA heads" in note)
+    assert validated == ("splits no keys" in note)
     for page in (1, 5, 24):
         odd = dataclasses.replace(paged16, page_size=page)
         reason = dispatch.why_not("sm90", odd)

@@ -2,7 +2,7 @@
 and the padded decode / chunked-prefill calls, the same cases the emulation runs (tests/test_sm90_serving.py), plus
 gpt-oss's shape at long contexts. Written and emulation-tested without a GPU: bench/gpu/check.sh runs this file
 first, on the diagnostic build; set sinkattn.dispatch.SM90_CACHE_VALIDATED once it passes ("auto" still keeps cache
-calls on the sm80 kernels: the sm90 forward packs no GQA heads yet)."""
+calls on the sm80 kernels until the serving bench measures the crossover: the sm90 forward splits no keys)."""
 import pytest
 import torch
 

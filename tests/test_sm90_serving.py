@@ -1,5 +1,6 @@
-"""The sm90 forward over KV caches (csrc/sm90/fwd_kernel.cuh: packed M tiles over the serving call's requests, a
-contiguous cache's batch mode, a page pool read in 16-row TMA boxes) run on the CPU under host emulation, against the
+"""The sm90 forward over KV caches (csrc/sm90/fwd_kernel.cuh: packed M tiles over the serving call's requests, GQA
+packing (the group's query heads in one tile, their Q rows loaded by the consumers), a contiguous cache's batch mode,
+a page pool read in 16-row TMA boxes) run on the CPU under host emulation, against the
 float64 oracle: the serving call's mixed batches (tests/serving_cases.py SM90_SERVING_CASES), the padded decode and
 chunked-prefill calls with their append (tests/decode_cases.py), the same bits from a contiguous and a paged cache,
 one call per batch, the planted bug of the page lookup, and what the sm90 path refuses (FP8 caches, pages that are
@@ -51,6 +52,14 @@ def test_sm90_emulated_serving_other_head_dims(d, page_size, rng_seed):
                 window_size=(90, 0), sink_tokens=3)
 
 
+@pytest.mark.skipif(128 not in EMU_HEADDIMS, reason="no emulated sm90 hdim128 forward in this build")
+def test_sm90_emulated_padded_head_dim(rng_seed):
+    """Head dim 96 on the 128 kernel: a GQA-packed tile's Q columns past 96 are zeroed by the loads that fill it (the
+    TMA box of an unpacked one zero-fills them), and O's are not stored."""
+    run_serving("sm90-emulated", "cpu", rng_seed, [(1, 150), (70, 90)], h=8, hk=2, d=96, causal=True)
+    run_serving("sm90-emulated", "cpu", rng_seed, [(1, 150), (70, 90)], h=2, hk=2, d=96, causal=True)
+
+
 def test_sm90_emulated_gpt_oss_shape(rng_seed):
     """gpt-oss-20b's attention on one rank (64 query heads over 8 KV heads, head dim 64, page 16, the sliding layer):
     decodes beside two prefill chunks, one launch."""
@@ -94,7 +103,12 @@ def test_sm90_page_lookup_planted_bug_fails(monkeypatch, rng_seed):
 
 @pytest.mark.parametrize("mutation", ["expect_tx", "parity", "no_fence"])
 def test_sm90_protocol_planted_bugs_fail_over_pages(mutation, monkeypatch, rng_seed):
-    """The pipeline's planted bugs fail on the paged path too (its stages fill with several boxes each)."""
+    """The pipeline's planted bugs fail on the paged, GQA-packed path too: its stages fill with several boxes each, and
+    its Q rows are the consumers' own generic stores, which wgmma may read only after their proxy fence (no_fence)."""
+    if mutation == "parity":
+        # A packed tile's q_full carries no TMA bytes: a consumer waiting for the wrong phase of it may pass while
+        # others wait, and its warpgroup's named barrier (load_packed_q) then never fills: a deadlock.
+        monkeypatch.setitem(MUTATIONS, mutation, MUTATIONS[mutation] + "|deadlock")
     check_planted_bug(mutation, monkeypatch, lambda: run_serving(
         "sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True))
 

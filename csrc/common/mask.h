@@ -108,6 +108,31 @@ struct TileMask {
       }
     }
   }
+  // The same in two steps, for a kernel that masks several key blocks of one tile: each row's [lo, hi) once per tile
+  // (row_bounds: a GQA-packed row's query is a division by the group), then per block only the column compares.
+  // (apply is left in one piece: written through these two, the sm80 forward's SASS changed at every tile.)
+  template <int kRows>
+  struct RowBounds {
+    int lo[kRows], hi[kRows];
+  };
+  template <int kRows, class Coords>
+  SA_DEVICE void row_bounds(Coords const& coords, int row0, RowBounds<kRows>& b) const {
+    SA_UNROLL
+    for (int r = 0; r < kRows; ++r) visible_cols(row0 + int(get<0>(coords(r, 0))), b.lo[r], b.hi[r]);
+  }
+  template <int kRows, int kCols, class Coords, class Hide>
+  SA_DEVICE void apply_bounds(RowBounds<kRows> const& b, Coords const& coords, int col0, Hide&& hide) const {
+    int const sink_hi = p.sink_tokens - col0;
+    SA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int const lo = b.lo[r] - col0, hi = b.hi[r] - col0;
+      SA_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        int const j = int(get<1>(coords(r, c)));
+        if (!(j < hi && (j >= lo || j < sink_hi))) hide(r, c);
+      }
+    }
+  }
 
   // The same bounds for a kernel that decides each element's visibility inside a pass of its own (the sm80
   // backward computes P and dS of an element together; a separate masking pass there cost the hd256 tile on

@@ -420,6 +420,16 @@ struct EmuPrims {
     generic_access(p, 4, true);
     std::memcpy(p, &value, 4);
   }
+  static void sts128(uint32_t addr, uint4 v) {
+    char* p = ctx.block->smem + addr;
+    generic_access(p, 16, true);
+    std::memcpy(p, &v, 16);
+  }
+  static uint4 ldg128(void const* ptr) {
+    uint4 v;
+    std::memcpy(&v, ptr, 16);
+    return v;
+  }
   static void sts128_zero2(uint32_t a, uint32_t b) {
     for (uint32_t addr : {a, b}) {
       char* p = ctx.block->smem + addr;

@@ -1,6 +1,6 @@
 // fwd_epilogue.cuh: the sm90 forward's epilogue: one consumer warpgroup's 64 rows of O out through shared memory
 // in 16-byte stores, predicated on the sequence's rows (varlen rows past the end belong to the next sequence),
-// and the LSE per row. Its shared-memory loads and named barrier go through Prims (sm90/prims_gpu.cuh GpuPrims).
+// and the LSE per row (a GQA-packed tile's rows each to their own query head). Its shared-memory loads and named barrier go through Prims (sm90/prims_gpu.cuh GpuPrims).
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -19,31 +19,57 @@ using namespace cute;
 // the sequence. tid: the thread's index in its warpgroup. O's shared-memory loads are 16-byte loads through 32-bit
 // shared addresses (Prims::lds128: a generic pointer would hold 64 bits per precomputed address, which the epilogue
 // then spilled).
-template <class Kt, class Prims, class ThrMma, class AccO, class CoordsO, int kRows>
+// Work: the tile (fwd_kernel.cuh TileWork): its M block, sequence, extent, and where a row goes (query_of, head_of:
+// a GQA-packed tile's rows are (query, query head) pairs, each row its own address; otherwise one head's rows).
+template <class Kt, class Prims, class ThrMma, class AccO, class CoordsO, int kRows, class Work>
 __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::Element* smem_q, ThrMma const& thr_o,
                                               AccO const& tOrO, CoordsO const& tOcO, float const (&lse)[kRows],
-                                              int m_block, int head, int batch, SeqExtent const& ext, int wg, int tid) {
+                                              Work const& w, int wg, int tid) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kHeadDim = Kt::kHeadDim;
-  int const m0 = m_block * kBlockM;
+  SeqExtent const& ext = w.ext;
+  int const batch = w.batch, head = w.head;
+  int const m0 = w.m_block * kBlockM;
   Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
   Tensor tOsO = thr_o.partition_C(sO);
   CUTE_UNROLL
   for (int i = 0; i < size(tOrO); ++i) tOsO(i) = Element(tOrO(i));
 
   // lse: (batch, heads, seqlen_q), or (heads, total_q) when varlen; rows contiguous.
-  int64_t const lse_head = ext.q_row(batch, p.lse_batch_stride, 1, p.lse_head_stride, head);
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    int const row = get<0>(tOcO(r, 0));
-    if (get<1>(tOcO(r, 0)) == 0 && m0 + row < ext.seqlen_q) p.lse[lse_head + m0 + row] = lse[r];
+  if (w.group > 1) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int const row = get<0>(tOcO(r, 0)), i = w.query_of(row);
+      if (get<1>(tOcO(r, 0)) == 0 && i < ext.seqlen_q)
+        p.lse[ext.q_row(batch, p.lse_batch_stride, 1, p.lse_head_stride, w.head_of(row), i)] = lse[r];
+    }
+  } else {
+    int64_t const lse_head = ext.q_row(batch, p.lse_batch_stride, 1, p.lse_head_stride, head);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int const row = get<0>(tOcO(r, 0));
+      if (get<1>(tOcO(r, 0)) == 0 && m0 + row < ext.seqlen_q) p.lse[lse_head + m0 + row] = lse[r];
+    }
   }
 
   Prims::named_sync(128, FwdNamedBarriers<Kt::kConsumerWarpgroups>::own(wg));
-  Element* o_seq =
-      static_cast<Element*>(p.out) + ext.q_row(batch, p.o_batch_stride, p.o_row_stride, p.o_head_stride, head);
   constexpr int kVecsPerRow = kHeadDim / 8;
   constexpr int kVecs = 64 * kVecsPerRow;
+  if (w.group > 1) {
+#pragma unroll 1
+    for (int v = tid; v < kVecs; v += 128) {
+      int const row = wg * 64 + v / kVecsPerRow, col = (v % kVecsPerRow) * 8, i = w.query_of(row);
+      if (i < ext.seqlen_q && col < p.headdim) {
+        uint4 const val = Prims::lds128(&sO(row, col));
+        *reinterpret_cast<uint4*>(static_cast<Element*>(p.out) + col +
+                                  ext.q_row(batch, p.o_batch_stride, p.o_row_stride, p.o_head_stride, w.head_of(row), i)) =
+            val;
+      }
+    }
+    return;
+  }
+  Element* o_seq =
+      static_cast<Element*>(p.out) + ext.q_row(batch, p.o_batch_stride, p.o_row_stride, p.o_head_stride, head);
 #pragma unroll 1  // unrolled, the compiler keeps every iteration's shared address live across tiles
   for (int v = tid; v < kVecs; v += 128) {
     int const row = wg * 64 + v / kVecsPerRow, col = (v % kVecsPerRow) * 8;

@@ -18,15 +18,18 @@ namespace sinkattn::sm90 {
 // Tiles (M block, head, sequence). Packed (the serving call, FwdParams::packed_tiles): M blocks numbered over every
 // sequence (common/seq_extent.h packed_tile), their count from the padded total_q and batch alone, so the grid does
 // not depend on the batch's mix (a CUDA graph captured at one size replays any batch of it).
+// GQA-packed (FwdParams::pack_gqa): heads are the KV heads, and a sequence's rows are its queries times the group.
 template <class Kt>
 PersistentTileOrder fwd_schedule(FwdParams const& p) {
+  int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1, heads = p.pack_gqa ? p.nheads_k : p.nheads;
   if (p.packed_tiles) {
-    int64_t const blocks = packed_tile_count(p.total_q, 1, Kt::kBlockM, p.batch);
+    int64_t const blocks = packed_tile_count(p.total_q, group, Kt::kBlockM, p.batch);
     if (blocks > int64_t(INT32_MAX))
       throw std::invalid_argument("sinkattn fwd: too many packed query rows for the sm90 forward's tile index");
-    return PersistentTileOrder{int(blocks), 1, p.nheads, 1};
+    return PersistentTileOrder{int(blocks), 1, heads, 1};
   }
-  return PersistentTileOrder{(p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM, 1, p.nheads, p.batch};
+  int64_t const blocks = (int64_t(p.seqlen_q) * group + Kt::kBlockM - 1) / Kt::kBlockM;
+  return PersistentTileOrder{int(blocks), 1, heads, p.batch};
 }
 
 // Whether the forward has anything to write: no tile or no query row means no launch, and no descriptor is encoded
@@ -45,9 +48,8 @@ bool fwd_has_work(FwdParams const& p) {
                                 std::to_string(Kt::kPageRows) + " rows and needs a page size that is a multiple of " +
                                 std::to_string(Kt::kPageRows) + " (got " + std::to_string(p.page_size) +
                                 "); the sm80 kernels take any page size");
-  if (p.num_splits > 1 || p.pack_gqa)
-    throw std::invalid_argument("sinkattn fwd: the sm90 forward neither splits keys nor packs GQA heads "
-                                "(num_splits 1, pack_gqa 0)");
+  if (p.num_splits > 1)
+    throw std::invalid_argument("sinkattn fwd: the sm90 forward does not split keys (num_splits 1)");
   int const rows_q = p.cu_seqlens_q != nullptr ? p.total_q : p.seqlen_q;
   return fwd_schedule<Kt>(p).count() > 0 && rows_q > 0;
 }

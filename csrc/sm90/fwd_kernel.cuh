@@ -44,9 +44,13 @@ namespace sinkattn::sm90 {
 using namespace cute;
 
 // What producer and consumers both derive from a tile index, so their barrier sequences match.
+// GQA packing (FwdParams::pack_gqa, over KV caches): a tile's rows are the group's query heads of consecutive queries,
+// row r of the packed problem being query r / group of query head kv_head * group + r % group, so K and V are read
+// once per KV head; `head` is then the KV head (the schedule's heads are the KV heads).
 template <class Kt>
 struct TileWork {
   int m_block, head, batch;
+  int group;  // query heads per tile row group: p.nheads / p.nheads_k when packed, else 1
   SeqExtent ext;
   TileMask mask;
   BlockRange range;
@@ -55,14 +59,45 @@ struct TileWork {
   __device__ TileWork(FwdParams const& p, PersistentTileOrder const& s, int64_t t) {
     int split;
     s.decode(t, m_block, split, head, batch);
+    group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
     // Packed M blocks (the serving call): block -> (sequence, its M block), found on the device.
-    if (p.packed_tiles) packed_tile(p.cu_seqlens_q, p.batch, 1, Kt::kBlockM, m_block, batch, m_block);
+    if (p.packed_tiles) packed_tile(p.cu_seqlens_q, p.batch, group, Kt::kBlockM, m_block, batch, m_block);
     ext = seq_extent(p, batch);
-    mask = TileMask{mask_policy(p, ext), Kt::kBlockM, Kt::kBlockN, 1};
-    valid = m_block * Kt::kBlockM < ext.seqlen_q;
+    mask = TileMask{mask_policy(p, ext), Kt::kBlockM, Kt::kBlockN, group};
+    valid = m_block * Kt::kBlockM < ext.seqlen_q * group;
     range = valid ? mask.range(m_block) : BlockRange{0, 0, 0};
   }
+  __device__ int kv_head(FwdParams const& p) const { return group > 1 ? head : head / (p.nheads / p.nheads_k); }
+  // Tile row `row`'s query and query head.
+  __device__ int query_of(int row) const { return group > 1 ? (m_block * Kt::kBlockM + row) / group : m_block * Kt::kBlockM + row; }
+  __device__ int head_of(int row) const { return group > 1 ? head * group + (m_block * Kt::kBlockM + row) % group : head; }
 };
+
+// A GQA-packed tile's Q rows: warpgroup wg loads its own 64 rows (their queries and heads are not one TMA box) into
+// this tile's Q buffer in 16-byte loads and stores, zero past the sequence's queries and past the head dim, then
+// fences them for wgmma (an async-proxy reader) and syncs its own 128 threads. The buffer's rows are the
+// warpgroup's alone (its S = Q K^T reads them, its epilogue writes O through them), so no other warpgroup waits.
+template <class Kt, class Prims, class SmemQ>
+__device__ void load_packed_q(FwdParams const& p, TileWork<Kt> const& w, SmemQ const& sQ, int wg, int tid) {
+  using Element = typename Kt::Element;
+  constexpr int kVecsPerRow = Kt::kHeadDim / 8;
+  using Ids = FwdNamedBarriers<Kt::kConsumerWarpgroups>;
+  // This warpgroup's last epilogue read the same rows (lds128): all of its threads are past it.
+  Prims::named_sync(128, Ids::own(wg));
+#pragma unroll 1
+  for (int v = tid; v < 64 * kVecsPerRow; v += 128) {
+    int const row = wg * 64 + v / kVecsPerRow, col = (v % kVecsPerRow) * 8;
+    int const i = w.query_of(row);
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (i < w.ext.seqlen_q && col < p.headdim)
+      val = Prims::ldg128(static_cast<Element const*>(p.q) +
+                          w.ext.q_row(w.batch, p.q_batch_stride, p.q_row_stride, p.q_head_stride, w.head_of(row), i) +
+                          col);
+    Prims::sts128(Prims::smem_address(&sQ(row, col)), val);
+  }
+  Prims::fence_async_shared();
+  Prims::named_sync(128, Ids::own(wg));
+}
 
 // The tiles of one CTA, in the order producer and consumers both walk them: blockIdx.x first, then either
 // (static) every gridDim.x-th of the tile order, or (kDynamicTiles) the next index drawn from p.tile_counter by
@@ -151,7 +186,6 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
   Tensor mV = tma.v.get_tma_tensor(make_shape(ekv.rows, p.headdim, p.nheads_k, ekv.batch));
   Tensor mKp = tma.k_page.get_tma_tensor(make_shape(ekv.rows, p.headdim, p.nheads_k, ekv.batch));
   Tensor mVp = tma.v_page.get_tma_tensor(make_shape(ekv.rows, p.headdim, p.nheads_k, ekv.batch));
-  int const group = p.nheads / p.nheads_k;
   bool const paged = p.block_table != nullptr;
 
   PipelineState<Kt::kQBuffers> qs;  // Q buffers, one step per tile
@@ -161,7 +195,8 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
     // The batch-mode index of q (0 when packed) and of k/v (0 when packed; a cache's sequence; unused when paged).
-    int const bq = eq.batch > 1 ? w.batch : 0, bk = paged || ekv.batch == 1 ? 0 : w.batch, hk = w.head / group;
+    int const bq = eq.batch > 1 ? w.batch : 0, bk = paged || ekv.batch == 1 ? 0 : w.batch, hk = w.kv_head(p);
+    // (a packed tile's Q is not loaded from this view: its head is then the KV head, any valid index)
     Tensor gQ = local_tile(domain_offset(make_coord(int(w.ext.q_start), _0{}), mQ(_, _, w.head, bq)),
                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, _0{}));
     Tensor gK = local_tile(domain_offset(make_coord(int(w.ext.k_start), _0{}), mK(_, _, hk, bk)),
@@ -207,8 +242,12 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
     if (nblocks > 0) load_k(0, kv);
     int const qb = qs.index();
     wait_empty<Prims>(ss.q_empty, qs, BarrierId::kQEmpty);
-    Prims::arrive_expect_tx(&ss.q_full[qb], Kt::kQBytes);
-    Prims::tma_load(tma.q, ss.q_full[qb], tQgQ, tQsQ(_, qb));
+    if (w.group > 1) {
+      Prims::arrive(&ss.q_full[qb]);  // the consumers load a packed tile's Q themselves (load_packed_q)
+    } else {
+      Prims::arrive_expect_tx(&ss.q_full[qb], Kt::kQBytes);
+      Prims::tma_load(tma.q, ss.q_full[qb], tQgQ, tQsQ(_, qb));
+    }
     qs.advance();
 
     for (int i = 0; i < nblocks; ++i, kv.advance()) {
@@ -329,13 +368,18 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
     // bf16): the key-block loop's SASS 1014 -> 957 instructions, the kernel's 4384 -> 4456 (the tile's part, run
     // once per tile), registers, stack and the HGMMA / UTMALDG / BAR counts unchanged.
     TileMask::MaskTest const mtest = w.mask.mask_test(w.m_block);
+    // Each of this thread's rows' visible keys, once per tile (a GQA-packed row's query is a division by the group;
+    // per masked block that cost the hd64 kernel's masked path 714 -> 907 instructions).
+    TileMask::RowBounds<kRows> rows_seen;
+    w.mask.template row_bounds<kRows>(tScS, m0, rows_seen);
     // Scores of key block n -> unnormalised probabilities in place (exp2 units), the running max and sum
     // updated; `correction` gets each row's rescale factor for what O held before.
     float correction[kRows];
     auto softmax_block = [&](int n) {
       score.bound(tSrS);
       if (mtest.needs(n)) {
-        w.mask.template apply<kRows, kCols>(tScS, m0, n * kBlockN, [&](int r, int c) { scores(r, c) = -INFINITY; });
+        w.mask.template apply_bounds<kRows, kCols>(rows_seen, tScS, n * kBlockN,
+                                                   [&](int r, int c) { scores(r, c) = -INFINITY; });
       }
       softmax.rescale(scores, score.log2, correction);
     };
@@ -346,6 +390,7 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
 
     int const qb = qs.index();
     wait_full<Prims>(ss.q_full, qs, BarrierId::kQFull);
+    if (w.group > 1) load_packed_q<Kt, Prims>(p, w, sQ(_, _, qb), wg, WarpRoles::thread_in_warpgroup(ctid));
     int const nblocks = w.range.count();
     if (nblocks > 0) {
       VTail<Kt, Prims> const tail(rows_past_end, w.range.block(0), w.ext.seqlen_k);
@@ -401,13 +446,15 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
     float lse[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      RowFinal const f = softmax.finalize(r, p.sinks ? p.sinks[w.head] : -INFINITY, score.natural);
+      // a packed tile's rows belong to the group's query heads, each with its own sink
+      int const sink_head = w.group > 1 ? w.head_of(get<0>(tOcO(r, 0))) : w.head;
+      RowFinal const f = softmax.finalize(r, p.sinks ? p.sinks[sink_head] : -INFINITY, score.natural);
       lse[r] = f.lse;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
     }
-    store_out_lse<Kt, Prims>(p, ss.q + qb * cosize_v<typename Kt::SmemLayoutQ>, thr_o, tOrO, tOcO, lse, w.m_block,
-                          w.head, w.batch, w.ext, wg, WarpRoles::thread_in_warpgroup(ctid));
+    store_out_lse<Kt, Prims>(p, ss.q + qb * cosize_v<typename Kt::SmemLayoutQ>, thr_o, tOrO, tOcO, lse, w, wg,
+                             WarpRoles::thread_in_warpgroup(ctid));
     // Every read of O's shared memory is done before the producer's next Q load (an async-proxy write)
     // may land there.
     Prims::fence_async_shared();

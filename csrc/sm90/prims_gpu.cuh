@@ -201,6 +201,12 @@ struct GpuPrims {
   static __device__ __forceinline__ void sts32(uint32_t addr, uint32_t value) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
   }
+  static __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+  }
+  // 16 bytes of global memory that no thread writes during the kernel (q), through the non-coherent cache.
+  static __device__ __forceinline__ uint4 ldg128(void const* ptr) { return __ldg(static_cast<uint4 const*>(ptr)); }
   // 16 zero bytes at each of two shared addresses (one asm: the varlen tail zeroing of two tiles).
   static __device__ __forceinline__ void sts128_zero2(uint32_t a, uint32_t b) {
     asm volatile("st.shared.v4.u32 [%0], {%2, %2, %2, %2};\n"
