@@ -138,8 +138,13 @@ def test_registry_records_each_kernels_smallest_tile():
             assert k["smem_bytes"] <= smallest, k
         if k["family"] in ("sm80", "sm80-emulated") and k["op"] == "bwd":
             assert k["smem_bytes"] == C.bwd_tile(k["headdim"], 99 * KB)["smem_bytes"], k
-        if k["family"] == "sm90":
-            assert 100 * KB < k["smem_bytes"] <= 227 * KB and "kvcache" not in k["features"], k
+        if k["family"] in ("sm90", "sm90-emulated"):
+            assert 100 * KB < k["smem_bytes"] <= 227 * KB, k
+            # the forward reads KV caches (pages of a multiple of 16 rows); any page size, split-KV and FP8 caches
+            # stay the sm80 kernels'
+            feats = k["features"].split(",")
+            assert ("kvcache" in feats) == ("paged16" in feats) == (k["op"] == "fwd"), k
+            assert not {"paged", "split_kv", "fp8_kv"} & set(feats), k
     bwd256 = [k for k in reg if k["op"] == "bwd" and k["headdim"] == 256]
     assert all(k["smem_bytes"] == 144 * KB for k in bwd256), "the hd256 backward needs 144 KB"
 
