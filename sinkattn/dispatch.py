@@ -57,7 +57,8 @@ _FEATURE_WORDS = {"sinks": "learnable sinks", "sink_tokens": "sink tokens", "cau
                   "window": "sliding windows", "softcap": "softcap", "gqa": "GQA/MQA (fewer KV heads than query heads)",
                   "varlen": "variable-length (varlen) batches", "kvcache": "decode over a KV cache",
                   "paged": "a paged KV cache whose page size is not a multiple of 16 rows",
-                  "paged16": "a paged KV cache (pages of a multiple of 16 rows)", "deterministic": "a deterministic backward",
+                  "paged16": "a paged KV cache (pages of a multiple of 16 rows)",
+                  "deterministic": "a deterministic backward",
                   "fp8_kv": "FP8 KV caches (float8_e4m3fn / float8_e5m2)"}
 _WHAT = {"fwd": "forward", "bwd": "backward", "kvcache": "decode (KV-cache)", "fwd_fp8": "FP8-cache decode"}
 

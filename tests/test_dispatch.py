@@ -186,8 +186,8 @@ def test_kvcache_needs_the_kvcache_feature(gpu, fake_registry):
 def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
     """The sm90 forward serves cache calls (contiguous, paged at multiples of 16 rows) when forced; "auto" keeps them
     on sm80 on cc 9.0, before a GPU run validates it (SM90_CACHE_VALIDATED) and after (it splits no keys: small
-    decode batches would leave SMs idle), and the report's note says which. Pages of other sizes and FP8 caches are the sm80
-    kernels' whatever the flag."""
+    decode batches would leave SMs idle), and the report's note says which. Pages of other sizes and FP8 caches are the
+    sm80 kernels' whatever the flag."""
     monkeypatch.setattr(dispatch, "SM90_CACHE_VALIDATED", validated)
     gpu["cap"] = (9, 0)
     fake_registry(build("sm90", "sm80"))

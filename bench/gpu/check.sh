@@ -259,7 +259,8 @@ if [ "$HAS_FP8" = "1" ]; then
 fi
 step tests "$OUT/tests.log" "$(min "$TEST_CAP" $(($(left) - SAN_MIN - BENCH_MIN)))" \
   "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" "${NOT_FP8[@]}" --ignore=tests/test_gpu_sm90.py \
-  --ignore=tests/test_gpu_sm90_serving.py --ignore=tests/test_gpu_sm90_backward.py --ignore=tests/test_gpu_serving.py --ignore=tests/test_vllm_graph_gpu.py \
+  --ignore=tests/test_gpu_sm90_serving.py --ignore=tests/test_gpu_sm90_backward.py --ignore=tests/test_gpu_serving.py \
+  --ignore=tests/test_vllm_graph_gpu.py \
   ${GPU_CHECK_TESTS:-tests}
 rc=$?
 if [ "$rc" -eq 5 ]; then

@@ -18,8 +18,9 @@ in vLLM's logical layout (num_blocks, 8, 16, 128) over vLLM's default physical o
 TritonAttentionImpl.forward calls it, with the split-K scratch TritonAttentionMetadataBuilder allocates
 (threshold 128 // num_kv_heads sequences, 16 segments), and a block table as wide as vLLM's (a 128k
 max_model_len: 8192 columns, whatever the batch's lengths). sinkattn runs `vllm_paged.attend`, the backend's
-forward (one serving launch per batch), on "auto" and (cc 9.0) forced "sm80" and "sm90"; on uniform batches also the padded
-flash_attn_with_kvcache call it replaced (`sinkattn-padded`), which its decode must stay within 5% of. Both are timed as CUDA graph replays where they capture
+forward (one serving launch per batch), on "auto" and (cc 9.0) forced "sm80" and "sm90"; on uniform batches also the
+padded flash_attn_with_kvcache call it replaced (`sinkattn-padded`), which its decode must stay within 5% of. Both are
+timed as CUDA graph replays where they capture
 (vLLM runs decode in full CUDA graphs), else eagerly (the `method` column says which).
 
 FP8 caches (`Batch.kv_cache_dtype` "fp8_e4m3" / "fp8_e5m2"): the same random K/V quantized
