@@ -477,13 +477,10 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
         TORCH_CHECK(t->stride(i) % 16 == 0 || t->size(i) == 1,
                     "sinkattn fwd_kvcache: FP8 cache strides must be multiples of 16 elements");
   }
-  // The sm90 forward over a cache (sm90/fwd_kernel.cuh): caches in q's dtype, pages of a multiple of 16 rows (its
-  // page boxes), GQA packing, no split-KV; the sm80 kernels serve the rest.
+  // The sm90 forward over a cache (sm90/fwd_kernel.cuh): caches in q's dtype, any page size (16-row TMA boxes, or the
+  // producer warpgroup's gather), GQA packing, no split-KV; the sm80 kernels serve the rest.
   TORCH_CHECK(!sm90 || !kv_fp8, "sinkattn fwd_kvcache: the ", backend, " forward reads caches in q's dtype; FP8 caches "
               "run on backend='sm80'");
-  TORCH_CHECK(!sm90 || !block_table || k_cache.size(1) % 16 == 0, "sinkattn fwd_kvcache: the ", backend,
-              " forward reads pages in boxes of 16 rows and needs a page size that is a multiple of 16 (got ",
-              k_cache.size(1), "); backend='sm80' takes any page size");
   TORCH_CHECK(!sm90 || num_splits <= 1, "sinkattn fwd_kvcache: the ", backend, " forward does not split keys (got "
               "num_splits=", num_splits, "); pass num_splits=0 or 1, or backend='sm80' for split-KV");
   KernelInfo const* info = nullptr;

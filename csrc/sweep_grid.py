@@ -31,8 +31,8 @@ class Sm90Variant:
         return (t + ("" if self.pingpong else "_nopp") + ("_q2" if self.q_buffers == 2 else "")
                 + ("_dyn" if self.dynamic_tiles else ""))
 
-    def features(self) -> str:  # what its registry entry says it serves (and needs: a tile counter)
-        return "SINKATTN_FWD_SM90_FEATURES" + (' ",tile_counter"' if self.dynamic_tiles else "")
+    def features(self) -> str:  # what its registry entry says it serves (and needs: a tile counter); {tile}: its struct
+        return "sm90::fwd_features({tile}::tile)"
 
     def smem_bytes(self) -> int:  # FwdTile::smem_bytes, for the static checks in tests
         return (self.q_buffers * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 1024
@@ -59,7 +59,7 @@ class Sm80Variant:
     def smem_bytes(self) -> int:
         return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
 
-    def features(self) -> str:
+    def features(self) -> str:  # (no {tile}: every variant serves the same)
         return "SINKATTN_FWD_VARIANT_FEATURES"
 
     def cpp(self) -> str:

@@ -141,7 +141,8 @@ def _kernel_gap(backend: str, problem: Problem, capability: tuple[int, int] | No
         return (f"the FP8-cache kernels read 16 codes per vector and need a head dim that is a multiple of 16 (got "
                 f"{problem.headdim}); the reference backend serves it")
     kernel = registry.find(family, op, hd, dtype)
-    # Features are the family's (one list per family and op): a sibling answers when this head dim is missing.
+    # Features are the family's, but for what a tile's shape allows (the sm90 forward gathers small pages at head
+    # dims 64 and 128, not 256): this head dim's kernel answers, a sibling only when it is missing.
     described = kernel or (siblings[0] if siblings else None)
     if described is not None:
         served = registry.features(described)

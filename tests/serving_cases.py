@@ -151,14 +151,10 @@ FP8_SERVING_CASES = [
 
 
 def sm90_cases(cases):
-    """The cases the sm90 forward serves, as it serves them: pages of a multiple of 16 rows (its 16-row page boxes),
-    no split-KV (num_splits dropped: the sm90 forward does not split keys)."""
-    out = []
-    for name, reqs, kw in cases:
-        if kw.get("page_size", 16) % 16:
-            continue
-        out.append((name, reqs, {k: v for k, v in kw.items() if k != "num_splits"}))
-    return out
+    """The cases as the sm90 forward serves them: no split-KV (num_splits dropped: it does not split keys). Pages of
+    a multiple of 16 rows arrive in 16-row TMA boxes, the others (page1, odd-page5) through the producer
+    warpgroup's gather."""
+    return [(name, reqs, {k: v for k, v in kw.items() if k != "num_splits"}) for name, reqs, kw in cases]
 
 
 # The sm90 forward over a paged cache (csrc/sm90/fwd_kernel.cuh PageRows, TileWork): the shared cases it serves
@@ -177,4 +173,12 @@ SM90_SERVING_CASES = sm90_cases(SERVING_CASES) + [
     ("sm90-gqa6-decode-and-chunk", [(1, 300), (50, 120), (3, 40)], dict(h=6, hk=1, causal=True)),
     ("sm90-gqa3-window-sinktok", [(1, 200), (70, 170), (0, 9)],
      dict(h=12, hk=4, page_size=32, causal=True, window_size=(60, 0), sink_tokens=2)),
+    # pages the producer warpgroup gathers (csrc/sm90/fwd_kernel.cuh KvGather): a key block of 128 rows from 11 to
+    # 128 pages, keys ending inside a page, several M tiles, a window that cuts pages, sink tokens, GQA 8:1
+    ("sm90-gather-page3-gqa8", [(1, 300), (1, 2), (4, 100), (0, 0), (150, 170)], dict(page_size=3, causal=True)),
+    ("sm90-gather-page8-window-sinktok", [(1, 260), (70, 200), (9, 9)],
+     dict(page_size=8, h=4, hk=2, causal=True, window_size=(70, 0), sink_tokens=4)),
+    ("sm90-gather-page12-not-causal-softcap", [(5, 140), (130, 257)],
+     dict(page_size=12, h=2, hk=2, window_size=(-1, -1), softcap=15.0)),
+    ("sm90-gather-page24-sinks+30", [(1, 500), (33, 33)], dict(page_size=24, causal=True, sinks="+30")),
 ]

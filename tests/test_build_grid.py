@@ -505,8 +505,11 @@ def test_sweep_units_register_by_name_in_their_own_family():
     assert '"sm90-sweep", "fwd", 128, "fp16"' in sm90.text and "sm90::launch_fwd<" in sm90.text
     assert ".q_buffers = 2" in sm90.text and "cutlass::half_t" in sm90.text
     dyn = units["sweep_fwd_sm90_hdim128_fp16_m128n128s2_dyn"]
-    assert '.dynamic_tiles = true' in dyn.text and 'SINKATTN_FWD_SM90_FEATURES ",tile_counter"' in dyn.text
-    assert "tile_counter" not in sm90.text  # only a kernel that draws tiles asks api.cpp for a counter
+    # features from the variant's own tile (csrc/sm90/fwd_tiles.h fwd_features: "tile_counter" for a dynamic walk,
+    # which api.cpp then allocates; tests/test_tile_pieces.py checks the registered strings)
+    assert '.dynamic_tiles = true' in dyn.text
+    assert "sm90::fwd_features(SweepTile_sweep_fwd_sm90_hdim128_fp16_m128n128s2_dyn::tile)" in dyn.text
+    assert "sm90::fwd_features(SweepTile_sweep_fwd_sm90_hdim128_fp16_m128n128s2_q2::tile)" in sm90.text
     sm80 = units["sweep_fwd_sm80_hdim64_fp16_m128n128w4"]
     assert sm80.family == "sm80" and '"sm80-sweep"' in sm80.text and "sm80::launch_fwd_variant<" in sm80.text
     emu = units["sweep_fwd_emu_hdim64_fp16_m128n128w4"]

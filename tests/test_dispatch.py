@@ -16,10 +16,12 @@ from oracle import single_thread  # noqa: F401  (autouse: one torch thread per t
 
 CUDA_PROBLEM = Problem(kind="fwd", device_type="cuda", dtype=torch.bfloat16, headdim=128, nheads=8, nheads_k=8,
                        mask=Mask(0.125, -1, 0), has_sinks=True, device_index=0)
-# The families' registry features as the binary lists them (csrc: SINKATTN_FWD_FEATURES and friends).
+# The families' registry features as the binary lists them (csrc: SINKATTN_FWD_FEATURES and friends; the sm90
+# forward's per tile, csrc/sm90/fwd_tiles.h fwd_features: "paged" (its producer gathers small pages) but at head
+# dim 256, which entry() drops).
 FEATURES = {("sm80", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,paged16,split_kv,"
                              "broadcast_strides",
-            ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16",
+            ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16,paged",
             ("sm80", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic,broadcast_strides",
             ("sm90", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic",
             ("sm80", "fwd_fp8"): "sinks,sink_tokens,causal,window,softcap,gqa,kvcache,paged,paged16,split_kv,fp8_kv,"
@@ -29,8 +31,11 @@ ARCHS = {"sm80": "sm_80,sm_90,compute_80", "sm90": "sm_90a", "sm80-emulated": "h
 
 def entry(family, op, headdim=128, dtype="bf16", **changes):
     """One registry entry of a build; `changes` overrides its fields (features=, smem_bytes=, ...)."""
+    features = FEATURES[(family.replace("-emulated", ""), op)]
+    if family.startswith("sm90") and op == "fwd" and headdim == 256:
+        features = features.replace(",paged16,paged", ",paged16")
     e = dict(name=f"{op}_{family}_hdim{headdim}_{dtype}", family=family, op=op, headdim=headdim, dtype=dtype,
-             features=FEATURES[(family.replace("-emulated", ""), op)], archs=ARCHS[family], smem_bytes=0)
+             features=features, archs=ARCHS[family], smem_bytes=0)
     e.update(changes)
     return e
 
@@ -184,10 +189,10 @@ def test_kvcache_needs_the_kvcache_feature(gpu, fake_registry):
 
 @pytest.mark.parametrize("validated", [False, True])
 def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
-    """The sm90 forward serves cache calls (contiguous, paged at multiples of 16 rows) when forced; "auto" keeps them
-    on sm80 on cc 9.0, before a GPU run validates it (SM90_CACHE_VALIDATED) and after (it splits no keys: small
-    decode batches would leave SMs idle), and the report's note says which. Pages of other sizes and FP8 caches are the
-    sm80 kernels' whatever the flag."""
+    """The sm90 forward serves cache calls (contiguous, paged at any page size but at head dim 256, where only
+    multiples of 16 rows) when forced; "auto" keeps them on sm80 on cc 9.0, before a GPU run validates it
+    (SM90_CACHE_VALIDATED) and after (it splits no keys: small decode batches would leave SMs idle), and the report's
+    note says which."""
     monkeypatch.setattr(dispatch, "SM90_CACHE_VALIDATED", validated)
     gpu["cap"] = (9, 0)
     fake_registry(build("sm90", "sm80"))
@@ -201,9 +206,10 @@ def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
     assert validated == ("splits no keys" in note)
     for page in (1, 5, 24):
         odd = dataclasses.replace(paged16, page_size=page)
-        reason = dispatch.why_not("sm90", odd)
-        assert "page size is not a multiple of 16 rows" in reason, reason
+        assert dispatch.why_not("sm90", odd) is None and dispatch.choose(odd, "sm90") == "sm90"
         assert dispatch.why_not("sm80", odd) is None and dispatch.choose(odd, "auto") == "sm80"
+        reason = dispatch.why_not("sm90", dataclasses.replace(odd, headdim=256))
+        assert "page size is not a multiple of 16 rows" in reason, reason
     assert dispatch.choose(CUDA_PROBLEM, "auto") == "sm90"  # the forward's choice is untouched
 
 

@@ -105,11 +105,11 @@ def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
     return "reference"
 
 
-# The features each family's forward kernels list in the registry (csrc: SINKATTN_FWD_FEATURES and
-# SINKATTN_FWD_SM90_FEATURES): the sm90 kernel reads caches with pages of a multiple of 16 rows only.
+# The features each family's forward kernels list in the registry (csrc: SINKATTN_FWD_FEATURES, and the sm90 tiles'
+# fwd_features at head dim 64, which gathers pages of any size).
 FWD_FEATURES_OF = {"sm80": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,paged16,split_kv,"
                            "broadcast_strides",
-                   "sm90": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16"}
+                   "sm90": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16,paged"}
 
 
 def fake_registry(archs: list[str], sm90: bool = False) -> tuple[dict, ...]:

@@ -1,10 +1,11 @@
 """The sm90 forward over KV caches (csrc/sm90/fwd_kernel.cuh: packed M tiles over the serving call's requests, GQA
 packing (the group's query heads in one tile, their Q rows loaded by the consumers), a contiguous cache's batch mode,
-a page pool read in 16-row TMA boxes) run on the CPU under host emulation, against the
-float64 oracle: the serving call's mixed batches (tests/serving_cases.py SM90_SERVING_CASES), the padded decode and
-chunked-prefill calls with their append (tests/decode_cases.py), the same bits from a contiguous and a paged cache,
-one call per batch, the planted bug of the page lookup, and what the sm90 path refuses (FP8 caches, pages that are
-not a multiple of 16 rows, split-KV) with the fix named.
+a page pool read in 16-row TMA boxes, or gathered by the producer warpgroup with cp.async when its pages are not a
+multiple of 16 rows) run on the CPU under host emulation, against the float64 oracle: the serving call's mixed
+batches (tests/serving_cases.py SM90_SERVING_CASES), the padded decode and chunked-prefill calls with their append
+(tests/decode_cases.py), the same bits from a contiguous, a boxed and a gathered paged cache, one call per batch,
+the planted bugs of the page lookup and of the gather's protocol, and what the sm90 path refuses (FP8 caches,
+split-KV, small pages at head dim 256) with the fix named.
 """
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ pytestmark = pytest.mark.skipif(
     not any(k["family"] == "sm90-emulated" and k["op"] == "fwd" and k["headdim"] == 64 and k["dtype"] == "bf16"
             for k in _REG), reason="no emulated sm90 hdim64 bf16 forward in this build")
 
-SM90_DECODE_CASES = [(name, {k: v for k, v in kw.items() if k != "num_splits"}) for name, kw in DECODE_CASES
-                     if (kw.get("page_size") or 16) % 16 == 0]
+SM90_DECODE_CASES = [(name, {k: v for k, v in kw.items() if k != "num_splits"}) for name, kw in DECODE_CASES]
 
 
 @pytest.mark.parametrize("name,reqs,kw", SM90_SERVING_CASES, ids=[c[0] for c in SM90_SERVING_CASES])
@@ -42,11 +42,19 @@ EMU_HEADDIMS = sorted({k["headdim"] for k in _REG if k["family"] == "sm90-emulat
                        and k["dtype"] == "bf16"} - {64})
 
 
-@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("page_size", [16, 32, 1, 7])
 @pytest.mark.parametrize("d", EMU_HEADDIMS or [pytest.param(0, marks=pytest.mark.skip("no other emulated head dim"))])
 def test_sm90_emulated_serving_other_head_dims(d, page_size, rng_seed):
-    """Head dims 128 (128-key blocks, two 64-column boxes per page box) and 256 (48-key blocks: a block's three
-    page boxes straddle pages of 16 and 32 rows) over a mixed batch."""
+    """Head dims 128 (128-key blocks, two 64-column boxes per page box; pages of 1 and 7 rows gathered, 16 chunks per
+    thread) and 256 (48-key blocks: a block's three page boxes straddle pages of 16 and 32 rows) over a mixed
+    batch. Head dim 256 gathers no pages (its producer's 24 registers): refused, naming the sm80 kernels."""
+    if d == 256 and page_size % 16:
+        pb = PagedBatch([(1, 20), (2, 10)], h=4, hk=2, d=d, page_size=page_size, dtype=torch.bfloat16)
+        with pytest.raises(SinkattnError, match="multiple of 16 rows.*What would serve: backend='sm80"):
+            sinkattn.flash_attn_with_kvcache(pb.q, pb.k_cache, pb.v_cache, cache_seqlens=pb.seqused_k,
+                                             block_table=pb.block_table, cu_seqlens_q=pb.cu_seqlens_q,
+                                             max_seqlen_q=2, backend="sm90-emulated")
+        return
     reqs = [(1, 200), (130, 150), (0, 0), (9, 97)]
     run_serving("sm90-emulated", "cpu", rng_seed, reqs, h=4, hk=2, d=d, page_size=page_size, causal=True,
                 window_size=(90, 0), sink_tokens=3)
@@ -67,16 +75,18 @@ def test_sm90_emulated_gpt_oss_shape(rng_seed):
     run_serving("sm90-emulated", "cpu", rng_seed, reqs, h=64, hk=8, causal=True, window_size=(127, 0))
 
 
-def test_sm90_contiguous_cache_serves_as_the_paged_one(rng_seed):
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_sm90_contiguous_cache_serves_as_the_paged_one(page_size, rng_seed):
     """A contiguous cache (batch, capacity, hk, d) and a paged one holding the same keys give the same bits: the
-    page boxes land a stage's bytes exactly where the whole-block box does."""
+    page boxes (page 16) and the producer warpgroup's gather (page 5) land a stage's bytes exactly where the
+    whole-block box does."""
     reqs = [(1, 90), (140, 33), (0, 0), (20, 250)]
-    pb = PagedBatch(reqs, h=4, hk=2, d=64, page_size=16, dtype=torch.bfloat16, pad_rows=2)
-    cap = pb.block_table.shape[1] * 16
+    pb = PagedBatch(reqs, h=4, hk=2, d=64, page_size=page_size, dtype=torch.bfloat16, pad_rows=2)
+    cap = pb.block_table.shape[1] * page_size
     pos = torch.arange(cap)
-    pages = pb.block_table.long()[:, pos // 16]
-    k_dense = pb.k_cache[pages, pos % 16].contiguous()
-    v_dense = pb.v_cache[pages, pos % 16].contiguous()
+    pages = pb.block_table.long()[:, pos // page_size]
+    k_dense = pb.k_cache[pages, pos % page_size].contiguous()
+    v_dense = pb.v_cache[pages, pos % page_size].contiguous()
     s = torch.randn(4)
     kw = dict(cache_seqlens=pb.seqused_k, cu_seqlens_q=pb.cu_seqlens_q, max_seqlen_q=140, causal=True,
               return_lse=True, backend="sm90-emulated")
@@ -93,12 +103,35 @@ def test_sm90_one_call_per_batch(monkeypatch, rng_seed):
     assert len(counting.calls) == 1
 
 
-def test_sm90_page_lookup_planted_bug_fails(monkeypatch, rng_seed):
-    """The page lookup misread (every box from the request's first page: SINKATTN_EMU90_MUTATE=page_table) fails the
-    oracle; without it the same batch passes."""
+@pytest.mark.parametrize("page_size", [16, 6])
+def test_sm90_page_lookup_planted_bug_fails(page_size, monkeypatch, rng_seed):
+    """The page lookup misread (every box or gathered row from the request's first page:
+    SINKATTN_EMU90_MUTATE=page_table) fails the oracle; without it the same batch passes."""
     monkeypatch.setitem(MUTATIONS, "page_table", None)
     check_planted_bug("page_table", monkeypatch, lambda: run_serving(
-        "sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True))
+        "sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True, page_size=page_size))
+
+
+# The gather's protocol (csrc/sm90/fwd_kernel.cuh produce_gathered): each producer thread's copies waited for, fenced
+# for wgmma, then one arrival of 128 on each full barrier.
+GATHER_MUTATIONS = {
+    # cp.async.wait_all returning early: the consumers' wgmma (or the thread's next copy) meets bytes not landed
+    "cp_async_wait": "before the cp.async into it completed|while a cp.async into it was in flight|"
+                     "cp.async never waited for",
+    # no proxy fence after the copies: wgmma reads the producers' generic writes unfenced
+    "no_fence": "no fence.proxy.async",
+    # a full barrier counting 127 of the 128 gathering threads: a phase completes before the last thread's copies
+    # landed, or its arrival finds the next phase
+    "arrival_count": "partial phase|past its count|before the cp.async into it completed|while a cp.async|"
+                     "in-flight wgmma|cp.async into shared bytes",
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(GATHER_MUTATIONS))
+def test_sm90_gather_planted_bugs_fail(mutation, monkeypatch, rng_seed):
+    monkeypatch.setitem(MUTATIONS, mutation, GATHER_MUTATIONS[mutation])
+    check_planted_bug(mutation, monkeypatch, lambda: run_serving(
+        "sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True, page_size=5))
 
 
 @pytest.mark.parametrize("mutation", ["expect_tx", "parity", "no_fence"])
@@ -115,13 +148,9 @@ def test_sm90_protocol_planted_bugs_fail_over_pages(mutation, monkeypatch, rng_s
 
 def test_sm90_cache_refusals():
     """What the sm90 forward does not serve over a cache is refused with the backend that does, never run wrong."""
-    pb = PagedBatch([(1, 20), (2, 10)], h=4, hk=1, d=64, page_size=8, dtype=torch.bfloat16)
+    pb = PagedBatch([(1, 20), (2, 10)], h=4, hk=1, d=64, page_size=16, dtype=torch.bfloat16)
     kw = dict(cache_seqlens=pb.seqused_k, block_table=pb.block_table, cu_seqlens_q=pb.cu_seqlens_q, max_seqlen_q=2,
               backend="sm90-emulated")
-    with pytest.raises(SinkattnError, match="multiple of 16"):
-        sinkattn.flash_attn_with_kvcache(pb.q, pb.k_cache, pb.v_cache, **kw)
-    pb = PagedBatch([(1, 20), (2, 10)], h=4, hk=1, d=64, page_size=16, dtype=torch.bfloat16)
-    kw.update(block_table=pb.block_table, cache_seqlens=pb.seqused_k)
     with pytest.raises(RuntimeError, match="does not split keys.*backend='sm80'"):
         sinkattn.flash_attn_with_kvcache(pb.q, pb.k_cache, pb.v_cache, num_splits=2, **kw)
     fp8 = PagedBatch([(1, 20), (2, 10)], h=4, hk=1, d=64, page_size=16, dtype=torch.bfloat16, fp8="e4m3fn")

@@ -140,11 +140,19 @@ def test_registry_records_each_kernels_smallest_tile():
             assert k["smem_bytes"] == C.bwd_tile(k["headdim"], 99 * KB)["smem_bytes"], k
         if k["family"] in ("sm90", "sm90-emulated"):
             assert 100 * KB < k["smem_bytes"] <= 227 * KB, k
-            # the forward reads KV caches (pages of a multiple of 16 rows); any page size, split-KV and FP8 caches
-            # stay the sm80 kernels'
+            # the forward reads KV caches: pages of a multiple of 16 rows in TMA boxes, any other page size where
+            # its producer warpgroup gathers them (csrc/sm90/fwd_tiles.h gathers_pages: not at head dim 256, whose
+            # producer has 24 registers); split-KV and FP8 caches stay the sm80 kernels'
             feats = k["features"].split(",")
             assert ("kvcache" in feats) == ("paged16" in feats) == (k["op"] == "fwd"), k
-            assert not {"paged", "split_kv", "fp8_kv"} & set(feats), k
+            assert ("paged" in feats) == (k["op"] == "fwd" and k["headdim"] != 256), k
+            assert not {"split_kv", "fp8_kv"} & set(feats), k
+        if k["family"] in ("sm90-sweep", "sm90-emulated-sweep"):
+            # a variant's features follow its tile: a dynamic tile walk needs a counter and gathers no pages
+            feats = k["features"].split(",")
+            dynamic = k["name"].endswith("_dyn")
+            assert ("tile_counter" in feats) == dynamic, k
+            assert not ("paged" in feats and (dynamic or "r24x" in k["name"])), k
     bwd256 = [k for k in reg if k["op"] == "bwd" and k["headdim"] == 256]
     assert all(k["smem_bytes"] == 144 * KB for k in bwd256), "the hd256 backward needs 144 KB"
 

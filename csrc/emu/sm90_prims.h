@@ -14,6 +14,8 @@
 //     fragment layouts (the atom's ALayout / CLayout). A group is recorded at issue (its accumulators poisoned to
 //     NaN: a read before its wgmma_wait shows) and computed at the wait that retires it, reading shared memory and
 //     the register A operand then, as late as the hardware may read them.
+//   - cp.async: issued and landed through the runtime (cp_async_issue / cp_async_land), each copy a generic-proxy
+//     write of the issuing thread once it waits for it.
 //   - SINKATTN_EMU90_MUTATE (tests only): a planted bug in one protocol or layout piece, to prove the checks and
 //     the oracle catch it (tests/test_sm90_emulated.py): see `Mutation` below.
 #pragma once
@@ -64,6 +66,7 @@ enum class Mutation {
   kSwizzle,         // TMA loads land unswizzled while wgmma reads swizzled
   kSwapLboSbo,      // wgmma reads its descriptors with LBO and SBO swapped
   kPageTable,       // every block-table lookup reads the sequence's first page (a page box from the wrong page)
+  kCpAsyncWait,     // cp.async.wait_all returns without the thread's copies landed
 };
 inline Mutation& mutation() {
   static thread_local Mutation m = Mutation::kNone;
@@ -81,6 +84,7 @@ inline Mutation read_mutation() {
   if (v == "swizzle") return Mutation::kSwizzle;
   if (v == "swap_lbo_sbo") return Mutation::kSwapLboSbo;
   if (v == "page_table") return Mutation::kPageTable;
+  if (v == "cp_async_wait") return Mutation::kCpAsyncWait;
   throw std::invalid_argument("SINKATTN_EMU90_MUTATE=" + v + ": not a mutation of the sm90 host emulation");
 }
 
@@ -192,9 +196,9 @@ inline void retire(WgmmaGroup const& g) {
   auto read_operand = [&](uint64_t d, bool kmajor, int row, int k) {
     uint32_t const off = Desc(d).address(kmajor, row, k, 2);
     for (uint32_t w = off / 4; w <= (off + 1) / 4; ++w) {
-      if (b.tma_pending[w].load(std::memory_order_relaxed)) {
-        fail(here() + "'s wgmma read shared byte " + std::to_string(off) +
-             " before the TMA load into it completed (its full barrier not waited for)");
+      if (uint8_t const what = b.tma_pending[w].load(std::memory_order_relaxed)) {
+        fail(here() + "'s wgmma read shared byte " + std::to_string(off) + " before the " + pending_copy_name(what) +
+             " into it completed (its full barrier not waited for)");
         throw Aborted{};
       }
       if (unfenced(b.last_write[w].load(std::memory_order_relaxed))) {
@@ -348,6 +352,12 @@ struct EmuPrims {
 
   static int page_entry(int const* table, int i) { return table[mutation() == Mutation::kPageTable ? 0 : i]; }
 
+  // ---- cp.async ------------------------------------------------------------------------------------------------
+  static void cp_async16(uint32_t smem_addr, void const* src, bool fill) { cp_async_issue(smem_addr, src, fill); }
+  static void cp_async_wait_all() {
+    if (mutation() != Mutation::kCpAsyncWait) cp_async_land();
+  }
+
   // ---- wgmma ---------------------------------------------------------------------------------------------------
   template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
   static void wgmma(TiledMma&, TA const& a, TB const& b, TC& acc) {
@@ -464,11 +474,15 @@ struct EmuPrims {
   static void signal(int* p, int value) { std::atomic_ref<int>(*p).store(value, std::memory_order_release); }
 };
 
-// Each thread's end of a CTA: no wgmma group left in flight.
+// Each thread's end of a CTA: no wgmma group or cp.async left in flight.
 inline void end_of_thread_checks() {
   if (!wgmma_groups.empty()) {
     wgmma_groups.clear();
     fail(here() + " ended its CTA with a wgmma group never waited for");
+  }
+  if (!cp_async_pending.empty()) {
+    cp_async_pending.clear();
+    fail(here() + " ended its CTA with a cp.async never waited for");
   }
 }
 

@@ -14,16 +14,20 @@
 //   - TMA loads: issued into a pending list of their mbarrier; their destination is poisoned (0xFF: NaN in every
 //     float format) and marked pending at issue, and the data lands, with its bytes, when a thread waits on that
 //     barrier (as late as the hardware may land it before the wait returns);
+//   - cp.async copies (the forward's gather of small pages): their destination poisoned and marked pending at issue,
+//     landed as the issuing thread's generic-proxy writes at its cp_async_wait_all (a wgmma reading them then needs
+//     that thread's fence.proxy.async, as for any generic write);
 //   - a deadlock detector: when every thread of the CTA is blocked, the pending loads land; if still every thread
 //     is blocked, the launch fails with who waits on what. A wait longer than kWaitLimit fails it too.
 // Ordering checks (the first violation fails the launch), per 4-byte shared-memory word:
 //   - a generic access through the seam (Prims::lds128 / sts32 / sts128_zero2) or a wgmma operand read of a word a
 //     TMA load has not delivered (its full barrier not waited for);
-//   - a TMA load into words an in-flight wgmma group reads (a stage released before its wgmma_wait);
+//   - a TMA load or cp.async into words an in-flight wgmma group reads (a stage released before its wgmma_wait);
 //   - a TMA load over words a thread accessed through the generic proxy, or a wgmma read of words a thread wrote,
 //     with no fence.proxy.async of that thread in between;
 //   - at the end of a CTA: an mbarrier left in a partial phase (an arrival count off), transaction bytes
-//     outstanding, a load never waited for, a named barrier partially arrived, a wgmma group never waited for.
+//     outstanding, a load never waited for, a named barrier partially arrived, a wgmma group or a cp.async never
+//     waited for.
 // What it does not model: the timing of the hardware (any interleaving the OS scheduler gives is one the GPU might
 // give, not every one), plain C++ shared-memory accesses that do not go through the seam (CuTe tensor stores),
 // the register file (setmaxnreg is a no-op), clusters and multicast.
@@ -119,12 +123,16 @@ struct Block {
   std::vector<std::vector<float>> wg_scratch;     // per warpgroup: the A and B operands of the group completing
   std::vector<Flight> flights;
 
-  // Per 4-byte word: a TMA load issued and not landed; the last generic write and read ((tid + 1) << 32 | the
-  // thread's fence count then).
+  // Per 4-byte word: an async copy issued and not landed (kTmaPending or kCpAsyncPending); the last generic write
+  // and read ((tid + 1) << 32 | the thread's fence count then).
   std::unique_ptr<std::atomic<uint8_t>[]> tma_pending;
   std::unique_ptr<std::atomic<uint64_t>[]> last_write, last_read;
   std::unique_ptr<std::atomic<uint32_t>[]> fences;  // per thread: fence.proxy.async count
 };
+
+// Block::tma_pending's values: what copy into the word is on its way.
+enum : uint8_t { kNotPending = 0, kTmaPending = 1, kCpAsyncPending = 2 };
+inline char const* pending_copy_name(uint8_t what) { return what == kCpAsyncPending ? "cp.async" : "TMA load"; }
 
 struct Ctx {
   int tid = 0;
@@ -177,7 +185,7 @@ inline void land_locked(Block& b, MBarrier& bar) {
     for (size_t i = 0; i < l.offsets.size(); ++i) {
       std::memcpy(b.smem + l.offsets[i], &l.data[16 * i], 16);
       for (uint32_t w = 0; w < 4; ++w) {
-        b.tma_pending[l.offsets[i] / 4 + w].store(0, std::memory_order_relaxed);
+        b.tma_pending[l.offsets[i] / 4 + w].store(kNotPending, std::memory_order_relaxed);
         b.last_write[l.offsets[i] / 4 + w].store(0, std::memory_order_relaxed);
         b.last_read[l.offsets[i] / 4 + w].store(0, std::memory_order_relaxed);
       }
@@ -403,9 +411,9 @@ inline void generic_access(void const* p, size_t n, bool write) {
   Block& b = *ctx.block;
   uint32_t const off = smem_offset(p);
   for (uint32_t w = off / 4; w <= (off + uint32_t(n) - 1) / 4; ++w) {
-    if (b.tma_pending[w].load(std::memory_order_relaxed)) {
-      fail(here() + (write ? " wrote" : " read") + " shared byte " + std::to_string(4 * w) +
-           " while a TMA load into it was in flight (its full barrier not waited for)");
+    if (uint8_t const what = b.tma_pending[w].load(std::memory_order_relaxed)) {
+      fail(here() + (write ? " wrote" : " read") + " shared byte " + std::to_string(4 * w) + " while a " +
+           pending_copy_name(what) + " into it was in flight (its full barrier not waited for)");
       throw Aborted{};
     }
     (write ? b.last_write : b.last_read)[w].store(access_tag(), std::memory_order_relaxed);
@@ -501,16 +509,76 @@ inline void tma_issue(TensorMap const& m, void* bar_ptr, int const* crd, void* d
                            " through the generic proxy with no fence.proxy.async since");
         throw Aborted{};
       }
-      if (b.tma_pending[w].load(std::memory_order_relaxed)) {
-        fail_locked(b, here() + " issued a TMA load over shared byte " + std::to_string(4 * w) +
-                           " while an earlier load into it was in flight");
+      if (uint8_t const what = b.tma_pending[w].load(std::memory_order_relaxed)) {
+        fail_locked(b, here() + " issued a TMA load over shared byte " + std::to_string(4 * w) + " while a " +
+                           pending_copy_name(what) + " into it was in flight");
         throw Aborted{};
       }
-      b.tma_pending[w].store(1, std::memory_order_relaxed);
+      b.tma_pending[w].store(kTmaPending, std::memory_order_relaxed);
     }
     std::memset(b.smem + off, 0xFF, 16);  // in flight: what a reader would see is undefined
   }
   bar.loads.push_back(std::move(load));
+}
+
+// ---- cp.async -------------------------------------------------------------------------------------------------
+// One 16-byte copy a thread issued and has not waited for.
+struct PendingCopy {
+  uint32_t off;
+  unsigned char data[16];
+};
+inline thread_local std::vector<PendingCopy> cp_async_pending;
+
+// cp.async of 16 bytes from src (zeros when !fill) into shared byte off: the source is read now (the hardware reads it
+// some time before the copy completes; nothing writes it during a kernel), the destination poisoned and pending
+// until the thread's cp_async_land.
+inline void cp_async_issue(uint32_t off, void const* src, bool fill) {
+  Block& b = *ctx.block;
+  if (off % 16 != 0 || size_t(off) + 16 > b.smem_bytes) {
+    fail(here() + " issued a cp.async to shared byte " + std::to_string(off) +
+         " (not 16-byte aligned or past the end)");
+    throw Aborted{};
+  }
+  PendingCopy c{off, {}};
+  if (fill) std::memcpy(c.data, src, 16);
+  else std::memset(c.data, 0, 16);
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    if (b.aborted) throw Aborted{};
+    for (auto const& f : b.flights) {
+      for (auto const& [lo, hi] : f.ranges) {
+        if (lo < off + 16 && off < hi) {
+          fail_locked(b, here() + " issued a cp.async into shared bytes [" + std::to_string(off) + ", " +
+                             std::to_string(off + 16) + ") that an in-flight wgmma group of warpgroup " +
+                             std::to_string(f.warpgroup) + " reads (a stage refilled before its release)");
+          throw Aborted{};
+        }
+      }
+    }
+  }
+  for (uint32_t w = off / 4; w < off / 4 + 4; ++w) {
+    if (uint8_t const what = b.tma_pending[w].load(std::memory_order_relaxed)) {
+      fail(here() + " issued a cp.async over shared byte " + std::to_string(4 * w) + " while a " +
+           pending_copy_name(what) + " into it was in flight");
+      throw Aborted{};
+    }
+    b.tma_pending[w].store(kCpAsyncPending, std::memory_order_relaxed);
+  }
+  std::memset(b.smem + off, 0xFF, 16);  // in flight: what a reader would see is undefined
+  cp_async_pending.push_back(c);
+}
+// The thread's cp.async.wait_all: its copies land as its own generic-proxy writes.
+inline void cp_async_land() {
+  Block& b = *ctx.block;
+  for (auto const& c : cp_async_pending) {
+    std::memcpy(b.smem + c.off, c.data, 16);
+    for (uint32_t w = c.off / 4; w < c.off / 4 + 4; ++w) {
+      b.tma_pending[w].store(kNotPending, std::memory_order_relaxed);
+      b.last_write[w].store(access_tag(), std::memory_order_relaxed);
+      b.last_read[w].store(0, std::memory_order_relaxed);
+    }
+  }
+  cp_async_pending.clear();
 }
 
 // ---- launch --------------------------------------------------------------------------------------------------

@@ -42,12 +42,16 @@ bool fwd_has_work(FwdParams const& p) {
   if (Kt::kDynamicTiles && p.tile_counter == nullptr)
     throw std::invalid_argument("sinkattn fwd: this sm90 kernel draws its tiles from a global counter "
                                 "(dynamic tiles) and needs p.tile_counter, a zeroed int32 on the device; got null");
-  // A page pool is read in boxes of kPageRows whole rows of one page (fwd_kernel.cuh KvBlockLoad).
-  if (p.block_table != nullptr && (p.page_size < 1 || p.page_size % Kt::kPageRows != 0))
-    throw std::invalid_argument("sinkattn fwd: the sm90 forward reads a paged cache in boxes of " +
-                                std::to_string(Kt::kPageRows) + " rows and needs a page size that is a multiple of " +
-                                std::to_string(Kt::kPageRows) + " (got " + std::to_string(p.page_size) +
-                                "); the sm80 kernels take any page size");
+  // A page pool is read in boxes of kPageRows rows of one page, or, for other page sizes, gathered by the producer
+  // warpgroup (fwd_kernel.cuh PageRows, KvGather), which the dynamic tile walk does not allow.
+  if (p.block_table != nullptr && p.page_size < 1)
+    throw std::invalid_argument("sinkattn fwd: a page pool needs pages of at least one row (got " +
+                                std::to_string(p.page_size) + ")");
+  if (p.block_table != nullptr && p.page_size % Kt::kPageRows != 0 && !Kt::kCanGather)
+    throw std::invalid_argument("sinkattn fwd: the sm90 forward at head dim " + std::to_string(Kt::kHeadDim) +
+                                " reads pages only in boxes of " + std::to_string(Kt::kPageRows) +
+                                " rows and needs a page size that is a multiple of " + std::to_string(Kt::kPageRows) +
+                                " (got " + std::to_string(p.page_size) + "); backend='sm80' takes any page size");
   if (p.num_splits > 1)
     throw std::invalid_argument("sinkattn fwd: the sm90 forward does not split keys (num_splits 1)");
   int const rows_q = p.cu_seqlens_q != nullptr ? p.total_q : p.seqlen_q;

@@ -4,7 +4,8 @@
 // (window blocks from the last down, then sink-token blocks) through a kStages-deep mbarrier pipeline
 // (full barriers: TMA bytes landed; empty barriers: both consumer warpgroups are done with the stage). K/V come from
 // q/k/v tensors, a contiguous KV cache, or a page pool (FwdParams::block_table) as boxes of 16 page rows (PageRows);
-// the serving call's M tiles are packed over its requests (FwdParams::packed_tiles, TileWork).
+// pools of smaller (or other) pages are gathered by the whole producer warpgroup with cp.async (KvGather). The
+// serving call's M tiles are packed over its requests (FwdParams::packed_tiles, TileWork).
 // The other warpgroups (kConsumerWarpgroups: 1 to 3 by tile, 2 in the default tiles) consume 64 rows each:
 //   - S = Q K^T and O += P V on wgmma; within a warpgroup the softmax of block j runs while the P V wgmma of
 //     block j-1 is still in flight (FlashAttention-3's intra-warpgroup overlap);
@@ -171,6 +172,72 @@ struct PageRows {
   }
 };
 
+// A page pool whose page size is not a multiple of kPageRows (any size from 1): a key block's rows may come from
+// kBlockN pages, too many boxes for one thread, so the producer warpgroup's 128 threads gather the block
+// (FlashAttention-3's paged path does so with cp.async too; here every other load stays the one thread's TMA). A thread takes whole rows
+// (kThreadsPerRow of them share one when the block has fewer rows than threads): one block-table read per row serves
+// its K and its V, and the row's 16-byte chunks go out as cp.async from one row address with constant offsets (no
+// register holds data, so a block's copies are all in flight at once: 2 * kBlockN * kHeadDim * 2 bytes per CTA).
+// Rows at or past the sequence's keys and columns past the head dim land as zeros (cp.async's zero fill: no byte is
+// read, no table entry past the sequence's pages). The thread then waits for its own copies, fences them for wgmma
+// (an async-proxy reader of generic-proxy writes) and arrives on both full barriers, which count the 128 arrivals and
+// no bytes (fwd_cta). A row's 16 chunks of 16 bytes (head dim 128) hit 8 to 16 sectors per warp instruction, where
+// the TMA box reads whole lines: the gather costs L2 transactions, not DRAM bytes.
+template <class Kt, class Prims>
+struct KvGather {
+  using Element = typename Kt::Element;
+  static constexpr int kChunksPerRow = Kt::kHeadDim / 8;  // 16-byte chunks of a row
+  static constexpr int kThreadsPerRow = Kt::kBlockN >= 128 ? 1 : 128 / Kt::kBlockN;
+  static constexpr int kRowsPerThread = Kt::kBlockN * kThreadsPerRow / 128;
+  static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;
+  static_assert(Kt::kBlockN % 128 == 0 || 128 % Kt::kBlockN == 0);
+  static_assert(kChunksPerRow % kThreadsPerRow == 0);
+  int const* pages;  // the sequence's row of the block table
+  int seqlen_k, hk;
+
+  __device__ KvGather(FwdParams const& p, int b, int seqlen_k_, int hk_)
+      : pages(p.block_table + int64_t(b) * p.block_table_batch_stride), seqlen_k(seqlen_k_), hk(hk_) {}
+
+  // Byte offset of element (row, col) of stage st in a K or V buffer: the stage layout's position, then the 128-byte
+  // swizzle as TMA and wgmma apply it to the shared address (16-byte chunk bits [4, 7) ^= bits [7, 10); the buffers
+  // are 1024-byte aligned). Not the layout's own evaluation: CuTe applies these atoms' swizzle to the pointer, and
+  // evaluating the composed layout on a coordinate XORs element-index bits instead (checked on the host: 3072 of
+  // 4096 chunk offsets of a (128, 128, 2) bf16 stage differ). Not a generic pointer per chunk either: its
+  // conversion to a shared address cost the head dim 64 producer a spilled register.
+  static __device__ uint32_t stage_offset(int row, int col, int st) {
+    uint32_t const off = uint32_t(typename Kt::SmemLayoutKV{}.layout_b()(row, col, st)) * sizeof(Element);
+    return off ^ (((off >> 7) & 7u) << 4);
+  }
+
+  // Key block n into stage st of K and V, at shared addresses k_smem / v_smem (the caller waited for both stages'
+  // release). ptid: the thread's index in the producer warpgroup.
+  __device__ void copy(FwdParams const& p, uint32_t k_smem, uint32_t v_smem, int st, int n, int ptid) const {
+    int const first_chunk = ptid % kThreadsPerRow;
+    CUTE_UNROLL
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      int const row = ptid / kThreadsPerRow + j * (128 / kThreadsPerRow), key = n * Kt::kBlockN + row;
+      bool const in = key < seqlen_k;
+      int64_t koff = 0, voff = 0;  // zero fill: any valid address, never read
+      if (in) {
+        int const logical = p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
+        int64_t const page = Prims::page_entry(pages, logical), slot = key - logical * p.page_size;
+        koff = page * p.k_batch_stride + slot * p.k_row_stride + int64_t(hk) * p.k_head_stride;
+        voff = page * p.v_batch_stride + slot * p.v_row_stride + int64_t(hk) * p.v_head_stride;
+      }
+      Element const* const k = static_cast<Element const*>(p.k) + koff;
+      Element const* const v = static_cast<Element const*>(p.v) + voff;
+      CUTE_UNROLL
+      for (int c = 0; c < kChunksPerThread; ++c) {
+        int const col = (first_chunk + c * kThreadsPerRow) * 8;
+        bool const fill = in && col < p.headdim;
+        uint32_t const off = stage_offset(row, col, st);
+        Prims::cp_async16(k_smem + off, k + col, fill);
+        Prims::cp_async16(v_smem + off, v + col, fill);
+      }
+    }
+  }
+};
+
 // The producer (one thread): every TMA load of this CTA's tiles, in schedule order, from (rows, d, heads,
 // batch) views of q, k and v.
 template <class Kt, class Prims>
@@ -257,6 +324,61 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
       Prims::arrive_expect_tx(&ss.v_full[st], Kt::kKVBytes);
       load_block(tma.v, tVgV, tVsV, tma.v_page, mVp, sV, ss.v_full[st], n, st);
     }
+  }
+}
+
+// The producer over a page pool that gathers (Kt::gathers): all 128 threads of the warpgroup walk the tiles (the static
+// walk) and copy each key block's K and V (KvGather); the first also issues each tile's Q, as produce() does. A loop
+// of its own, not a branch in produce(): within the producer's 40 registers (24 at head dim 256) the two paths'
+// values together spilled, the TMA path's too. ptid: the thread's index in the warpgroup.
+template <class Kt, class Prims>
+SA90_DEVICE void produce_gathered(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
+                                  typename Kt::SharedStorage& ss, int ptid) {
+  constexpr int kBlockM = Kt::kBlockM, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQs{});
+  uint32_t const k_smem = Prims::smem_address(ss.k), v_smem = Prims::smem_address(ss.v);
+  GmemExtent const eq = q_extent(p);
+  Tensor mQ = tma.q.get_tma_tensor(make_shape(eq.rows, p.headdim, p.nheads, eq.batch));
+  bool const issuer = WarpRoles::tma_thread(unsigned(ptid));
+
+  PipelineState<Kt::kQBuffers> qs;
+  PipelineState<kStages> kv;
+  TileWalk<Kt, Prims> walk{ss, sched.count()};
+  for (int64_t t = walk.publish(Prims::block_index()); t < walk.count; t = walk.publish(walk.producer_next(p, t))) {
+    TileWork<Kt> const w(p, sched, t);
+    if (!w.valid) continue;
+    KvGather<Kt, Prims> const gather(p, w.batch, w.ext.seqlen_k, w.kv_head(p));
+    // Block i of the range into stage kv, K and V together: each thread waits for both stages' release, copies, waits
+    // for its own copies, fences them and arrives on both full barriers.
+    auto gather_block = [&](int i) {
+      int const st = kv.index();
+      wait_empty<Prims>(ss.k_empty, kv, BarrierId::kKEmpty);
+      wait_empty<Prims>(ss.v_empty, kv, BarrierId::kVEmpty);
+      gather.copy(p, k_smem, v_smem, st, w.range.block(i), ptid);
+      Prims::cp_async_wait_all();
+      Prims::fence_async_shared();
+      Prims::arrive(&ss.k_full[st]);
+      Prims::arrive(&ss.v_full[st]);
+    };
+    int const nblocks = w.range.count();
+    if (nblocks > 0) gather_block(0);  // before Q's buffer, as in produce()
+    if (issuer) {
+      int const qb = qs.index();
+      wait_empty<Prims>(ss.q_empty, qs, BarrierId::kQEmpty);
+      if (w.group > 1) {
+        Prims::arrive(&ss.q_full[qb]);  // the consumers load a packed tile's Q themselves (load_packed_q)
+      } else {
+        int const bq = eq.batch > 1 ? w.batch : 0;
+        Tensor gQ = local_tile(domain_offset(make_coord(int(w.ext.q_start), _0{}), mQ(_, _, w.head, bq)),
+                               Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, _0{}));
+        auto [tQgQ, tQsQ] = tma_partition(tma.q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        Prims::arrive_expect_tx(&ss.q_full[qb], Kt::kQBytes);
+        Prims::tma_load(tma.q, ss.q_full[qb], tQgQ, tQsQ(_, qb));
+      }
+    }
+    qs.advance();
+    for (int i = 0; i < nblocks; ++i, kv.advance())
+      if (i > 0) gather_block(i);
   }
 }
 
@@ -464,12 +586,14 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
 }
 
 // One CTA of the forward, on whatever implements the primitives (Prims). Full barriers count the producer's one
-// arrival (with its expected TMA bytes; tile_full: its plain store of the index), empty barriers one arrival per
-// consumer thread.
+// arrival (with its expected TMA bytes; tile_full: its plain store of the index), or, where the producer warpgroup
+// gathers K and V (Kt::gathers), each of its 128 threads' arrival after its own copies; empty barriers count one
+// arrival per consumer thread.
 template <class Kt, class Prims>
 SA_DEVICE void fwd_cta(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched, char* smem) {
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(smem);
   unsigned const tid = Prims::thread_index();
+  bool const gathering = Kt::gathers(p);
   if (WarpRoles::initializer(tid)) {
     CUTE_UNROLL
     for (int b = 0; b < Kt::kQBuffers; ++b) {
@@ -478,8 +602,8 @@ SA_DEVICE void fwd_cta(FwdParams const& p, TmaParams<Kt> const& tma, PersistentT
     }
     CUTE_UNROLL
     for (int s = 0; s < Kt::kStages; ++s) {
-      Prims::barrier_init(&ss.k_full[s], 1);
-      Prims::barrier_init(&ss.v_full[s], 1);
+      Prims::barrier_init(&ss.k_full[s], gathering ? WarpRoles::kProducerThreads : 1);
+      Prims::barrier_init(&ss.v_full[s], gathering ? WarpRoles::kProducerThreads : 1);
       Prims::barrier_init(&ss.k_empty[s], 128 * Kt::kConsumerWarpgroups);
       Prims::barrier_init(&ss.v_empty[s], 128 * Kt::kConsumerWarpgroups);
     }
@@ -492,7 +616,7 @@ SA_DEVICE void fwd_cta(FwdParams const& p, TmaParams<Kt> const& tma, PersistentT
     Prims::prefetch_tma(tma.q);
     Prims::prefetch_tma(tma.k);
     Prims::prefetch_tma(tma.v);
-    if (p.block_table != nullptr) {
+    if (p.block_table != nullptr && !gathering) {
       Prims::prefetch_tma(tma.k_page);
       Prims::prefetch_tma(tma.v_page);
     }
@@ -502,6 +626,12 @@ SA_DEVICE void fwd_cta(FwdParams const& p, TmaParams<Kt> const& tma, PersistentT
 
   if (WarpRoles::producer(tid)) {
     Prims::template setmaxnreg_dec<Kt::kProducerRegs>();
+    if constexpr (Kt::kCanGather) {
+      if (gathering) {
+        produce_gathered<Kt, Prims>(p, tma, sched, ss, int(tid));
+        return;
+      }
+    }
     if (WarpRoles::tma_thread(tid)) produce<Kt, Prims>(p, tma, sched, ss);
   } else {
     Prims::template setmaxnreg_inc<Kt::kConsumerRegs>();

@@ -2,9 +2,9 @@
 // persistent grid (nvcc only, no torch).
 //
 // Serves what api.cpp routes here: padded or varlen q/k/v, every mask, sinks, softcap, GQA; and attention over a KV
-// cache (seqused_k; contiguous, or a page pool with pages of a multiple of 16 rows), padded queries or the serving
-// call's packed ones (one launch per batch), GQA-packed over caches. Split-KV and FP8 caches stay on the sm80 kernels
-// (docs/DESIGN.md section 4).
+// cache (seqused_k; contiguous, or a page pool: 16-row TMA boxes, or the producer warpgroup's gather for other page
+// sizes where the tile allows it), padded queries or the serving call's packed ones (one launch per batch),
+// GQA-packed over caches. Split-KV and FP8 caches stay on the sm80 kernels (docs/DESIGN.md section 4).
 #pragma once
 #include <cuda_runtime.h>
 #include <stdexcept>

@@ -3,7 +3,8 @@
 // compiles other FwdTile values beside them, which dispatch never picks.
 #pragma once
 
-// What the sm90 forward serves (recorded in the registry, shown by the report), on the GPU and under host emulation.
+// What every sm90 forward tile serves (recorded in the registry, shown by the report), on the GPU and under host
+// emulation; fwd_features below adds what a tile's own shape allows.
 #define SINKATTN_FWD_SM90_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16"
 
 namespace sinkattn::sm90 {
@@ -28,7 +29,21 @@ struct FwdTile {
   // Q (q_buffers of them), then `stages` K and V blocks, each 1024-byte aligned, and 1024 bytes for the barriers.
   constexpr int smem_bytes() const { return (q_buffers * block_m + 2 * stages * block_n) * head_dim * 2 + 1024; }
   constexpr int consumer_warpgroups() const { return block_m / 64; }
+  // Whether the producer warpgroup gathers pages that are not a multiple of the 16-row TMA box (fwd_kernel.cuh
+  // KvGather): a static tile walk (every producer thread walks it), 40 producer registers (within 24 the gather
+  // spilled, and the TMA path with it), and whole rows per thread (block_n divides 128 or 128 divides it).
+  constexpr bool gathers_pages() const {
+    return !dynamic_tiles && producer_regs >= 40 && (block_n % 128 == 0 || 128 % block_n == 0);
+  }
 };
+
+// A tile's registry features: every tile's, "paged" (any page size) where it gathers pages, "tile_counter" (it needs
+// one) where its tiles are drawn dynamically.
+constexpr char const* fwd_features(FwdTile t) {
+  return t.dynamic_tiles ? SINKATTN_FWD_SM90_FEATURES ",tile_counter"
+         : t.gathers_pages() ? SINKATTN_FWD_SM90_FEATURES ",paged"
+                             : SINKATTN_FWD_SM90_FEATURES;
+}
 
 // Shared memory 113 / 161 / 193 KB for head dim 64 / 128 / 256; a block of 48 keys at head dim 256 keeps O
 // (128 fp32 registers per thread) and S within the consumers' 240 registers.

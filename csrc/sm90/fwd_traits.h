@@ -78,6 +78,13 @@ struct FwdTraits {
   using SmemLayoutKVPage = decltype(composition(take<0, 2>(SmemLayoutKV{}),
                                                 make_tile(Layout<Int<kPageRows>>{}, Layout<Int<kHeadDim>>{})));
   using TmaKVPage = TmaLoad<GmemTensor, SmemLayoutKVPage>;
+  // Any other page size (1 up) is gathered by the producer warpgroup's threads with cp.async (fwd_kernel.cuh
+  // KvGather), where the tile allows it (fwd_tiles.h gathers_pages); fwd_host.h refuses the rest, naming the sm80
+  // kernels.
+  static constexpr bool kCanGather = kTile.gathers_pages();
+  static SA_HOST_DEVICE bool gathers(FwdParams const& p) {
+    return kCanGather && p.block_table != nullptr && p.page_size % kPageRows != 0;
+  }
 
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);

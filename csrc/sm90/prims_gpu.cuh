@@ -164,6 +164,18 @@ struct GpuPrims {
     cute::copy(tma.with(bar), src, dst);
   }
 
+  // ---- cp.async (the producer warpgroup's gather of pages smaller than a TMA box) ----------------------------
+  // 16 bytes from global `src` into shared memory at `smem_addr` (16-byte aligned both), bypassing L1 (.cg: the
+  // kernel reads each key row once per tile); !fill: 16 zero bytes, nothing read (src-size 0). Asynchronous: the bytes
+  // are this thread's generic-proxy writes once cp_async_wait_all returns, and a wgmma may read them only after the
+  // writer's fence_async_shared.
+  static __device__ __forceinline__ void cp_async16(uint32_t smem_addr, void const* src, bool fill) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(fill ? 16 : 0)
+                 : "memory");
+  }
+  // Wait until every cp.async this thread issued has landed (commit and wait for all groups).
+  static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
   // Entry i of a block-table row: the pool page that holds a sequence's i-th page of keys (read-only for the kernel's
   // life, so through the non-coherent cache).
   static __device__ __forceinline__ int page_entry(int const* table, int i) { return __ldg(table + i); }

@@ -47,8 +47,9 @@ TmaGmemTensor<Element> tma_gmem_tensor(AttnParams const& p, void const* ptr, int
 // The (rows, batch) extents of the forward's TMA tensors, which the launcher encodes and the producer views
 // (get_tma_tensor needs the same shape). q: packed (total_q, 1) when varlen, else (seqlen_q, batch). k and v:
 // packed (total_k, 1) with cu_seqlens_k; a contiguous KV cache (capacity, batch) (p.seqlen_k is its capacity); a
-// page pool (page_size, num_pages), read in boxes of whole page rows (sm90/fwd_kernel.cuh KvBlockLoad). At least one
-// row: no descriptor is encoded over an empty tensor (sm90/fwd_host.h says what stands in).
+// page pool (page_size, num_pages), read in boxes of whole page rows (sm90/fwd_kernel.cuh PageRows; KvGather reads
+// other page sizes without TMA). At least one row: no descriptor is encoded over an empty tensor (sm90/fwd_host.h
+// says what stands in).
 struct GmemExtent {
   int rows, batch;
 };
