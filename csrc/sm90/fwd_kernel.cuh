@@ -174,15 +174,16 @@ struct PageRows {
 
 // A page pool whose page size is not a multiple of kPageRows (any size from 1): a key block's rows may come from
 // kBlockN pages, too many boxes for one thread, so the producer warpgroup's 128 threads gather the block
-// (FlashAttention-3's paged path does so with cp.async too; here every other load stays the one thread's TMA). A thread takes whole rows
-// (kThreadsPerRow of them share one when the block has fewer rows than threads): one block-table read per row serves
-// its K and its V, and the row's 16-byte chunks go out as cp.async from one row address with constant offsets (no
-// register holds data, so a block's copies are all in flight at once: 2 * kBlockN * kHeadDim * 2 bytes per CTA).
-// Rows at or past the sequence's keys and columns past the head dim land as zeros (cp.async's zero fill: no byte is
-// read, no table entry past the sequence's pages). The thread then waits for its own copies, fences them for wgmma
-// (an async-proxy reader of generic-proxy writes) and arrives on both full barriers, which count the 128 arrivals and
-// no bytes (fwd_cta). A row's 16 chunks of 16 bytes (head dim 128) hit 8 to 16 sectors per warp instruction, where
-// the TMA box reads whole lines: the gather costs L2 transactions, not DRAM bytes.
+// (FlashAttention-3's paged path does so with cp.async too; here every other load stays the one thread's TMA). A
+// thread takes whole rows (kThreadsPerRow of them share one when the block has fewer rows than threads): one
+// block-table read per row serves its K and its V, and the row's 16-byte chunks go out as cp.async from one row
+// address with constant offsets (no register holds data, so a block's copies are all in flight at once:
+// 2 * kBlockN * kHeadDim * 2 bytes per CTA). A warp instruction then reads half of 32 rows' 32-byte sectors, the
+// lane's next one the other halves, from L1 (cp.async.ca keeps the sector there); two threads per row, reading whole
+// sectors, spilled the producer's 40 registers at hd128 (sm_90a: 16 spill loads). Rows at or past the sequence's
+// keys and columns past the head dim land as zeros (cp.async's zero fill: no byte is read, no table entry past the
+// sequence's pages). Each thread then waits for its own copies, fences them for wgmma (an async-proxy reader of
+// generic-proxy writes) and arrives on both full barriers, which count the 128 arrivals and no bytes (fwd_cta).
 template <class Kt, class Prims>
 struct KvGather {
   using Element = typename Kt::Element;

@@ -165,12 +165,12 @@ struct GpuPrims {
   }
 
   // ---- cp.async (the producer warpgroup's gather of pages smaller than a TMA box) ----------------------------
-  // 16 bytes from global `src` into shared memory at `smem_addr` (16-byte aligned both), bypassing L1 (.cg: the
-  // kernel reads each key row once per tile); !fill: 16 zero bytes, nothing read (src-size 0). Asynchronous: the bytes
-  // are this thread's generic-proxy writes once cp_async_wait_all returns, and a wgmma may read them only after the
-  // writer's fence_async_shared.
+  // 16 bytes from global `src` into shared memory at `smem_addr` (16-byte aligned both), through L1 (.ca: the gather
+  // reads half a 32-byte sector per instruction, the other half with the next); !fill: 16 zero bytes, nothing read
+  // (src-size 0). Asynchronous: the bytes are this thread's generic-proxy writes once cp_async_wait_all returns, and
+  // a wgmma may read them only after the writer's fence_async_shared.
   static __device__ __forceinline__ void cp_async16(uint32_t smem_addr, void const* src, bool fill) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(fill ? 16 : 0)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(fill ? 16 : 0)
                  : "memory");
   }
   // Wait until every cp.async this thread issued has landed (commit and wait for all groups).
