@@ -477,10 +477,8 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
         TORCH_CHECK(t->stride(i) % 16 == 0 || t->size(i) == 1,
                     "sinkattn fwd_kvcache: FP8 cache strides must be multiples of 16 elements");
   }
-  // The sm90 forward over a cache (sm90/fwd_kernel.cuh): caches in q's dtype, any page size (16-row TMA boxes, or the
-  // producer warpgroup's gather), GQA packing, no split-KV; the sm80 kernels serve the rest.
-  TORCH_CHECK(!sm90 || !kv_fp8, "sinkattn fwd_kvcache: the ", backend, " forward reads caches in q's dtype; FP8 caches "
-              "run on backend='sm80'");
+  // The sm90 forward over a cache (sm90/fwd_kernel.cuh): any page size (16-row TMA boxes, or the producer
+  // warpgroup's gather, which also decodes FP8 caches), GQA packing, no split-KV; the sm80 kernels serve the rest.
   TORCH_CHECK(!sm90 || num_splits <= 1, "sinkattn fwd_kvcache: the ", backend, " forward does not split keys (got "
               "num_splits=", num_splits, "); pass num_splits=0 or 1, or backend='sm80' for split-KV");
   KernelInfo const* info = nullptr;
@@ -521,20 +519,6 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
     capacity = block_table->size(1) * p.page_size;
   }
   p.seqlen_k = int(capacity);
-  if (sm90) {
-    // One launch: the persistent grid over (M tile, head), packed over the sequences when varlen (from the padded
-    // sizes alone: sm90/fwd_host.h fwd_schedule), each CTA finding its sequence on the device.
-    TORCH_CHECK(info->smem_bytes <= p.max_smem_per_block, "sinkattn fwd_kvcache: the ", backend, " forward for head "
-                "dim ", info->headdim, " needs ", info->smem_bytes, " bytes of shared memory per block; the limit is ",
-                p.max_smem_per_block);
-    p.packed_tiles = varlen;
-    // GQA packing: the group's query heads share a tile, so K and V are read once per KV head (a decode row fills
-    // group rows of a tile instead of one row of a tile per query head).
-    p.pack_gqa = p.nheads > p.nheads_k;
-    launch_kernel<FwdParams>(info, p, emulated, q.device());
-    return;
-  }
-  p.pack_gqa = p.nheads > p.nheads_k;
   p.kv_fp8 = kv_fp8;
   auto descale = [&](std::optional<at::Tensor> const& t, char const* name, const float*& ptr, int64_t& sb, int64_t& sh) {
     if (!t) return;
@@ -547,6 +531,21 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
   };
   descale(k_descale, "k_descale", p.k_descale, p.k_descale_batch_stride, p.k_descale_head_stride);
   descale(v_descale, "v_descale", p.v_descale, p.v_descale_batch_stride, p.v_descale_head_stride);
+  if (sm90) {
+    // One launch: the persistent grid over (M tile, head), packed over the sequences when varlen (from the padded
+    // sizes alone: sm90/fwd_host.h fwd_schedule), each CTA finding its sequence on the device.
+    TORCH_CHECK(info->smem_bytes <= p.max_smem_per_block, "sinkattn fwd_kvcache: the ", backend, " forward for head "
+                "dim ", info->headdim, " needs ", info->smem_bytes, " bytes of shared memory per block; the limit is ",
+                p.max_smem_per_block);
+    p.packed_tiles = varlen;
+    // GQA packing: the group's query heads share a tile, so K and V are read once per KV head (a decode row fills
+    // group rows of a tile instead of one row of a tile per query head).
+    p.pack_gqa = p.nheads > p.nheads_k;
+    if (kv_fp8) launch_kernel<FwdFp8Params>(info, p, emulated, q.device());
+    else launch_kernel<FwdParams>(info, p, emulated, q.device());
+    return;
+  }
+  p.pack_gqa = p.nheads > p.nheads_k;
 
   // Split-KV: decode launches one CTA per (sequence, KV head); splitting the keys fills the SMs. The tiles come
   // from the table the launcher reads (sm80/fwd_tiles.h): CTAs are counted with the unsplit tile's rows, and

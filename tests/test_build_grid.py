@@ -348,8 +348,8 @@ def test_emulated_units_compile_packed_per_header_and_head_dim():
     for u in (u for u in logical if u.family == "emu"):
         holders = [p for p in packs.values() if f"// {u.name}\n" in p.text]
         assert [p.name for p in holders] == [f"{gen.PACK_NAME[u.header]}_hdim{u.headdim}"], u.name
-        if u.registers:
-            assert f"SINKATTN_REGISTER_KERNEL({u.name}," in holders[0].text
+        for name in u.registered:  # the sm90 forward's units register its FP8-cache twin too
+            assert f"SINKATTN_REGISTER_KERNEL({name}," in holders[0].text
     for p in packs.values():
         assert p.text.count("#include") == 1 and "extern template" not in p.text and "do not edit" in p.text
     hd128 = packs["emu80_fwd_hdim128"].text

@@ -4,8 +4,9 @@ a page pool read in 16-row TMA boxes, or gathered by the producer warpgroup with
 multiple of 16 rows) run on the CPU under host emulation, against the float64 oracle: the serving call's mixed
 batches (tests/serving_cases.py SM90_SERVING_CASES), the padded decode and chunked-prefill calls with their append
 (tests/decode_cases.py), the same bits from a contiguous, a boxed and a gathered paged cache, one call per batch,
-the planted bugs of the page lookup and of the gather's protocol, and what the sm90 path refuses (FP8 caches,
-split-KV, small pages at head dim 256) with the fix named.
+the planted bugs of the page lookup and of the gather's protocol, FP8 caches (both formats, per-tensor and
+per-(sequence, KV head) scales, contiguous and paged, decoded in place by the gather), and what the sm90 path
+refuses (split-KV; small pages and FP8 caches at head dim 256) with the fix named.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 import sinkattn
-from decode_cases import DECODE_CASES, run_decode
-from serving_cases import SM90_SERVING_CASES, PagedBatch, run_serving
+from decode_cases import DECODE_CASES, FP8_DECODE_CASES, FP8_FORMATS, run_decode, run_fp8_decode
+from serving_cases import FP8_SERVING_CASES, SM90_SERVING_CASES, PagedBatch, run_serving, sm90_cases
 from sinkattn import _ext
 from sinkattn.errors import SinkattnError
 from test_sm90_emulated import MUTATIONS, check_planted_bug
@@ -146,6 +147,55 @@ def test_sm90_protocol_planted_bugs_fail_over_pages(mutation, monkeypatch, rng_s
         "sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True))
 
 
+SM90_FP8_SERVING_CASES = sm90_cases(FP8_SERVING_CASES)
+SM90_FP8_DECODE_CASES = [(name, {k: v for k, v in kw.items() if k != "num_splits"}) for name, kw in FP8_DECODE_CASES]
+
+
+@pytest.mark.parametrize("fmt", list(FP8_FORMATS))
+@pytest.mark.parametrize("name,reqs,kw", SM90_FP8_SERVING_CASES, ids=[c[0] for c in SM90_FP8_SERVING_CASES])
+def test_sm90_emulated_fp8_serving_matches_oracle(name, reqs, kw, fmt, rng_seed):
+    """FP8 caches on the serving call: the gather lands a row's codes in its stage and decodes them in place; the
+    oracle runs on the dequantized cache (codes * descale), so the kernel's own error is what is measured."""
+    run_serving("sm90-emulated", "cpu", rng_seed, reqs, fp8=fmt, **kw)
+
+
+@pytest.mark.parametrize("fmt", list(FP8_FORMATS))
+@pytest.mark.parametrize("scales", ["per_head", "tensor", "none"])
+@pytest.mark.parametrize("name,kw", SM90_FP8_DECODE_CASES, ids=[c[0] for c in SM90_FP8_DECODE_CASES])
+def test_sm90_emulated_fp8_decode_matches_oracle(name, kw, fmt, scales, rng_seed):
+    """The padded decode and chunked-prefill calls over FP8 caches (contiguous ones too: the gather reads them when
+    they are FP8), with their quantized append."""
+    run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, scales=scales, **kw)
+
+
+@pytest.mark.parametrize("fmt", list(FP8_FORMATS))
+def test_sm90_emulated_fp8_other_head_dims_and_fp16(fmt, rng_seed):
+    """Head dim 128 (a row's 8 code vectors in the upper 64 columns, decoded into both 64-column atoms), head dim
+    96 on it (codes past 96 zero-filled), fp16 queries over pages of 7 rows; head dim 256 refused (its producer does
+    not gather)."""
+    if 128 in EMU_HEADDIMS:
+        run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, d=128, h=8, hk=2, sq=9, sn=9, causal=True,
+                       capacity=300, lens=(250, 64, 1), page_size=16)
+        run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, d=96, causal=True, capacity=200, lens=(150, 3, 0))
+    run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, dtype=torch.float16, h=8, hk=1, causal=True,
+                   window_size=(60, 0), sink_tokens=2, page_size=7)
+    if 256 in EMU_HEADDIMS:
+        # (the sm80 FP8 tiles stop at head dim 128 too: the reference backend is what serves it)
+        with pytest.raises(SinkattnError, match="do not serve FP8 KV caches.*What would serve: backend='reference'"):
+            run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, d=256, causal=True)
+
+
+def test_sm90_fp8_gather_planted_bugs_fail(monkeypatch, rng_seed):
+    """The FP8 gather's decode writes are generic stores: without the proxy fence wgmma reads them unfenced; with
+    cp.async.wait_all returning early, the decode reads codes not landed."""
+    run = lambda: run_serving("sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True,
+                              fp8="e4m3fn")
+    monkeypatch.setitem(MUTATIONS, "no_fence", "no fence.proxy.async")
+    check_planted_bug("no_fence", monkeypatch, run)
+    monkeypatch.setitem(MUTATIONS, "cp_async_wait", "while a cp.async into it was in flight|cp.async never waited")
+    check_planted_bug("cp_async_wait", monkeypatch, run)
+
+
 def test_sm90_cache_refusals():
     """What the sm90 forward does not serve over a cache is refused with the backend that does, never run wrong."""
     pb = PagedBatch([(1, 20), (2, 10)], h=4, hk=1, d=64, page_size=16, dtype=torch.bfloat16)
@@ -153,8 +203,3 @@ def test_sm90_cache_refusals():
               backend="sm90-emulated")
     with pytest.raises(RuntimeError, match="does not split keys.*backend='sm80'"):
         sinkattn.flash_attn_with_kvcache(pb.q, pb.k_cache, pb.v_cache, num_splits=2, **kw)
-    fp8 = PagedBatch([(1, 20), (2, 10)], h=4, hk=1, d=64, page_size=16, dtype=torch.bfloat16, fp8="e4m3fn")
-    with pytest.raises(SinkattnError, match="FP8"):
-        sinkattn.flash_attn_with_kvcache(fp8.q, fp8.k_cache, fp8.v_cache, cache_seqlens=fp8.seqused_k,
-                                         block_table=fp8.block_table, cu_seqlens_q=fp8.cu_seqlens_q, max_seqlen_q=2,
-                                         backend="sm90-emulated")

@@ -153,6 +153,14 @@ def test_registry_records_each_kernels_smallest_tile():
             dynamic = k["name"].endswith("_dyn")
             assert ("tile_counter" in feats) == dynamic, k
             assert not ("paged" in feats and (dynamic or "r24x" in k["name"])), k
+    # the sm90 forward's FP8-cache entries are the same kernels (csrc/sm90/fwd_tiles.h fwd_fp8_features): FP8 where the
+    # tile's gather decodes it, not at head dim 256
+    for k in sinkattn._ext.registry():
+        if k["family"] in ("sm90", "sm90-emulated") and k["op"] == "fwd_fp8":
+            twin = [f for f in reg if f["family"] == k["family"] and f["op"] == "fwd" and f["headdim"] == k["headdim"]
+                    and f["dtype"] == k["dtype"]]
+            assert len(twin) == 1 and twin[0]["smem_bytes"] == k["smem_bytes"], k
+            assert ("fp8_kv" in k["features"].split(",")) == (k["headdim"] != 256), k
     bwd256 = [k for k in reg if k["op"] == "bwd" and k["headdim"] == 256]
     assert all(k["smem_bytes"] == 144 * KB for k in bwd256), "the hd256 backward needs 144 KB"
 

@@ -16,7 +16,7 @@ namespace sinkattn {
 namespace sm90 {
 
 template <class Tile, class Element>
-void launch_fwd_emulated(FwdParams const& p, EmuLaunch const& launch) {
+void launch_fwd_kernel_emulated(FwdFp8Params const& p, EmuLaunch const& launch) {
   using Kt = FwdTraits<Tile, Element>;
   if (!fwd_has_work<Kt>(p)) return;
   PersistentTileOrder const sched = fwd_schedule<Kt>(p);
@@ -25,12 +25,22 @@ void launch_fwd_emulated(FwdParams const& p, EmuLaunch const& launch) {
   emu90::launch_cta_grid(grid, Kt::kNThreads, Kt::kSmemBytes,
                          [&](char* smem) { fwd_cta<Kt, emu90::EmuPrims>(p, tma, sched, smem); });
 }
+template <class Tile, class Element>
+void launch_fwd_emulated(FwdParams const& p, EmuLaunch const& launch) {
+  FwdFp8Params fp;
+  static_cast<FwdParams&>(fp) = p;
+  launch_fwd_kernel_emulated<Tile, Element>(fp, launch);
+}
 
 }  // namespace sm90
 
 template <int kHeadDim, class Element>
 void run_fwd_sm90_emulated(FwdParams const& p, EmuLaunch const& launch) {
   sm90::launch_fwd_emulated<sm90::FwdTileOf<kHeadDim>, Element>(p, launch);
+}
+template <int kHeadDim, class Element>
+void run_fwd_fp8_sm90_emulated(FwdFp8Params const& p, EmuLaunch const& launch) {
+  sm90::launch_fwd_kernel_emulated<sm90::FwdTileOf<kHeadDim>, Element>(p, launch);
 }
 
 }  // namespace sinkattn

@@ -39,6 +39,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/fp8.h"
 #include "emu/sm90_runtime.h"
 
 // CuTe's cast_smem_ptr_to_uint on the host: the shared-window address of a pointer into the CTA's shared memory.
@@ -352,6 +353,19 @@ struct EmuPrims {
 
   static int page_entry(int const* table, int i) { return table[mutation() == Mutation::kPageTable ? 0 : i]; }
 
+  template <class Element>
+  static uint4 fp8x8_decode(uint32_t lo, uint32_t hi, int format) {
+    uint16_t e[8];
+    for (int i = 0; i < 8; ++i) {
+      uint32_t const code = ((i < 4 ? lo : hi) >> (8 * (i % 4))) & 0xffu;
+      Element const x(fp8_to_float(code, format));
+      std::memcpy(&e[i], &x, 2);
+    }
+    uint4 v;
+    std::memcpy(&v, e, 16);
+    return v;
+  }
+
   // ---- cp.async ------------------------------------------------------------------------------------------------
   static void cp_async16(uint32_t smem_addr, void const* src, bool fill) { cp_async_issue(smem_addr, src, fill); }
   static void cp_async_wait_all() {
@@ -447,6 +461,7 @@ struct EmuPrims {
       std::memset(p, 0, 16);
     }
   }
+  static uint4 lds128(uint32_t addr) { return lds128(ctx.block->smem + addr); }
   static uint4 lds128(void const* ptr) {
     generic_access(ptr, 16, false);
     uint4 v;

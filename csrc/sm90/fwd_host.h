@@ -35,7 +35,7 @@ PersistentTileOrder fwd_schedule(FwdParams const& p) {
 // Whether the forward has anything to write: no tile or no query row means no launch, and no descriptor is encoded
 // (q would be an empty tensor). Throws where the kernel would fault.
 template <class Kt>
-bool fwd_has_work(FwdParams const& p) {
+bool fwd_has_work(FwdFp8Params const& p) {
   // The dynamic-tile kernels draw every tile after a CTA's first from this counter (fwd_kernel.cuh TileWalk); api.cpp
   // allocates it for kernels whose registry entry lists "tile_counter". Checked here too: a null counter would be
   // a fault on the GPU, not an error.
@@ -52,6 +52,9 @@ bool fwd_has_work(FwdParams const& p) {
                                 " reads pages only in boxes of " + std::to_string(Kt::kPageRows) +
                                 " rows and needs a page size that is a multiple of " + std::to_string(Kt::kPageRows) +
                                 " (got " + std::to_string(p.page_size) + "); backend='sm80' takes any page size");
+  if (p.kv_fp8 != kFp8None && !Kt::kCanGatherFp8)
+    throw std::invalid_argument("sinkattn fwd: the sm90 forward at head dim " + std::to_string(Kt::kHeadDim) +
+                                " reads no FP8 cache (its producer does not gather); backend='sm80' does");
   if (p.num_splits > 1)
     throw std::invalid_argument("sinkattn fwd: the sm90 forward does not split keys (num_splits 1)");
   int const rows_q = p.cu_seqlens_q != nullptr ? p.total_q : p.seqlen_q;
@@ -60,7 +63,7 @@ bool fwd_has_work(FwdParams const& p) {
 
 // The descriptors of q, k and v, and of k and v in page boxes (fwd_has_work(p) must hold).
 template <class Kt, class Prims>
-TmaParams<Kt> fwd_tma_params(FwdParams const& p) {
+TmaParams<Kt> fwd_tma_params(FwdFp8Params const& p) {
   using namespace cute;
   using Element = typename Kt::Element;
   GmemExtent const eq = q_extent(p), ekv = kv_extent(p);
@@ -71,8 +74,10 @@ TmaParams<Kt> fwd_tma_params(FwdParams const& p) {
   // No key (seqlen_k == 0, every varlen sequence's keys empty, an empty pool): every tile's block range is empty, so
   // K and V are never loaded; their descriptors describe one row of q instead of an empty tensor (the kernel
   // prefetches them). A KV cache always has its capacity (p.seqlen_k) or its pool to describe.
-  bool const any_key = p.block_table != nullptr ? p.num_pages > 0
-                                                : (p.cu_seqlens_k != nullptr ? p.total_k : p.seqlen_k) > 0;
+  // An FP8 cache is never a TMA source either (the producer warpgroup gathers and decodes it): described so, its
+  // byte strides would be read as Element strides.
+  bool const any_key = p.kv_fp8 == kFp8None && (p.block_table != nullptr ? p.num_pages > 0
+                                                : (p.cu_seqlens_k != nullptr ? p.total_k : p.seqlen_k) > 0);
   auto const stand_in = tensor(p.q, GmemExtent{1, 1}, 1, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   auto const gK = any_key ? tensor(p.k, ekv, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride) : stand_in;
   auto const gV = any_key ? tensor(p.v, ekv, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride) : stand_in;

@@ -4,8 +4,9 @@
 // (window blocks from the last down, then sink-token blocks) through a kStages-deep mbarrier pipeline
 // (full barriers: TMA bytes landed; empty barriers: both consumer warpgroups are done with the stage). K/V come from
 // q/k/v tensors, a contiguous KV cache, or a page pool (FwdParams::block_table) as boxes of 16 page rows (PageRows);
-// pools of smaller (or other) pages are gathered by the whole producer warpgroup with cp.async (KvGather). The
-// serving call's M tiles are packed over its requests (FwdParams::packed_tiles, TileWork).
+// pools of smaller (or other) pages, and FP8 caches (decoded in the stage), are gathered by the whole producer
+// warpgroup with cp.async (KvGather). The serving call's M tiles are packed over its requests
+// (FwdParams::packed_tiles, TileWork).
 // The other warpgroups (kConsumerWarpgroups: 1 to 3 by tile, 2 in the default tiles) consume 64 rows each:
 //   - S = Q K^T and O += P V on wgmma; within a warpgroup the softmax of block j runs while the P V wgmma of
 //     block j-1 is still in flight (FlashAttention-3's intra-warpgroup overlap);
@@ -193,11 +194,22 @@ struct KvGather {
   static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;
   static_assert(Kt::kBlockN % 128 == 0 || 128 % Kt::kBlockN == 0);
   static_assert(kChunksPerRow % kThreadsPerRow == 0);
-  int const* pages;  // the sequence's row of the block table
-  int seqlen_k, hk;
+  int const* pages;  // the sequence's row of the block table; null over a contiguous cache
+  int b, seqlen_k, hk;
 
-  __device__ KvGather(FwdParams const& p, int b, int seqlen_k_, int hk_)
-      : pages(p.block_table + int64_t(b) * p.block_table_batch_stride), seqlen_k(seqlen_k_), hk(hk_) {}
+  __device__ KvGather(FwdParams const& p, int b_, int seqlen_k_, int hk_)
+      : pages(p.block_table ? p.block_table + int64_t(b_) * p.block_table_batch_stride : nullptr), b(b_),
+        seqlen_k(seqlen_k_), hk(hk_) {}
+
+  // Where key row `key` (< seqlen_k) of this KV head starts in k or v, in elements (FP8: bytes): in its pool page, or
+  // at its row of a contiguous cache.
+  __device__ int64_t row_offset(FwdParams const& p, int key, int64_t batch_stride, int64_t row_stride,
+                                int64_t head_stride) const {
+    if (pages == nullptr) return int64_t(b) * batch_stride + int64_t(key) * row_stride + int64_t(hk) * head_stride;
+    int const logical = p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
+    int64_t const page = Prims::page_entry(pages, logical), slot = key - logical * p.page_size;
+    return page * batch_stride + slot * row_stride + int64_t(hk) * head_stride;
+  }
 
   // Byte offset of element (row, col) of stage st in a K or V buffer: the stage layout's position, then the 128-byte
   // swizzle as TMA and wgmma apply it to the shared address (16-byte chunk bits [4, 7) ^= bits [7, 10); the buffers
@@ -212,7 +224,13 @@ struct KvGather {
 
   // Key block n into stage st of K and V, at shared addresses k_smem / v_smem (the caller waited for both stages'
   // release). ptid: the thread's index in the producer warpgroup.
-  __device__ void copy(FwdParams const& p, uint32_t k_smem, uint32_t v_smem, int st, int n, int ptid) const {
+  __device__ void copy(FwdFp8Params const& p, uint32_t k_smem, uint32_t v_smem, int st, int n, int ptid) const {
+    if constexpr (Kt::kCanGatherFp8) {
+      if (p.kv_fp8 != kFp8None) {
+        copy_fp8(p, k_smem, v_smem, st, n, ptid);
+        return;
+      }
+    }
     int const first_chunk = ptid % kThreadsPerRow;
     CUTE_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
@@ -220,10 +238,8 @@ struct KvGather {
       bool const in = key < seqlen_k;
       int64_t koff = 0, voff = 0;  // zero fill: any valid address, never read
       if (in) {
-        int const logical = p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
-        int64_t const page = Prims::page_entry(pages, logical), slot = key - logical * p.page_size;
-        koff = page * p.k_batch_stride + slot * p.k_row_stride + int64_t(hk) * p.k_head_stride;
-        voff = page * p.v_batch_stride + slot * p.v_row_stride + int64_t(hk) * p.v_head_stride;
+        koff = row_offset(p, key, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+        voff = row_offset(p, key, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
       }
       Element const* const k = static_cast<Element const*>(p.k) + koff;
       Element const* const v = static_cast<Element const*>(p.v) + voff;
@@ -235,6 +251,53 @@ struct KvGather {
         Prims::cp_async16(k_smem + off, k + col, fill);
         Prims::cp_async16(v_smem + off, v + col, fill);
       }
+    }
+  }
+
+  // FP8 caches (FwdFp8Params::kv_fp8): wgmma reads no FP8 beside a bf16/fp16 Q, so the codes are decoded in the
+  // stage. Each thread owns whole rows (kThreadsPerRow 1: Kt::kCanGatherFp8), and a row's codes take half the bytes
+  // of its elements: they land by cp.async (no register holds them, the block's DRAM latency paid once, as for
+  // elements) in the upper half of the row's own chunks, and are then decoded in place from the lowest vector up,
+  // 16 codes into 16 elements, each vector read before the two chunks written over it (vector c of the row's codes is
+  // chunk kChunksPerRow / 2 + c, its elements chunks 2c and 2c + 1: a chunk is written only after every vector in it
+  // was read). Every byte a thread reads or writes is its own row's: no other thread waits. Exact (every code of
+  // both formats is a bf16 and an fp16 value: Prims::fp8x8_decode). The descales stay out of the stage: the
+  // consumers fold k_descale into the tile's softmax scale and v_descale into its output scale, as the sm80 kernels.
+  // The elements are generic stores, published by the caller's fence and arrival like the copies.
+  __device__ void copy_fp8(FwdFp8Params const& p, uint32_t k_smem, uint32_t v_smem, int st, int n, int ptid) const {
+    static_assert(kThreadsPerRow == 1 && kChunksPerRow % 2 == 0);
+    constexpr int kVecs = kChunksPerRow / 2;  // 16-code vectors of a row
+    CUTE_UNROLL
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      int const row = ptid + j * 128, key = n * Kt::kBlockN + row;
+      bool const in = key < seqlen_k;
+      int64_t koff = 0, voff = 0;
+      if (in) {
+        koff = row_offset(p, key, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+        voff = row_offset(p, key, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+      }
+      uint8_t const* const k = static_cast<uint8_t const*>(p.k) + koff;
+      uint8_t const* const v = static_cast<uint8_t const*>(p.v) + voff;
+      CUTE_UNROLL
+      for (int c = 0; c < kVecs; ++c) {
+        bool const fill = in && c * 16 < p.headdim;  // code 0 is +0 in both formats
+        uint32_t const off = stage_offset(row, (kVecs + c) * 8, st);
+        Prims::cp_async16(k_smem + off, k + c * 16, fill);
+        Prims::cp_async16(v_smem + off, v + c * 16, fill);
+      }
+    }
+    Prims::cp_async_wait_all();
+    // One vector in registers at a time: more (both tensors' vectors, or the loop unrolled) spilled the producer's
+    // 40 registers and cost the consumers' paired P conversion (sm_90a hd64: F2FP 32 -> 64 per key block).
+#pragma unroll 1
+    for (int i = 0; i < 2 * kRowsPerThread * kVecs; ++i) {
+      int const c = i % kVecs, row = ptid + (i / (2 * kVecs)) * 128;
+      uint32_t const base = (i / kVecs) % 2 ? v_smem : k_smem;
+      uint4 const codes = Prims::lds128(base + stage_offset(row, (kVecs + c) * 8, st));
+      Prims::sts128(base + stage_offset(row, 2 * c * 8, st),
+                    Prims::template fp8x8_decode<Element>(codes.x, codes.y, p.kv_fp8));
+      Prims::sts128(base + stage_offset(row, (2 * c + 1) * 8, st),
+                    Prims::template fp8x8_decode<Element>(codes.z, codes.w, p.kv_fp8));
     }
   }
 };
@@ -328,12 +391,12 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
   }
 }
 
-// The producer over a page pool that gathers (Kt::gathers): all 128 threads of the warpgroup walk the tiles (the static
-// walk) and copy each key block's K and V (KvGather); the first also issues each tile's Q, as produce() does. A loop
-// of its own, not a branch in produce(): within the producer's 40 registers (24 at head dim 256) the two paths'
-// values together spilled, the TMA path's too. ptid: the thread's index in the warpgroup.
+// The producer over a page pool or FP8 cache that gathers (Kt::gathers): all 128 threads of the warpgroup walk the
+// tiles (the static walk) and copy each key block's K and V (KvGather); the first also issues each tile's Q, as
+// produce() does. A loop of its own, not a branch in produce(): within the producer's 40 registers (24 at head dim
+// 256) the two paths' values together spilled, the TMA path's too. ptid: the thread's index in the warpgroup.
 template <class Kt, class Prims>
-SA90_DEVICE void produce_gathered(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
+SA90_DEVICE void produce_gathered(FwdFp8Params const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
                                   typename Kt::SharedStorage& ss, int ptid) {
   constexpr int kBlockM = Kt::kBlockM, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQs{});
@@ -442,7 +505,7 @@ struct VTail {
 };
 
 template <class Kt, class Prims>
-SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, typename Kt::SharedStorage& ss,
+SA90_DEVICE void consume(FwdFp8Params const& p, PersistentTileOrder const& sched, typename Kt::SharedStorage& ss,
                          int ctid) {
   using Element = typename Kt::Element;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
@@ -473,7 +536,6 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
   constexpr int kRows = decltype(size<0>(scores))::value;
   constexpr int kCols = decltype(size<1>(scores))::value;
   static_assert(kRows == 2);
-  ScoreScale<> const score{p.softmax_scale, p.softcap};
 
   PipelineState<Kt::kQBuffers> qs;
   PipelineState<kStages> kv;
@@ -483,6 +545,15 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
     int const m0 = w.m_block * kBlockM;
+    // FP8 caches: the tile's (sequence, KV head) descales, k_descale into the softmax scale (the scores of the codes
+    // times it are those of the dequantized keys), v_descale into the output's scale (common/fp8.h; as the sm80
+    // kernels). 1 otherwise.
+    float k_descale = 1.f, v_descale = 1.f;
+    if (p.k_descale) {
+      k_descale = p.k_descale[w.batch * p.k_descale_batch_stride + w.kv_head(p) * p.k_descale_head_stride];
+      v_descale = p.v_descale[w.batch * p.v_descale_batch_stride + w.kv_head(p) * p.v_descale_head_stride];
+    }
+    ScoreScale<> const score{p.softmax_scale * k_descale, p.softcap};
     OnlineSoftmax<kRows, Prims> softmax;  // its quad reductions: Prims::shfl_xor
     clear(tOrO);
 
@@ -574,7 +645,7 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
       RowFinal const f = softmax.finalize(r, p.sinks ? p.sinks[sink_head] : -INFINITY, score.natural);
       lse[r] = f.lse;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale;
+      for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale * v_descale;
     }
     store_out_lse<Kt, Prims>(p, ss.q + qb * cosize_v<typename Kt::SmemLayoutQ>, thr_o, tOrO, tOcO, lse, w, wg,
                              WarpRoles::thread_in_warpgroup(ctid));
@@ -591,7 +662,8 @@ SA90_DEVICE void consume(FwdParams const& p, PersistentTileOrder const& sched, t
 // gathers K and V (Kt::gathers), each of its 128 threads' arrival after its own copies; empty barriers count one
 // arrival per consumer thread.
 template <class Kt, class Prims>
-SA_DEVICE void fwd_cta(FwdParams const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched, char* smem) {
+SA_DEVICE void fwd_cta(FwdFp8Params const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
+                       char* smem) {
   auto& ss = *reinterpret_cast<typename Kt::SharedStorage*>(smem);
   unsigned const tid = Prims::thread_index();
   bool const gathering = Kt::gathers(p);
@@ -643,7 +715,8 @@ SA_DEVICE void fwd_cta(FwdParams const& p, TmaParams<Kt> const& tma, PersistentT
 #if defined(__CUDACC__)  // the GPU's kernel; the host emulation runs fwd_cta<Kt, EmuPrims> (emu/fwd_sm90_emu.h)
 template <class Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
-    fwd_kernel(__grid_constant__ const FwdParams p, __grid_constant__ const TmaParams<Kt> tma, PersistentTileOrder const sched) {
+    fwd_kernel(__grid_constant__ const FwdFp8Params p, __grid_constant__ const TmaParams<Kt> tma,
+               PersistentTileOrder const sched) {
   extern __shared__ __align__(1024) char smem[];
   fwd_cta<Kt, GpuPrims>(p, tma, sched, smem);
 }

@@ -4,7 +4,8 @@
 // Serves what api.cpp routes here: padded or varlen q/k/v, every mask, sinks, softcap, GQA; and attention over a KV
 // cache (seqused_k; contiguous, or a page pool: 16-row TMA boxes, or the producer warpgroup's gather for other page
 // sizes where the tile allows it), padded queries or the serving call's packed ones (one launch per batch),
-// GQA-packed over caches. Split-KV and FP8 caches stay on the sm80 kernels (docs/DESIGN.md section 4).
+// GQA-packed over caches, FP8 caches decoded by the gather. Split-KV stays on the sm80 kernels (docs/DESIGN.md
+// section 4).
 #pragma once
 #include <cuda_runtime.h>
 #include <stdexcept>
@@ -32,7 +33,7 @@ inline int sm_count() {
 // The kernel of one tile: the table's (run_fwd_sm90 below) or a tuning-grid variant's (registered by name,
 // never picked by dispatch; sweep_grid.py SWEEP_SM90).
 template <class Tile, class Element>
-void launch_fwd(FwdParams const& p, cudaStream_t stream) {
+void launch_fwd_kernel(FwdFp8Params const& p, cudaStream_t stream) {
   using Kt = FwdTraits<Tile, Element>;
   if (!fwd_has_work<Kt>(p)) return;
   PersistentTileOrder const sched = fwd_schedule<Kt>(p);
@@ -46,11 +47,25 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   kernel<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, tma, sched);
 }
 
+// The kernel's parameters are FwdFp8Params (FP8 caches: their format and descales), so one kernel serves both
+// entries: q/k/v and caches in q's dtype through launch_fwd / run_fwd_sm90 (kv_fp8 0), FP8 caches through
+// run_fwd_fp8_sm90. (Two names, not two overloads: the tuning grid registers &launch_fwd<Tile, Element>.)
+template <class Tile, class Element>
+void launch_fwd(FwdParams const& p, cudaStream_t stream) {
+  FwdFp8Params fp;
+  static_cast<FwdParams&>(fp) = p;
+  launch_fwd_kernel<Tile, Element>(fp, stream);
+}
+
 }  // namespace sm90
 
 template <int kHeadDim, class Element>
 void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   sm90::launch_fwd<sm90::FwdTileOf<kHeadDim>, Element>(p, stream);
+}
+template <int kHeadDim, class Element>
+void run_fwd_fp8_sm90(FwdFp8Params const& p, cudaStream_t stream) {
+  sm90::launch_fwd_kernel<sm90::FwdTileOf<kHeadDim>, Element>(p, stream);
 }
 
 }  // namespace sinkattn

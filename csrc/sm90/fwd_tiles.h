@@ -35,6 +35,9 @@ struct FwdTile {
   constexpr bool gathers_pages() const {
     return !dynamic_tiles && producer_regs >= 40 && (block_n % 128 == 0 || 128 % block_n == 0);
   }
+  // Whether that gather also decodes FP8 caches: each thread then owns whole rows (block_n a multiple of 128), whose
+  // codes it decodes in place (fwd_kernel.cuh KvGather::copy_fp8).
+  constexpr bool gathers_fp8() const { return gathers_pages() && block_n % 128 == 0; }
 };
 
 // A tile's registry features: every tile's, "paged" (any page size) where it gathers pages, "tile_counter" (it needs
@@ -43,6 +46,11 @@ constexpr char const* fwd_features(FwdTile t) {
   return t.dynamic_tiles ? SINKATTN_FWD_SM90_FEATURES ",tile_counter"
          : t.gathers_pages() ? SINKATTN_FWD_SM90_FEATURES ",paged"
                              : SINKATTN_FWD_SM90_FEATURES;
+}
+// The same kernel's registry entry for FP8 caches (op "fwd_fp8", run_fwd_fp8_sm90): the gather decodes them, so a tile
+// that does not lists no "fp8_kv" (dispatch then names the sm80 kernels).
+constexpr char const* fwd_fp8_features(FwdTile t) {
+  return t.gathers_fp8() ? SINKATTN_FWD_SM90_FEATURES ",paged,fp8_kv" : SINKATTN_FWD_SM90_FEATURES;
 }
 
 // Shared memory 113 / 161 / 193 KB for head dim 64 / 128 / 256; a block of 48 keys at head dim 256 keeps O

@@ -12,6 +12,7 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "common/fp8.h"
 #include "sm90/fwd_tiles.h"
 #include "sm90/prims_gpu.cuh"
 #include "sm90/tma_gmem.h"
@@ -82,7 +83,10 @@ struct FwdTraits {
   // KvGather), where the tile allows it (fwd_tiles.h gathers_pages); fwd_host.h refuses the rest, naming the sm80
   // kernels.
   static constexpr bool kCanGather = kTile.gathers_pages();
-  static SA_HOST_DEVICE bool gathers(FwdParams const& p) {
+  static constexpr bool kCanGatherFp8 = kTile.gathers_fp8();  // and decodes FP8 caches in place (KvGather::copy_fp8)
+  // Whether a call's K and V go through the gather: pages of other sizes, and FP8 caches (decoded on the way).
+  static SA_HOST_DEVICE bool gathers(FwdFp8Params const& p) {
+    if (p.kv_fp8 != kFp8None) return kCanGatherFp8;
     return kCanGather && p.block_table != nullptr && p.page_size % kPageRows != 0;
   }
 

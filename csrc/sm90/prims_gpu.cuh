@@ -11,6 +11,7 @@
 #pragma once
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 #include <utility>
 #include <cuda_runtime.h>
 
@@ -23,6 +24,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "common/fp8.h"
 #include "sm90/pipeline.cuh"
 
 #ifndef SINKATTN_DIAGNOSTIC
@@ -176,6 +178,36 @@ struct GpuPrims {
   // Wait until every cp.async this thread issued has landed (commit and wait for all groups).
   static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+  // ---- FP8 codes (the gather of FP8 caches) -------------------------------------------------------------------
+  // Eight codes (lo: codes 0-3, hi: 4-7, the lowest byte first) of an FP8 cache in `format` (common/fp8.h: kFp8E4M3,
+  // kFp8E5M2) as eight Elements in a 16-byte vector, exactly (every code of both formats is an fp16 and a bf16
+  // value): cvt.rn.f16x2.{e4m3x2,e5m2x2} per pair of codes (sm_89 on; the lower code into the lower half), then, for
+  // bf16, each half through fp32 (cvt.rn.bf16x2.f32 puts its first operand in the upper half).
+  template <class Element>
+  static __device__ __forceinline__ uint4 fp8x8_decode(uint32_t lo, uint32_t hi, int format) {
+    uint32_t h[4];
+    uint32_t const w[2] = {lo, hi};
+    CUTE_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      if (format == kFp8E5M2) {
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e5m2x2 %0, l;\ncvt.rn.f16x2.e5m2x2 %1, h;\n}\n"
+            : "=r"(h[2 * i]), "=r"(h[2 * i + 1]) : "r"(w[i]));
+      } else {
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+            : "=r"(h[2 * i]), "=r"(h[2 * i + 1]) : "r"(w[i]));
+      }
+    }
+    if constexpr (!std::is_same_v<Element, cutlass::half_t>) {
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        asm("{\n.reg .f16 l, h;\n.reg .f32 fl, fh;\nmov.b32 {l, h}, %1;\ncvt.f32.f16 fl, l;\ncvt.f32.f16 fh, h;\n"
+            "cvt.rn.bf16x2.f32 %0, fh, fl;\n}\n"
+            : "=r"(h[i]) : "r"(h[i]));
+      }
+    }
+    return make_uint4(h[0], h[1], h[2], h[3]);
+  }
+
   // Entry i of a block-table row: the pool page that holds a sequence's i-th page of keys (read-only for the kernel's
   // life, so through the non-coherent cache).
   static __device__ __forceinline__ int page_entry(int const* table, int i) { return __ldg(table + i); }
@@ -224,6 +256,11 @@ struct GpuPrims {
     asm volatile("st.shared.v4.u32 [%0], {%2, %2, %2, %2};\n"
                  "st.shared.v4.u32 [%1], {%2, %2, %2, %2};\n" ::"r"(a), "r"(b), "r"(0u)
                  : "memory");
+  }
+  static __device__ __forceinline__ uint4 lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
   }
   static __device__ __forceinline__ uint4 lds128(void const* ptr) {
     uint32_t const addr = cute::cast_smem_ptr_to_uint(ptr);
