@@ -166,12 +166,19 @@ def test_sm90_emulated_fp8_serving_matches_oracle(name, reqs, kw, fmt, rng_seed)
 
 
 @pytest.mark.parametrize("fmt", list(FP8_FORMATS))
-@pytest.mark.parametrize("scales", ["per_head", "tensor", "none"])
+@pytest.mark.parametrize("scales", ["per_head", "tensor"])
 @pytest.mark.parametrize("name,kw", SM90_FP8_DECODE_CASES, ids=[c[0] for c in SM90_FP8_DECODE_CASES])
 def test_sm90_emulated_fp8_decode_matches_oracle(name, kw, fmt, scales, rng_seed):
     """The padded decode and chunked-prefill calls over FP8 caches (contiguous ones too: the gather reads them when
     they are FP8), with their quantized append."""
     run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, scales=scales, **kw)
+
+
+@pytest.mark.parametrize("fmt", list(FP8_FORMATS))
+def test_sm90_emulated_fp8_no_scales(fmt, rng_seed):
+    """No descales (k_descale / v_descale null: both 1 in the consumers), paged and GQA-packed."""
+    run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, scales="none", h=8, hk=1, sq=3, sn=3, causal=True,
+                   page_size=16, capacity=200, lens=(150, 5, 0))
 
 
 @pytest.mark.parametrize("fmt", list(FP8_FORMATS))

@@ -37,13 +37,15 @@ HEARTBEAT_S = float(os.environ.get("SINKATTN_HEARTBEAT_S", "25"))
 # two kernels per unit, sm_90a only). Only the estimate of what is left
 # uses them, rescaled by the pace of the finished units.
 UNIT_COST_S = {"fwd_sm80": 40.0, "fwd_sm80_keys": 36.0, "fwd_sm80_softcap": 24.0, "bwd_sm80": 30.0,
-               "bwd_sm80_small": 31.0, "bwd_sm80_softcap": 22.0, "fwd_sm90": 19.0, "bwd_sm90": 24.0,
+               # fwd_sm90: the mean of CI's hd64 and hd256 units in a cold .ci/run at b99aece (2026-12-06)
+               "bwd_sm80_small": 31.0, "bwd_sm80_softcap": 22.0, "fwd_sm90": 54.0, "bwd_sm90": 24.0,
                "merge": 4.0, "build_info": 2.0, "sweep_fwd_sm90": 16.0, "sweep_fwd_sm80": 25.0,
                # the FP8-cache decode units (2026-12-02: about the hd128 forward unit's time in the same build)
                "fwd_fp8_sm80": 40.0,
                # the emulated kernels, one translation unit per header and head dim (generate_kernels.py
-               # PACK_NAME; the mean over CI's head dims in a cold clean-clone .ci/run, 2026-12-05, 3583a3e)
-               "emu80_fwd": 81.0, "emu80_bwd": 42.0, "emu90_fwd": 48.0, "emu90_bwd": 31.0}
+               # PACK_NAME; the mean over CI's head dims in a cold clean-clone .ci/run, 2026-12-05, 3583a3e;
+               # emu90_fwd at b99aece, 2026-12-06, after the sm90 forward's gather and FP8 decode: 59 / 65 / 69 s)
+               "emu80_fwd": 81.0, "emu80_bwd": 42.0, "emu90_fwd": 64.0, "emu90_bwd": 31.0}
 DEFAULT_COST_S = 30.0
 
 
