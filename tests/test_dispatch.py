@@ -31,7 +31,7 @@ ARCHS = {"sm80": "sm_80,sm_90,compute_80", "sm90": "sm_90a", "sm80-emulated": "h
 
 def entry(family, op, headdim=128, dtype="bf16", **changes):
     """One registry entry of a build; `changes` overrides its fields (features=, smem_bytes=, ...)."""
-    features = FEATURES[(family.replace("-emulated", ""), op)]
+    features = changes.pop("features", None) or FEATURES[(family.replace("-emulated", ""), op)]
     if family.startswith("sm90") and op == "fwd" and headdim == 256:
         features = features.replace(",paged16,paged", ",paged16")
     e = dict(name=f"{op}_{family}_hdim{headdim}_{dtype}", family=family, op=op, headdim=headdim, dtype=dtype,
@@ -211,6 +211,16 @@ def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
         reason = dispatch.why_not("sm90", dataclasses.replace(odd, headdim=256))
         assert "page size is not a multiple of 16 rows" in reason, reason
     assert dispatch.choose(CUDA_PROBLEM, "auto") == "sm90"  # the forward's choice is untouched
+    # FP8 caches: the sm90 forward's fwd_fp8 entries (the same kernels, csrc/sm90/fwd_tiles.h fwd_fp8_features) serve
+    # them when forced, not at head dim 256; "auto" keeps them on the sm80 FP8 kernels like every cache call
+    fp8 = dataclasses.replace(paged16, kv_fp8=True)
+    fake_registry(build("sm90", "sm80")
+                  + tuple(entry("sm80", "fwd_fp8", h, "bf16") for h in (64, 128))
+                  + tuple(entry("sm90", "fwd_fp8", h, "bf16", features=FEATURES[("sm90", "fwd")]
+                                + (",fp8_kv" if h != 256 else "")) for h in (64, 128, 256)))
+    assert dispatch.why_not("sm90", fp8) is None and dispatch.choose(fp8, "sm90") == "sm90"
+    assert dispatch.choose(fp8, "auto") == "sm80"
+    assert "FP8 KV caches" in dispatch.why_not("sm90", dataclasses.replace(fp8, headdim=256))
 
 
 def test_fp8_cache_runs_on_the_fwd_fp8_kernels(gpu, fake_registry, monkeypatch):
