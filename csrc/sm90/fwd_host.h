@@ -54,7 +54,8 @@ bool fwd_has_work(FwdFp8Params const& p) {
                                 " (got " + std::to_string(p.page_size) + "); backend='sm80' takes any page size");
   if (p.kv_fp8 != kFp8None && !Kt::kCanGatherFp8)
     throw std::invalid_argument("sinkattn fwd: the sm90 forward at head dim " + std::to_string(Kt::kHeadDim) +
-                                " reads no FP8 cache (its producer does not gather); backend='sm80' does");
+                                " reads no FP8 cache (its producer does not gather); backend='sm80' reads them at "
+                                "head dims 64 and 128, backend='reference' at any");
   if (p.num_splits > 1)
     throw std::invalid_argument("sinkattn fwd: the sm90 forward does not split keys (num_splits 1)");
   int const rows_q = p.cu_seqlens_q != nullptr ? p.total_q : p.seqlen_q;
