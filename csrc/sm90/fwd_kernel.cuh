@@ -211,6 +211,25 @@ struct KvGather {
     return page * batch_stride + slot * row_stride + int64_t(hk) * head_stride;
   }
 
+  // Key row `key` of K and V as T (the cache's element: Element, or uint8_t codes), and whether it is one of the
+  // sequence's keys; past them both point at the tensors' starts (any valid address: the copies zero-fill, reading
+  // nothing).
+  template <class T>
+  struct RowSource {
+    bool in;
+    T const *k, *v;
+  };
+  template <class T>
+  __device__ RowSource<T> row_source(FwdParams const& p, int key) const {
+    bool const in = key < seqlen_k;
+    int64_t koff = 0, voff = 0;
+    if (in) {
+      koff = row_offset(p, key, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+      voff = row_offset(p, key, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+    }
+    return {in, static_cast<T const*>(p.k) + koff, static_cast<T const*>(p.v) + voff};
+  }
+
   // Byte offset of element (row, col) of stage st in a K or V buffer: the stage layout's position, then the 128-byte
   // swizzle as TMA and wgmma apply it to the shared address (16-byte chunk bits [4, 7) ^= bits [7, 10); the buffers
   // are 1024-byte aligned). Not the layout's own evaluation: CuTe applies these atoms' swizzle to the pointer, and
@@ -234,15 +253,8 @@ struct KvGather {
     int const first_chunk = ptid % kThreadsPerRow;
     CUTE_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
-      int const row = ptid / kThreadsPerRow + j * (128 / kThreadsPerRow), key = n * Kt::kBlockN + row;
-      bool const in = key < seqlen_k;
-      int64_t koff = 0, voff = 0;  // zero fill: any valid address, never read
-      if (in) {
-        koff = row_offset(p, key, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-        voff = row_offset(p, key, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
-      }
-      Element const* const k = static_cast<Element const*>(p.k) + koff;
-      Element const* const v = static_cast<Element const*>(p.v) + voff;
+      int const row = ptid / kThreadsPerRow + j * (128 / kThreadsPerRow);
+      auto const [in, k, v] = row_source<Element>(p, n * Kt::kBlockN + row);
       CUTE_UNROLL
       for (int c = 0; c < kChunksPerThread; ++c) {
         int const col = (first_chunk + c * kThreadsPerRow) * 8;
@@ -269,15 +281,8 @@ struct KvGather {
     constexpr int kVecs = kChunksPerRow / 2;  // 16-code vectors of a row
     CUTE_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
-      int const row = ptid + j * 128, key = n * Kt::kBlockN + row;
-      bool const in = key < seqlen_k;
-      int64_t koff = 0, voff = 0;
-      if (in) {
-        koff = row_offset(p, key, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-        voff = row_offset(p, key, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
-      }
-      uint8_t const* const k = static_cast<uint8_t const*>(p.k) + koff;
-      uint8_t const* const v = static_cast<uint8_t const*>(p.v) + voff;
+      int const row = ptid + j * 128;
+      auto const [in, k, v] = row_source<uint8_t>(p, n * Kt::kBlockN + row);
       CUTE_UNROLL
       for (int c = 0; c < kVecs; ++c) {
         bool const fill = in && c * 16 < p.headdim;  // code 0 is +0 in both formats
