@@ -27,6 +27,7 @@
 #include "sm80/bwd_tiles.h"
 #include "sm90/bwd_tiles.h"
 #include "sm80/fwd_tiles.h"
+#include "sm90/fwd_tiles.h"
 
 namespace sinkattn {
 
@@ -477,10 +478,6 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
         TORCH_CHECK(t->stride(i) % 16 == 0 || t->size(i) == 1,
                     "sinkattn fwd_kvcache: FP8 cache strides must be multiples of 16 elements");
   }
-  // The sm90 forward over a cache (sm90/fwd_kernel.cuh): any page size (16-row TMA boxes, or the producer
-  // warpgroup's gather, which also decodes FP8 caches), GQA packing, no split-KV; the sm80 kernels serve the rest.
-  TORCH_CHECK(!sm90 || num_splits <= 1, "sinkattn fwd_kvcache: the ", backend, " forward does not split keys (got "
-              "num_splits=", num_splits, "); pass num_splits=0 or 1, or backend='sm80' for split-KV");
   KernelInfo const* info = nullptr;
   if (kv_fp8) {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -531,40 +528,40 @@ static void fwd_kvcache(std::string const& backend, at::Tensor q, at::Tensor k_c
   };
   descale(k_descale, "k_descale", p.k_descale, p.k_descale_batch_stride, p.k_descale_head_stride);
   descale(v_descale, "v_descale", p.v_descale, p.v_descale_batch_stride, p.v_descale_head_stride);
+  // One launch (plus the combine when the keys are split), its grid from the padded sizes alone (packed M tiles when
+  // varlen: common/seq_extent.h), each CTA finding its sequence on the device, so a CUDA graph's launch serves every
+  // batch of its padded size. GQA packing: the group's query heads share a tile, so K and V are read once per KV head
+  // (a decode row fills group rows of a tile instead of one row of a tile per query head).
+  p.packed_tiles = varlen;
+  p.pack_gqa = p.nheads > p.nheads_k;
+  int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
+  int64_t const rows = int64_t(p.seqlen_q) * group;
+  // Split-KV: decode launches one CTA (or one persistent tile) per (sequence, KV head); splitting the keys fills the
+  // SMs. CTAs are counted with the tile's rows and key blocks with its keys: the sm90 forward's one tile per head dim
+  // (sm90/fwd_tiles.h: any page size, 16-row TMA boxes or the producer warpgroup's gather, FP8 caches decoded there);
+  // for the sm80 kernels the table the launcher reads (sm80/fwd_tiles.h), the unsplit tile's rows and the split
+  // tile's keys, so no split count exceeds the blocks there are.
+  int block_m = 0, block_n = 0;
   if (sm90) {
-    // One launch: the persistent grid over (M tile, head), packed over the sequences when varlen (from the padded
-    // sizes alone: sm90/fwd_host.h fwd_schedule), each CTA finding its sequence on the device.
     TORCH_CHECK(info->smem_bytes <= p.max_smem_per_block, "sinkattn fwd_kvcache: the ", backend, " forward for head "
                 "dim ", info->headdim, " needs ", info->smem_bytes, " bytes of shared memory per block; the limit is ",
                 p.max_smem_per_block);
-    p.packed_tiles = varlen;
-    // GQA packing: the group's query heads share a tile, so K and V are read once per KV head (a decode row fills
-    // group rows of a tile instead of one row of a tile per query head).
-    p.pack_gqa = p.nheads > p.nheads_k;
-    if (kv_fp8) launch_kernel<FwdFp8Params>(info, p, emulated, q.device());
-    else launch_kernel<FwdParams>(info, p, emulated, q.device());
-    return;
+    sm90::FwdTile const tile = sm90::fwd_tile_for(info->headdim);
+    block_m = tile.block_m;
+    block_n = tile.block_n;
+  } else {
+    sm80::FwdTile const whole = kv_fp8 ? sm80::choose_fwd_fp8_tile(p.headdim_rounded, rows, p.max_smem_per_block)
+                                       : sm80::choose_fwd_tile(p.headdim_rounded, {rows, false}, p.max_smem_per_block);
+    block_m = whole.block_m;
+    block_n = kv_fp8 ? whole.block_n
+                     : sm80::choose_fwd_tile(p.headdim_rounded, {rows, true}, p.max_smem_per_block).block_n;
   }
-  p.pack_gqa = p.nheads > p.nheads_k;
-
-  // Split-KV: decode launches one CTA per (sequence, KV head); splitting the keys fills the SMs. The tiles come
-  // from the table the launcher reads (sm80/fwd_tiles.h): CTAs are counted with the unsplit tile's rows, and
-  // key blocks with the split tile's keys, so no split count exceeds the blocks there are.
-  int64_t const rows = int64_t(p.seqlen_q) * (p.nheads / p.nheads_k);
-  sm80::FwdTile const whole = kv_fp8 ? sm80::choose_fwd_fp8_tile(p.headdim_rounded, rows, p.max_smem_per_block)
-                                     : sm80::choose_fwd_tile(p.headdim_rounded, {rows, false}, p.max_smem_per_block);
-  sm80::FwdTile const split = kv_fp8 ? whole
-                                     : sm80::choose_fwd_tile(p.headdim_rounded, {rows, true}, p.max_smem_per_block);
-  // Varlen queries: every sequence's M tiles in one packed index (common/seq_extent.h), from the padded sizes alone,
-  // so a CUDA graph's launch serves every batch of its padded size.
-  p.packed_tiles = varlen;
-  int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
-  int64_t const m_tiles = varlen ? packed_tile_count(p.total_q, group, whole.block_m, p.batch)
-                                 : (rows + whole.block_m - 1) / whole.block_m * p.batch;
+  int64_t const m_tiles = varlen ? packed_tile_count(p.total_q, group, block_m, p.batch)
+                                 : (rows + block_m - 1) / block_m * p.batch;
   int64_t const ctas = m_tiles * (p.pack_gqa ? p.nheads_k : p.nheads);
-  int sms = 108;  // the emulation pretends to be an A100
+  int sms = sm90 ? 132 : 108;  // the emulation pretends to be an H100 / an A100
   if (!emulated) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
-  int const n_blocks = int((capacity + split.block_n - 1) / split.block_n);
+  int const n_blocks = int((capacity + block_n - 1) / block_n);
   p.num_splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, 128))
                                 : choose_num_splits(ctas, sms, n_blocks, 64);
   at::Tensor out_accum, lse_accum;

@@ -44,12 +44,10 @@ SM90_MIN_WINDOW = 128
 # True, with the run in bench/RESULTS.md).
 SM90_BWD_VALIDATED = False
 
-# The sm90 forward over KV caches (paged or not, the serving call's packed queries; csrc/sm90/fwd_kernel.cuh) was
-# written and emulation-tested in a session without a GPU: set this True once a GPU run passes
-# tests/test_gpu_sm90_serving.py on it (with the run in bench/RESULTS.md). "auto" keeps cache calls on the sm80
-# kernels on cc 9.0 either way for now: the sm90 forward splits no keys, so a small decode batch leaves SMs idle
-# (predicted 2x slower on one request, faster on batches that fill the SMs: bench/RESULTS.md) until a GPU round
-# measures the crossover; backend="sm90" runs it.
+# The sm90 forward over KV caches (paged or not, the serving call's packed queries, split-KV;
+# csrc/sm90/fwd_kernel.cuh) was written and emulation-tested in sessions without a GPU: "auto" keeps cache calls on
+# the sm80 kernels on cc 9.0 until a GPU run passes tests/test_gpu_sm90_serving.py on it and the serving bench
+# measures it beside them (then set this True, with the run in bench/RESULTS.md); backend="sm90" runs it.
 SM90_CACHE_VALIDATED = False
 
 # What a registry feature means to a user (the reason a kernel is refused names what the call needs).
@@ -226,16 +224,11 @@ def preference_note(capability: tuple[int, int] | None, problem: Problem | None)
             and problem.mask.left_window_under(SM90_MIN_WINDOW)):
         return {"sm90": (f"windows under {SM90_MIN_WINDOW} keys run faster on the sm80 kernel on cc 9.0 "
                          "(measured on an H200); backend='sm90' still forces it")}
-    if capability == (9, 0) and problem is not None and problem.kind == "kvcache":
-        if not SM90_CACHE_VALIDATED:
-            return {"sm90": ("the sm90 forward over KV caches (decode, chunked prefill, the serving call) is compiled "
-                             "and emulation-tested but has not yet run on a GPU (tests/test_gpu_sm90_serving.py checks "
-                             "it against the oracle on the next one); until then the sm80 kernels serve cache calls on "
-                             "cc 9.0; backend='sm90' forces it")}
-        return {"sm90": ("the sm90 forward over KV caches splits no keys: a small decode batch leaves SMs idle "
-                         "(predicted 2x slower on one request, faster on batches that fill the SMs: bench/RESULTS.md); "
-                         "until a GPU round measures the crossover the sm80 kernels serve cache calls on cc 9.0; "
-                         "backend='sm90' forces it")}
+    if capability == (9, 0) and problem is not None and problem.kind == "kvcache" and not SM90_CACHE_VALIDATED:
+        return {"sm90": ("the sm90 forward over KV caches (decode, chunked prefill, the serving call) is compiled "
+                         "and emulation-tested but has not yet run on a GPU (tests/test_gpu_sm90_serving.py checks "
+                         "it against the oracle on the next one); until then the sm80 kernels serve cache calls on "
+                         "cc 9.0; backend='sm90' forces it")}
     if capability == (9, 0) and problem is not None and problem.kind == "bwd" and not SM90_BWD_VALIDATED:
         return {"sm90": ("the sm90 backward is compiled but has not yet run on a GPU (tests/test_gpu_sm90_backward.py "
                          "checks it against the oracle on the next one); until then the sm80 backward serves "

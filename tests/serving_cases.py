@@ -150,18 +150,13 @@ FP8_SERVING_CASES = [
 ]
 
 
-def sm90_cases(cases):
-    """The cases as the sm90 forward serves them: no split-KV (num_splits dropped: it does not split keys). Pages of
-    a multiple of 16 rows arrive in 16-row TMA boxes, the others (page1, odd-page5) through the producer
-    warpgroup's gather."""
-    return [(name, reqs, {k: v for k, v in kw.items() if k != "num_splits"}) for name, reqs, kw in cases]
-
-
 # The sm90 forward over a paged cache (csrc/sm90/fwd_kernel.cuh PageRows, TileWork): the shared cases it serves
 # (GQA-packed wherever h > hk), and the shapes of its own path: several 128-row M tiles per request (packed over the
 # batch), pages of two boxes (32), pages that are not a power of two (48: divisions), pages holding whole key blocks
 # (128, 256), keys ending inside a page box, a window whose left edge cuts a page, and GQA groups of 6 and 3.
-SM90_SERVING_CASES = sm90_cases(SERVING_CASES) + [
+# The shared cases run as they are (split-KV included: each split's partials, then the combine); pages of a multiple
+# of 16 rows arrive in 16-row TMA boxes, the others (page1, odd-page5) through the producer warpgroup's gather.
+SM90_SERVING_CASES = SERVING_CASES + [
     ("sm90-m-tiles-page32", [(1, 300), (200, 260), (0, 0), (130, 500), (3, 19)],
      dict(page_size=32, causal=True)),
     ("sm90-page48-window-sinktok", [(70, 400), (1, 97), (129, 129)],

@@ -21,7 +21,7 @@ CUDA_PROBLEM = Problem(kind="fwd", device_type="cuda", dtype=torch.bfloat16, hea
 # dim 256, which entry() drops).
 FEATURES = {("sm80", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,paged16,split_kv,"
                              "broadcast_strides",
-            ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16,paged",
+            ("sm90", "fwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16,split_kv,paged",
             ("sm80", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic,broadcast_strides",
             ("sm90", "bwd"): "sinks,sink_tokens,causal,window,softcap,gqa,varlen,deterministic",
             ("sm80", "fwd_fp8"): "sinks,sink_tokens,causal,window,softcap,gqa,kvcache,paged,paged16,split_kv,fp8_kv,"
@@ -33,7 +33,7 @@ def entry(family, op, headdim=128, dtype="bf16", **changes):
     """One registry entry of a build; `changes` overrides its fields (features=, smem_bytes=, ...)."""
     features = changes.pop("features", None) or FEATURES[(family.replace("-emulated", ""), op)]
     if family.startswith("sm90") and op == "fwd" and headdim == 256:
-        features = features.replace(",paged16,paged", ",paged16")
+        features = features.replace(",split_kv,paged", ",split_kv")
     e = dict(name=f"{op}_{family}_hdim{headdim}_{dtype}", family=family, op=op, headdim=headdim, dtype=dtype,
              features=features, archs=ARCHS[family], smem_bytes=0)
     e.update(changes)
@@ -191,8 +191,8 @@ def test_kvcache_needs_the_kvcache_feature(gpu, fake_registry):
 def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
     """The sm90 forward serves cache calls (contiguous, paged at any page size but at head dim 256, where only
     multiples of 16 rows) when forced; "auto" keeps them on sm80 on cc 9.0, before a GPU run validates it
-    (SM90_CACHE_VALIDATED) and after (it splits no keys: small decode batches would leave SMs idle), and the report's
-    note says which."""
+    (SM90_CACHE_VALIDATED) and the report's note says why; once validated (it splits keys like the sm80 kernels),
+    "auto" runs it."""
     monkeypatch.setattr(dispatch, "SM90_CACHE_VALIDATED", validated)
     gpu["cap"] = (9, 0)
     fake_registry(build("sm90", "sm80"))
@@ -200,26 +200,26 @@ def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
     for problem in (KVCACHE_PROBLEM, paged16, dataclasses.replace(paged16, page_size=256)):
         assert dispatch.why_not("sm90", problem) is None
         assert dispatch.choose(problem, "sm90") == "sm90"
-        assert dispatch.choose(problem, "auto") == "sm80"
-    note = dispatch.preference_note((9, 0), KVCACHE_PROBLEM)["sm90"]
-    assert ("has not yet run on a GPU" in note) != validated and "backend='sm90'" in note
-    assert validated == ("splits no keys" in note)
+        assert dispatch.choose(problem, "auto") == ("sm90" if validated else "sm80")
+    note = dispatch.preference_note((9, 0), KVCACHE_PROBLEM).get("sm90", "")
+    assert ("has not yet run on a GPU" in note and "backend='sm90'" in note) != validated
     for page in (1, 5, 24):
         odd = dataclasses.replace(paged16, page_size=page)
         assert dispatch.why_not("sm90", odd) is None and dispatch.choose(odd, "sm90") == "sm90"
-        assert dispatch.why_not("sm80", odd) is None and dispatch.choose(odd, "auto") == "sm80"
+        assert dispatch.why_not("sm80", odd) is None
+        assert dispatch.choose(odd, "auto") == ("sm90" if validated else "sm80")
         reason = dispatch.why_not("sm90", dataclasses.replace(odd, headdim=256))
         assert "page size is not a multiple of 16 rows" in reason, reason
     assert dispatch.choose(CUDA_PROBLEM, "auto") == "sm90"  # the forward's choice is untouched
     # FP8 caches: the sm90 forward's fwd_fp8 entries (the same kernels, csrc/sm90/fwd_tiles.h fwd_fp8_features) serve
-    # them when forced, not at head dim 256; "auto" keeps them on the sm80 FP8 kernels like every cache call
+    # them when forced, not at head dim 256; "auto" routes them as every cache call
     fp8 = dataclasses.replace(paged16, kv_fp8=True)
     fake_registry(build("sm90", "sm80")
                   + tuple(entry("sm80", "fwd_fp8", h, "bf16") for h in (64, 128))
                   + tuple(entry("sm90", "fwd_fp8", h, "bf16", features=FEATURES[("sm90", "fwd")]
                                 + (",fp8_kv" if h != 256 else "")) for h in (64, 128, 256)))
     assert dispatch.why_not("sm90", fp8) is None and dispatch.choose(fp8, "sm90") == "sm90"
-    assert dispatch.choose(fp8, "auto") == "sm80"
+    assert dispatch.choose(fp8, "auto") == ("sm90" if validated else "sm80")
     assert "FP8 KV caches" in dispatch.why_not("sm90", dataclasses.replace(fp8, headdim=256))
 
 

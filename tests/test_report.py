@@ -80,7 +80,7 @@ def native(registry, cc) -> bool:
 
 def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
     # Decode runs on the sm80 forward kernel on every device (on cc 9.0 the sm90 forward over caches comes second:
-    # dispatch.SM90_CACHE_VALIDATED, and it splits no keys; it reads no FP8 cache); the backward on the bwd
+    # until dispatch.SM90_CACHE_VALIDATED; it reads no FP8 cache at head dim 256); the backward on the bwd
     # kernels (sm90 devices use the sm80 backward until the sm90 one has passed a GPU run: dispatch.SM90_BWD_VALIDATED).
     # The learnable-sinks problem is gpt-oss's window (127, 0), which "auto" gives to sm80 first on cc 9.0
     # (dispatch.SM90_MIN_WINDOW).
@@ -109,7 +109,7 @@ def expected_backend(feature: str, cc: tuple[int, int], registry) -> str:
 # fwd_features at head dim 64, which gathers pages of any size).
 FWD_FEATURES_OF = {"sm80": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged,paged16,split_kv,"
                            "broadcast_strides",
-                   "sm90": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16,paged"}
+                   "sm90": "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16,split_kv,paged"}
 
 
 def fake_registry(archs: list[str], sm90: bool = False) -> tuple[dict, ...]:
@@ -388,7 +388,7 @@ def test_preferred_backends():
     assert "sm80" in dispatch.preference_note((9, 0), short)["sm90"]
     p = capability._problem("sink_tokens", 0)
     assert dispatch.preferred_backends((9, 0), p) == ("sm90", "sm80") and not dispatch.preference_note((9, 0), p)
-    # The sm90 forward over KV caches ranks below the sm80 kernels (not run on a GPU; no split-KV yet).
+    # The sm90 forward over KV caches ranks below the sm80 kernels (not run on a GPU yet: SM90_CACHE_VALIDATED).
     decode = capability._problem("decode", 0)
     assert dispatch.preferred_backends((9, 0), decode) == ("sm80", "sm90")
     assert "backend='sm90'" in dispatch.preference_note((9, 0), decode)["sm90"]

@@ -5,8 +5,9 @@ multiple of 16 rows) run on the CPU under host emulation, against the float64 or
 batches (tests/serving_cases.py SM90_SERVING_CASES), the padded decode and chunked-prefill calls with their append
 (tests/decode_cases.py), the same bits from a contiguous, a boxed and a gathered paged cache, one call per batch,
 the planted bugs of the page lookup and of the gather's protocol, FP8 caches (both formats, per-tensor and
-per-(sequence, KV head) scales, contiguous and paged, decoded in place by the gather), and what the sm90 path
-refuses (split-KV; small pages and FP8 caches at head dim 256) with the fix named.
+per-(sequence, KV head) scales, contiguous and paged, decoded in place by the gather), split-KV (each split's
+partials and the combine: forced counts, more splits than key blocks, the count "auto" picks), and what the sm90 path
+refuses (small pages and FP8 caches at head dim 256) with the fix named.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 import sinkattn
 from decode_cases import DECODE_CASES, FP8_DECODE_CASES, FP8_FORMATS, run_decode, run_fp8_decode
-from serving_cases import FP8_SERVING_CASES, SM90_SERVING_CASES, PagedBatch, run_serving, sm90_cases
+from serving_cases import FP8_SERVING_CASES, SM90_SERVING_CASES, PagedBatch, run_serving
 from sinkattn import _ext
 from sinkattn.errors import SinkattnError
 from test_sm90_emulated import MUTATIONS, check_planted_bug
@@ -26,7 +27,6 @@ pytestmark = pytest.mark.skipif(
     not any(k["family"] == "sm90-emulated" and k["op"] == "fwd" and k["headdim"] == 64 and k["dtype"] == "bf16"
             for k in _REG), reason="no emulated sm90 hdim64 bf16 forward in this build")
 
-SM90_DECODE_CASES = [(name, {k: v for k, v in kw.items() if k != "num_splits"}) for name, kw in DECODE_CASES]
 
 
 @pytest.mark.parametrize("name,reqs,kw", SM90_SERVING_CASES, ids=[c[0] for c in SM90_SERVING_CASES])
@@ -34,7 +34,7 @@ def test_sm90_emulated_serving_matches_oracle(name, reqs, kw, rng_seed):
     run_serving("sm90-emulated", "cpu", rng_seed, reqs, **kw)
 
 
-@pytest.mark.parametrize("name,kw", SM90_DECODE_CASES, ids=[c[0] for c in SM90_DECODE_CASES])
+@pytest.mark.parametrize("name,kw", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
 def test_sm90_emulated_kvcache_matches_oracle(name, kw, rng_seed):
     run_decode("sm90-emulated", "cpu", rng_seed, **kw)
 
@@ -153,12 +153,10 @@ def test_sm90_protocol_planted_bugs_fail_over_pages(mutation, monkeypatch, rng_s
         "sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True))
 
 
-SM90_FP8_SERVING_CASES = sm90_cases(FP8_SERVING_CASES)
-SM90_FP8_DECODE_CASES = [(name, {k: v for k, v in kw.items() if k != "num_splits"}) for name, kw in FP8_DECODE_CASES]
 
 
 @pytest.mark.parametrize("fmt", list(FP8_FORMATS))
-@pytest.mark.parametrize("name,reqs,kw", SM90_FP8_SERVING_CASES, ids=[c[0] for c in SM90_FP8_SERVING_CASES])
+@pytest.mark.parametrize("name,reqs,kw", FP8_SERVING_CASES, ids=[c[0] for c in FP8_SERVING_CASES])
 def test_sm90_emulated_fp8_serving_matches_oracle(name, reqs, kw, fmt, rng_seed):
     """FP8 caches on the serving call: the gather lands a row's codes in its stage and decodes them in place; the
     oracle runs on the dequantized cache (codes * descale), so the kernel's own error is what is measured."""
@@ -167,7 +165,7 @@ def test_sm90_emulated_fp8_serving_matches_oracle(name, reqs, kw, fmt, rng_seed)
 
 @pytest.mark.parametrize("fmt", list(FP8_FORMATS))
 @pytest.mark.parametrize("scales", ["per_head", "tensor"])
-@pytest.mark.parametrize("name,kw", SM90_FP8_DECODE_CASES, ids=[c[0] for c in SM90_FP8_DECODE_CASES])
+@pytest.mark.parametrize("name,kw", FP8_DECODE_CASES, ids=[c[0] for c in FP8_DECODE_CASES])
 def test_sm90_emulated_fp8_decode_matches_oracle(name, kw, fmt, scales, rng_seed):
     """The padded decode and chunked-prefill calls over FP8 caches (contiguous ones too: the gather reads them when
     they are FP8), with their quantized append."""
@@ -209,10 +207,24 @@ def test_sm90_fp8_gather_planted_bugs_fail(monkeypatch, rng_seed):
     check_planted_bug("cp_async_wait", monkeypatch, run)
 
 
-def test_sm90_cache_refusals():
-    """What the sm90 forward does not serve over a cache is refused with the backend that does, never run wrong."""
-    pb = PagedBatch([(1, 20), (2, 10)], h=4, hk=1, d=64, page_size=16, dtype=torch.bfloat16)
-    kw = dict(cache_seqlens=pb.seqused_k, block_table=pb.block_table, cu_seqlens_q=pb.cu_seqlens_q, max_seqlen_q=2,
-              backend="sm90-emulated")
-    with pytest.raises(RuntimeError, match="does not split keys.*backend='sm80'"):
-        sinkattn.flash_attn_with_kvcache(pb.q, pb.k_cache, pb.v_cache, num_splits=2, **kw)
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_sm90_split_kv_runs_and_matches_oracle(num_splits, rng_seed):
+    """Split-KV on the sm90 forward: each split's partials (normalised over its share of the key blocks, no sink) and
+    the combine (the sink once), against the oracle; num_splits 0 lets the host pick the count from the work (one
+    request's decode: one tile, so it splits). That the split path ran: its bits differ from the unsplit call's (the
+    partials round to fp32 and are merged in another order), and both match the oracle."""
+    reqs = [(1, 900), (1, 1), (3, 400)]
+    kw = dict(h=8, hk=1, causal=True, window_size=(600, 0), sink_tokens=3)
+    split_out, split_lse = run_serving("sm90-emulated", "cpu", rng_seed, reqs, num_splits=num_splits, **kw)
+    whole_out, whole_lse = run_serving("sm90-emulated", "cpu", rng_seed, reqs, num_splits=1, **kw)
+    assert not torch.equal(split_out, whole_out) or not torch.equal(split_lse, whole_lse), \
+        f"num_splits={num_splits} gave the unsplit call's bits: the keys were not split"
+
+
+@pytest.mark.parametrize("d", EMU_HEADDIMS or [pytest.param(0, marks=pytest.mark.skip("no other emulated head dim"))])
+def test_sm90_split_kv_other_head_dims(d, rng_seed):
+    """Head dims 128 (128-key blocks) and 256 (48-key blocks: many blocks per split, a window and sink tokens whose
+    blocks fall in different splits), over a GQA-packed decode batch with an empty request and more splits than some
+    requests have blocks."""
+    run_serving("sm90-emulated", "cpu", rng_seed, [(1, 500), (0, 0), (1, 40), (2, 300)], h=4, hk=2, d=d,
+                causal=True, window_size=(250, 0), sink_tokens=2, num_splits=5)

@@ -142,11 +142,11 @@ def test_registry_records_each_kernels_smallest_tile():
             assert 100 * KB < k["smem_bytes"] <= 227 * KB, k
             # the forward reads KV caches: pages of a multiple of 16 rows in TMA boxes, any other page size where
             # its producer warpgroup gathers them (csrc/sm90/fwd_tiles.h gathers_pages: not at head dim 256, whose
-            # producer has 24 registers); split-KV and FP8 caches stay the sm80 kernels'
+            # producer has 24 registers), split-KV at every head dim; FP8 caches are its "fwd_fp8" entries'
             feats = k["features"].split(",")
-            assert ("kvcache" in feats) == ("paged16" in feats) == (k["op"] == "fwd"), k
+            assert ("kvcache" in feats) == ("paged16" in feats) == ("split_kv" in feats) == (k["op"] == "fwd"), k
             assert ("paged" in feats) == (k["op"] == "fwd" and k["headdim"] != 256), k
-            assert not {"split_kv", "fp8_kv"} & set(feats), k
+            assert "fp8_kv" not in feats, k
         if k["family"] in ("sm90-sweep", "sm90-emulated-sweep"):
             # a variant's features follow its tile: a dynamic tile walk needs a counter and gathers no pages
             feats = k["features"].split(",")

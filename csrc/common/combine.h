@@ -54,4 +54,10 @@ SA_HOST_DEVICE void combine_row_at(FwdParams const& p, int64_t r, int lane, int 
   combine_row<Element>(p, b, h, i, lane, lanes);
 }
 
+// Every row, one after another: the host emulation's combine (common/combine_launch.cuh is the GPU's).
+template <class Element>
+void combine_on_host(FwdParams const& p) {
+  for (int64_t r = 0; r < combine_rows(p); ++r) combine_row_at<Element>(p, r, 0, 1);
+}
+
 }  // namespace sinkattn

@@ -46,8 +46,7 @@ void run_fwd_sm80_emulated(FwdParams const& p, EmuLaunch const& launch) {
   sm80::with_fwd_config<kHeadDim, Element, emu80::EmuPrims>(p, launch.max_smem_per_block, [&]<class Kt>() {
     sm80::launch_fwd_part_emulated<kHeadDim, Element, sm80::fwd_unit_of<Kt>>(p, launch);
   });
-  if (p.num_splits > 1)
-    for (int64_t r = 0; r < combine_rows(p); ++r) combine_row_at<Element>(p, r, 0, 1);
+  if (p.num_splits > 1) combine_on_host<Element>(p);
 }
 
 // Decode over FP8 KV caches under emulation (sm80/fwd_launch.cuh run_fwd_fp8_sm80): the same tiles and grid.
@@ -57,8 +56,7 @@ void run_fwd_fp8_sm80_emulated(FwdFp8Params const& p, EmuLaunch const& launch) {
       sm80::choose_fwd_fp8_tile(kHeadDim, sm80::fwd_shape(p).rows, launch.max_smem_per_block), [&]<class Tile>() {
         sm80::launch_fwd_tile_emulated<sm80::FwdFp8Traits<Tile, Element, emu80::EmuPrims>>(p);
       });
-  if (p.num_splits > 1)
-    for (int64_t r = 0; r < combine_rows(p); ++r) combine_row_at<Element>(p, r, 0, 1);
+  if (p.num_splits > 1) combine_on_host<Element>(p);
 }
 
 }  // namespace sinkattn

@@ -1,6 +1,6 @@
 // fwd_launch.cuh: the sm80 forward on the GPU (nvcc only, no torch): the __global__ wrapper of the kernel body
 // (fwd_kernel.h), the launch of one tile configuration, the launcher that picks the configuration
-// (fwd_config.h), and the split-KV combine after it.
+// (fwd_config.h), and the split-KV combine after it (common/combine_launch.cuh).
 //
 // The tiles are compiled in three translation units per head dim and dtype (generate_kernels.py), one per
 // FwdUnit (fwd_config.h), so none holds every configuration: the one named fwd_sm80_hdim*_* holds run_fwd_sm80
@@ -13,7 +13,7 @@
 #include <cuda_runtime.h>
 
 #include "build_info.h"
-#include "common/combine.h"
+#include "common/combine_launch.cuh"
 #include "params.h"
 #include "sm80/fwd_config.h"
 #include "sm80/fwd_kernel.h"
@@ -43,15 +43,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kSplitKeys ? 1 : 0) fwd_fp8
   fwd_block<Kt>(p, smem, threadIdx.x, m_block, batch, head, split);
 }
 
-// One warp per output row (common/combine.h combine_rows).
-template <class Element>
-__global__ void combine_kernel(__grid_constant__ const FwdParams p) {
-  int64_t const rows = combine_rows(p);
-  int64_t const warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps)
-    combine_row_at<Element>(p, r, threadIdx.x % 32, 32);
-}
-
 // One tile configuration's launch.
 template <class Kt>
 void launch_fwd_tile(typename Kt::Params const& p, cudaStream_t stream) {
@@ -61,13 +52,6 @@ void launch_fwd_tile(typename Kt::Params const& p, cudaStream_t stream) {
   } else {
     launch_tile_kernel("fwd", fwd_kernel<Kt>, grid.count(), Kt::kNThreads, Kt::kSmemBytes, stream, p, grid);
   }
-}
-
-template <class Element>
-void launch_fwd_combine(FwdParams const& p, cudaStream_t stream) {
-  int64_t const rows = combine_rows(p);
-  int const blocks = int(rows / 4 + 1 < (1 << 20) ? rows / 4 + 1 : (1 << 20));
-  combine_kernel<Element><<<blocks, 128, 0, stream>>>(p);
 }
 
 // The tiles of `kUnit` for this problem (never called with a problem whose tile another unit compiles).
@@ -93,7 +77,7 @@ void run_fwd_sm80(FwdParams const& p, cudaStream_t stream) {
   sm80::with_fwd_config<kHeadDim, Element, sm80::GpuPrims>(p, p.max_smem_per_block, [&]<class Kt>() {
     sm80::launch_fwd_part<kHeadDim, Element, sm80::fwd_unit_of<Kt>>(p, stream);
   });
-  if (p.num_splits > 1) sm80::launch_fwd_combine<Element>(p, stream);
+  if (p.num_splits > 1) launch_fwd_combine<Element>(p, stream);
 }
 
 // Decode over FP8 KV caches (sm80/fp8_kv.h): one unit per head dim and dtype (fwd_fp8_sm80_hdim*_*), every FP8 tile
@@ -104,7 +88,7 @@ void run_fwd_fp8_sm80(FwdFp8Params const& p, cudaStream_t stream) {
                                     [&]<class Tile>() {
                                       sm80::launch_fwd_tile<sm80::FwdFp8Traits<Tile, Element, sm80::GpuPrims>>(p, stream);
                                     });
-  if (p.num_splits > 1) sm80::launch_fwd_combine<Element>(p, stream);
+  if (p.num_splits > 1) launch_fwd_combine<Element>(p, stream);
 }
 
 }  // namespace sinkattn

@@ -1,11 +1,13 @@
 // fwd_epilogue.cuh: the sm90 forward's epilogue: one consumer warpgroup's 64 rows of O out through shared memory
 // in 16-byte stores, predicated on the sequence's rows (varlen rows past the end belong to the next sequence),
-// and the LSE per row (a GQA-packed tile's rows each to their own query head). Its shared-memory loads and named barrier go through Prims (sm90/prims_gpu.cuh GpuPrims).
+// and the LSE per row (a GQA-packed tile's rows each to their own query head); under split-KV, each split's fp32
+// partial rows instead. Its shared-memory loads and named barrier go through Prims (sm90/prims_gpu.cuh GpuPrims).
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
 #include <cute/tensor.hpp>
 
+#include "common/combine.h"
 #include "common/seq_extent.h"
 #include "params.h"
 #include "sm90/pipeline.cuh"
@@ -77,6 +79,30 @@ __device__ __forceinline__ void store_out_lse(FwdParams const& p, typename Kt::E
       uint4 const val = Prims::lds128(&sO(row, col));
       *reinterpret_cast<uint4*>(o_seq + int64_t(m0 + row) * p.o_row_stride + col) = val;
     }
+  }
+}
+
+// Split-KV (FwdParams::num_splits > 1): this split's rows, normalised over its own keys and without the sink, in fp32
+// straight from registers at common/combine.h partial_row (decode tiles write few rows, and the combine reads them
+// once), which the combine merges with the sink counted once. Rows past the sequence's queries are not written; a row
+// whose share of the keys is empty gets lse -inf (weight 0 in the combine).
+template <class OutRows, class CoordsO, int kRows, class Work>
+__device__ __forceinline__ void store_split_partials(FwdParams const& p, OutRows const& out_rows, CoordsO const& tOcO,
+                                                     float const (&lse)[kRows], Work const& w) {
+  int64_t const split0 = int64_t(w.split) * partial_split_stride(p);
+  int64_t const q0 = w.ext.varlen ? w.ext.q_start : 0;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    int const row = get<0>(tOcO(r, 0)), i = w.query_of(row);
+    if (i >= w.ext.seqlen_q) continue;
+    int64_t const idx = split0 + partial_row(p, w.batch, w.head_of(row), q0 + i);
+    float* const o = p.out_accum + idx * p.headdim_rounded;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(out_rows); ++c) {
+      int const col = get<1>(tOcO(r, c));
+      if (col < p.headdim) o[col] = out_rows(r, c);
+    }
+    if (get<1>(tOcO(r, 0)) == 0) p.lse_accum[idx] = lse[r];
   }
 }
 

@@ -19,17 +19,17 @@ namespace sinkattn::sm90 {
 // sequence (common/seq_extent.h packed_tile), their count from the padded total_q and batch alone, so the grid does
 // not depend on the batch's mix (a CUDA graph captured at one size replays any batch of it).
 // GQA-packed (FwdParams::pack_gqa): heads are the KV heads, and a sequence's rows are its queries times the group.
+// Split-KV (num_splits > 1): each M block's splits are consecutive blocks of the order (fwd_kernel.cuh TileWork), so
+// the split count multiplies the blocks (a 32-bit division in a tile's decode, not a 64-bit split dimension's).
 template <class Kt>
 PersistentTileOrder fwd_schedule(FwdParams const& p) {
   int const group = p.pack_gqa ? p.nheads / p.nheads_k : 1, heads = p.pack_gqa ? p.nheads_k : p.nheads;
-  if (p.packed_tiles) {
-    int64_t const blocks = packed_tile_count(p.total_q, group, Kt::kBlockM, p.batch);
-    if (blocks > int64_t(INT32_MAX))
-      throw std::invalid_argument("sinkattn fwd: too many packed query rows for the sm90 forward's tile index");
-    return PersistentTileOrder{int(blocks), 1, heads, 1};
-  }
-  int64_t const blocks = (int64_t(p.seqlen_q) * group + Kt::kBlockM - 1) / Kt::kBlockM;
-  return PersistentTileOrder{int(blocks), 1, heads, p.batch};
+  int const splits = p.num_splits > 1 ? p.num_splits : 1;
+  int64_t const blocks = splits * (p.packed_tiles ? packed_tile_count(p.total_q, group, Kt::kBlockM, p.batch)
+                                                  : (int64_t(p.seqlen_q) * group + Kt::kBlockM - 1) / Kt::kBlockM);
+  if (blocks > int64_t(INT32_MAX))
+    throw std::invalid_argument("sinkattn fwd: too many query rows (times key splits) for the sm90 forward's tile index");
+  return PersistentTileOrder{int(blocks), 1, heads, p.packed_tiles ? 1 : p.batch};
 }
 
 // Whether the forward has anything to write: no tile or no query row means no launch, and no descriptor is encoded
@@ -56,8 +56,9 @@ bool fwd_has_work(FwdFp8Params const& p) {
     throw std::invalid_argument("sinkattn fwd: the sm90 forward at head dim " + std::to_string(Kt::kHeadDim) +
                                 " reads no FP8 cache (its producer does not gather); backend='sm80' reads them at "
                                 "head dims 64 and 128, backend='reference' at any");
-  if (p.num_splits > 1)
-    throw std::invalid_argument("sinkattn fwd: the sm90 forward does not split keys (num_splits 1)");
+  if (p.num_splits > 1 && (p.out_accum == nullptr || p.lse_accum == nullptr))
+    throw std::invalid_argument("sinkattn fwd: split-KV (num_splits > 1) writes its partial results to p.out_accum "
+                                "and p.lse_accum (common/combine.h), which are null");
   int const rows_q = p.cu_seqlens_q != nullptr ? p.total_q : p.seqlen_q;
   return fwd_schedule<Kt>(p).count() > 0 && rows_q > 0;
 }

@@ -32,6 +32,7 @@
 #include "common/mask.h"
 #include "common/online_softmax.h"
 #include "common/seq_extent.h"
+#include "common/split.h"
 #include "common/tile_order.h"
 #include "params.h"
 #include "sm90/fwd_epilogue.cuh"
@@ -49,18 +50,30 @@ using namespace cute;
 // GQA packing (FwdParams::pack_gqa, over KV caches): a tile's rows are the group's query heads of consecutive queries,
 // row r of the packed problem being query r / group of query head kv_head * group + r % group, so K and V are read
 // once per KV head; `head` is then the KV head (the schedule's heads are the KV heads).
+// Split-KV (FwdParams::num_splits > 1): the schedule's blocks are (M block, split) pairs, the split varying fastest, and
+// split s visits its share of the M block's visited key blocks (common/split.h split_share: nblocks of them from the
+// first-th); its rows' partial results go to the fp32 accumulators (store_split_partials), which the combine merges.
+// The share is kept as a range of its own: the mask's range with its window's end moved down by `first`, whose
+// block(i) is the M block's (first + i)-th visited block (window blocks from the last down, then sink blocks; with
+// first past the window's blocks its window count is negative and block(i) lands among the sink blocks). No field
+// more than the unsplit tile's: the producer's 40 registers held the share's first index beside the range only by
+// spilling (sm_90a hd64 gather path: 10 spill loads for 4).
 template <class Kt>
 struct TileWork {
-  int m_block, head, batch;
+  int m_block, head, batch, split;
   int group;  // query heads per tile row group: p.nheads / p.nheads_k when packed, else 1
   SeqExtent ext;
   TileMask mask;
-  BlockRange range;
+  BlockRange range;  // the split's share (above); range.count() may exceed it: nblocks is its size
+  int nblocks;
   bool valid;  // the tile holds rows of its sequence (varlen batches are sized for the longest)
 
   __device__ TileWork(FwdParams const& p, PersistentTileOrder const& s, int64_t t) {
-    int split;
-    s.decode(t, m_block, split, head, batch);
+    s.decode(t, m_block, split, head, batch);  // split 0: the persistent order has no split dimension
+    if (p.num_splits > 1) {
+      split = m_block % p.num_splits;
+      m_block /= p.num_splits;
+    }
     group = p.pack_gqa ? p.nheads / p.nheads_k : 1;
     // Packed M blocks (the serving call): block -> (sequence, its M block), found on the device.
     if (p.packed_tiles) packed_tile(p.cu_seqlens_q, p.batch, group, Kt::kBlockM, m_block, batch, m_block);
@@ -68,6 +81,13 @@ struct TileWork {
     mask = TileMask{mask_policy(p, ext), Kt::kBlockM, Kt::kBlockN, group};
     valid = m_block * Kt::kBlockM < ext.seqlen_q * group;
     range = valid ? mask.range(m_block) : BlockRange{0, 0, 0};
+    nblocks = range.count();
+    if (p.num_splits > 1) {
+      int first, end;
+      split_share(nblocks, split, p.num_splits, first, end);
+      range.win_end -= first;
+      nblocks = end - first;
+    }
   }
   __device__ int kv_head(FwdParams const& p) const { return group > 1 ? head : head / (p.nheads / p.nheads_k); }
   // Tile row `row`'s query and query head.
@@ -366,7 +386,7 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
       }
     };
 
-    int const nblocks = w.range.count();
+    int const nblocks = w.nblocks;
     auto load_k = [&](int i, PipelineState<kStages> const& s) {  // block i of the range into stage s
       int const st = s.index();
       wait_empty<Prims>(ss.k_empty, s, BarrierId::kKEmpty);
@@ -429,7 +449,7 @@ SA90_DEVICE void produce_gathered(FwdFp8Params const& p, TmaParams<Kt> const& tm
       Prims::arrive(&ss.k_full[st]);
       Prims::arrive(&ss.v_full[st]);
     };
-    int const nblocks = w.range.count();
+    int const nblocks = w.nblocks;
     if (nblocks > 0) gather_block(0);  // before Q's buffer, as in produce()
     if (issuer) {
       int const qb = qs.index();
@@ -590,7 +610,7 @@ SA90_DEVICE void consume(FwdFp8Params const& p, PersistentTileOrder const& sched
     int const qb = qs.index();
     wait_full<Prims>(ss.q_full, qs, BarrierId::kQFull);
     if (w.group > 1) load_packed_q<Kt, Prims>(p, w, sQ(_, _, qb), wg, WarpRoles::thread_in_warpgroup(ctid));
-    int const nblocks = w.range.count();
+    int const nblocks = w.nblocks;
     if (nblocks > 0) {
       VTail<Kt, Prims> const tail(rows_past_end, w.range.block(0), w.ext.seqlen_k);
       turn.tile_start();
@@ -640,20 +660,26 @@ SA90_DEVICE void consume(FwdFp8Params const& p, PersistentTileOrder const& sched
       kv.advance();
     }
 
-    // ---- finalize: the sink joins the denominator once per row ---------------------------------------
+    // ---- finalize: the sink joins the denominator once per row (in the combine when the keys are split) ----
     softmax.reduce_sums();
+    bool const split_kv = p.num_splits > 1;
     float lse[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       // a packed tile's rows belong to the group's query heads, each with its own sink
       int const sink_head = w.group > 1 ? w.head_of(get<0>(tOcO(r, 0))) : w.head;
-      RowFinal const f = softmax.finalize(r, p.sinks ? p.sinks[sink_head] : -INFINITY, score.natural);
+      float const sink = split_kv || !p.sinks ? -INFINITY : p.sinks[sink_head];
+      RowFinal const f = softmax.finalize(r, sink, score.natural);
       lse[r] = f.lse;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(out_rows); ++c) out_rows(r, c) *= f.out_scale * v_descale;
     }
-    store_out_lse<Kt, Prims>(p, ss.q + qb * cosize_v<typename Kt::SmemLayoutQ>, thr_o, tOrO, tOcO, lse, w, wg,
-                             WarpRoles::thread_in_warpgroup(ctid));
+    if (split_kv) {
+      store_split_partials(p, out_rows, tOcO, lse, w);
+    } else {
+      store_out_lse<Kt, Prims>(p, ss.q + qb * cosize_v<typename Kt::SmemLayoutQ>, thr_o, tOrO, tOcO, lse, w, wg,
+                               WarpRoles::thread_in_warpgroup(ctid));
+    }
     // Every read of O's shared memory is done before the producer's next Q load (an async-proxy write)
     // may land there.
     Prims::fence_async_shared();

@@ -4,13 +4,14 @@
 // Serves what api.cpp routes here: padded or varlen q/k/v, every mask, sinks, softcap, GQA; and attention over a KV
 // cache (seqused_k; contiguous, or a page pool: 16-row TMA boxes, or the producer warpgroup's gather for other page
 // sizes where the tile allows it), padded queries or the serving call's packed ones (one launch per batch),
-// GQA-packed over caches, FP8 caches decoded by the gather. Split-KV stays on the sm80 kernels (docs/DESIGN.md
-// section 4).
+// GQA-packed over caches, FP8 caches decoded by the gather, split-KV (each split's partials, then the combine of
+// common/combine_launch.cuh, shared with the sm80 forward).
 #pragma once
 #include <cuda_runtime.h>
 #include <stdexcept>
 
 #include "build_info.h"
+#include "common/combine_launch.cuh"
 #include "params.h"
 #include "sm90/fwd_host.h"
 #include "sm90/fwd_kernel.cuh"
@@ -45,6 +46,7 @@ void launch_fwd_kernel(FwdFp8Params const& p, cudaStream_t stream) {
   auto kernel = fwd_kernel<Kt>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
   kernel<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, tma, sched);
+  if (p.num_splits > 1) launch_fwd_combine<Element>(p, stream);
 }
 
 // The kernel's parameters are FwdFp8Params (FP8 caches: their format and descales), so one kernel serves both

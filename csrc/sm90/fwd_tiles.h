@@ -5,7 +5,7 @@
 
 // What every sm90 forward tile serves (recorded in the registry, shown by the report), on the GPU and under host
 // emulation; fwd_features below adds what a tile's own shape allows.
-#define SINKATTN_FWD_SM90_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16"
+#define SINKATTN_FWD_SM90_FEATURES "sinks,sink_tokens,causal,window,softcap,gqa,varlen,kvcache,paged16,split_kv"
 
 namespace sinkattn::sm90 {
 
@@ -64,5 +64,14 @@ template <> struct FwdTileOf<256> { static constexpr FwdTile tile{256, 48, 2, 24
 
 template <int kHeadDim>
 constexpr int fwd_min_smem() { return FwdTileOf<kHeadDim>::tile.smem_bytes(); }
+
+// The table's tile for a head dim the forward serves (64, 128 or 256 after rounding up): the host sizes the split-KV
+// count with its block shape (api.cpp fwd_kvcache).
+// (Through fwd_tile_of: csrc/generate_kernels.py reads each specialization's head dim from the text, strictly.)
+template <int kHeadDim>
+constexpr FwdTile fwd_tile_of() { return FwdTileOf<kHeadDim>::tile; }
+constexpr FwdTile fwd_tile_for(int head_dim) {
+  return head_dim <= 64 ? fwd_tile_of<64>() : head_dim <= 128 ? fwd_tile_of<128>() : fwd_tile_of<256>();
+}
 
 }  // namespace sinkattn::sm90
