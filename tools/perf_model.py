@@ -38,8 +38,10 @@ Fitted constants (two, each on one named measured point of bench/RESULTS.md, 4d9
               (SDPA's flash backend, attn/fwd/hd128/h16kv16/full 2 x 8192) predicts its 353 TFLOP/s: 232, i.e.
               mma.sync on an H200 runs at 0.9x of the A100's 256 per SMSP-clock, a quarter of wgmma's 512 [Luo24:
               mma.sync on Hopper well below wgmma].
-  LOADED_LAT  the loaded DRAM latency in ns of a decode copy: to be fitted on decode/fwd/hd64/h64kv8/causal/sinks,
-              64 x 8192 (2540 GB/s) once 4d9dcbd's decode kernels are built here; a placeholder until then.
+  LOADED_LAT  the loaded DRAM latency in ns of a decode copy: NOT fitted. 4d9dcbd's decode rows (tools/perf_rows.py
+              DECODE, built here) do not bind on bytes in flight (17 MB across the H200's SMs): the hd128 row sits at
+              the copy ceiling, the hd64 rows at the computing warp's loop (docs/internals.md); a placeholder until a
+              row that is latency-bound is measured.
 
     python3 tools/perf_model.py sinkattn/_C*.so --device h200 [--filter fwd] [--json]   # per kernel: loop costs
     python3 tools/perf_model.py --rows                                                  # the checked rows
@@ -62,7 +64,7 @@ HMMA_SM90 = 232.0   # FMA/clk/SMSP of mma.sync m16n8k16 bf16 on sm_90 (fitted, s
 # of the body, each iteration: the default, what the predictions in bench/RESULTS.md used); "mma" / "mma+loads",
 # the interior iteration's path by sass.hot_path's two rules. docs/internals.md has the rows under each.
 PATH_RULES = ("loop", "mma", "mma+loads")
-LOADED_LAT = 1300.0  # ns: NOT fitted yet (the decode rows are not checked: 4d9dcbd's decode kernels were not built here)
+LOADED_LAT = 1300.0  # ns: NOT fitted (4d9dcbd's decode rows are not latency-bound: docstring)
 
 
 @dataclasses.dataclass(frozen=True)

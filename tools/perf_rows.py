@@ -16,8 +16,13 @@ import glob
 import os
 import re
 
+import sys
+
 import perf_model as pm
 import sass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import flops as F  # noqa: E402  (no torch import: pure arithmetic)
 
 # (case, batch, heads, seqlen, head dim, causal, measured TFLOP/s: ours sm80, FA2)
 FWD = [
@@ -37,6 +42,18 @@ BWD = [  # d6ddcbf's run
     ("attn/bwd/hd128/h16kv16/causal", 2, 16, 8192, 128, True, 87.6, 283),
 ]
 FIT_POINT = ("attn/fwd/hd128/h16kv16/full", 2, "FA2")  # HMMA_SM90 is fitted here (perf_model's docstring)
+# 4d9dcbd's decode rows (gpt-oss / Llama-70B heads: 64 query heads over 8 KV heads, one query per request, a contiguous
+# cache): (case, batch, seqlen_k, head dim, measured GB/s). Its decode tiles (csrc/sm80/fwd_config.h at 4d9dcbd):
+# 64 rows x block_n keys, 4 warps, 3 stages; a request's 8 rows are warp 0's, the other three warps only load.
+# The paged rows (1577 / 1557 GB/s) are not here: the paged and contiguous loads are two branches of one kernel with
+# the same MMAs and copies, which no path rule tells apart; the batch-1 and window rows are launch-bound.
+DECODE = [
+    ("decode/fwd/hd64/h64kv8/causal/sinks", 64, 8192, 64, 2540),
+    ("decode/fwd/hd64/h64kv8/causal/sinks", 64, 32768, 64, 2672),
+    ("decode/fwd/hd128/h64kv8/causal/sinks", 64, 16384, 128, 3850),
+]
+OURS_DECODE = {64: ("FwdTraitsILi64ELi64ELi128ELi4EN7cutlass10bfloat16_tENS0_8GpuPrimsELi3E", 64, 128),
+               128: ("FwdTraitsILi128ELi64ELi64ELi4EN7cutlass10bfloat16_tENS0_8GpuPrimsELi3E", 64, 64)}
 
 # FA2's launch choice on an sm90 GPU (flash_fwd_launch_template.h / flash_bwd_launch_template.h of FlashAttention
 # 2.x, read, not copied): (head dim -> traits prefix of the mangled name)
@@ -106,6 +123,21 @@ def predict_bwd(kern, dev, b, h, s, hd, causal, bm, bn):
     return flops / r["time"] / 1e12, r
 
 
+def predict_decode(kern, dev, b, hk, sk, hd, bm, bn):
+    """GB/s of a decode launch (one CTA per request and KV head, no split: b x hk CTAs fill the SMs): the smaller of
+    the copy ceiling and what the computing warps issue. Bytes in flight do not bind (3 stages of 64 rows: 64 KB per
+    CTA, two CTAs per SM, 17 MB over the H200's SMs, 4 us of its bandwidth). A request's rows are one warp's, so the
+    busiest sub-partition runs the loop of one warp per resident CTA (the CTAs' warp 0s share one, warp slots going
+    round the four), every key block."""
+    n_ctas = b * hk
+    occ = pm.ctas_per_sm(dev, kern.regs, kern.threads, kern.smem)
+    waves = -(-n_ctas // (dev.sms * occ))
+    t_it = kern.iteration_cycles(occ, dev) / (dev.ghz * 1e9)
+    by = F.decode_bytes(b, hk * 8, hk, hd, sk, elem_bytes=2, seqlen_q=1, causal=True)
+    t = max(waves * -(-sk // bn) * t_it, by / (dev.dram_gbs * 1e9))
+    return by / t / 1e9, {"bound": "copy" if t * dev.dram_gbs * 1e9 <= by * 1.0001 else "warp", "w": occ}
+
+
 def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop"):
     ours_files = sorted(glob.glob(os.path.join(ours_dir, "*.o")))
     fa2_files = sorted(glob.glob(os.path.join(fa2_dir, "*.cubin")))
@@ -141,6 +173,12 @@ def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop"):
         t = traits(fn)
         k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3] * t[4], smem, path=path), t[1], t[2])
         out[("bwd", 128, False, "ours")] = out[("bwd", 128, True, "ours")] = k
+    for hd, (pre, bm, bn) in OURS_DECODE.items():
+        hit = find(ours_files, dev, "sm8010fwd_kernel", pre)
+        if hit:
+            insns, loop, r, fn = hit
+            smem = (bm + 2 * 3 * bn) * hd * 2
+            out[("decode", hd, True, "ours")] = (pm.make_kernel(fn, insns, loop, r, dev, 128, smem, path=path), bm, bn)
     return out
 
 
@@ -175,4 +213,14 @@ def main(a) -> int:
             ratio = f"{mr:.2f} / {pr:.2f} ({(pr / mr - 1) * 100:+.0f}%)"
         bound = " / ".join(f"{p[1]['bound']} ({p[1]['w']})" for p in (po, pf) if p[0])
         print(f"| {case} | {b} x {s} | {m_o} / {fo} | {m_f} / {ff} | {ratio} | {bound} |")
+    print()
+    print("| decode case (4d9dcbd) | batch x seqlen_k | measured GB/s | predicted (error) | bound (W) |")
+    print("| --- | --- | --- | --- | --- |")
+    for case, b, sk, hd, meas in DECODE:
+        k = ks.get(("decode", hd, True, "ours"))
+        if not k:
+            print(f"| {case} | {b} x {sk} | {meas} | not built | |")
+            continue
+        gbs, r = predict_decode(k[0], dev, b, 8, sk, hd, k[1], k[2])
+        print(f"| {case} | {b} x {sk} | {meas} | {gbs:.0f} ({gbs / meas - 1:+.0%}) | {r['bound']} ({r['w']}) |")
     return 0
