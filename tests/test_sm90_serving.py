@@ -113,12 +113,16 @@ def test_sm90_page_lookup_planted_bug_fails(page_size, monkeypatch, rng_seed):
         "sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True, page_size=page_size))
 
 
-# The gather's protocol (csrc/sm90/fwd_kernel.cuh produce_gathered): each producer thread's copies waited for, fenced
-# for wgmma, then one arrival of 128 on each full barrier.
+# The gather's protocol (csrc/sm90/fwd_kernel.cuh produce_gathered): each producer thread's copies of a block one
+# cp.async group, waited for (the next block's group left in flight at hd64), fenced for wgmma, then one arrival of 128
+# on each full barrier.
 GATHER_MUTATIONS = {
-    # cp.async.wait_all returning early: the consumers' wgmma (or the thread's next copy) meets bytes not landed
+    # cp.async.wait_group returning early: the consumers' wgmma (or the thread's next copy) meets bytes not landed
     "cp_async_wait": "before the cp.async into it completed|while a cp.async into it was in flight|"
                      "cp.async never waited for",
+    # the wait leaving one group more in flight than the block it publishes allows (the pipelining's off-by-one)
+    "cp_async_group": "before the cp.async into it completed|while a cp.async into it was in flight|"
+                      "cp.async never waited for",
     # no proxy fence after the copies: wgmma reads the producers' generic writes unfenced
     "no_fence": "no fence.proxy.async",
     # a full barrier counting 127 of the 128 gathering threads: a phase completes before the last thread's copies
@@ -198,13 +202,16 @@ def test_sm90_emulated_fp8_other_head_dims_and_fp16(fmt, rng_seed):
 
 def test_sm90_fp8_gather_planted_bugs_fail(monkeypatch, rng_seed):
     """The FP8 gather's decode writes are generic stores: without the proxy fence wgmma reads them unfenced; with
-    cp.async.wait_all returning early, the decode reads codes not landed."""
+    the wait for a block's cp.async group returning early, or leaving one group too many in flight, the decode reads
+    codes not landed."""
     run = lambda: run_serving("sm90-emulated", "cpu", rng_seed, [(1, 100), (40, 70)], h=2, hk=1, causal=True,
                               fp8="e4m3fn")
     monkeypatch.setitem(MUTATIONS, "no_fence", "no fence.proxy.async")
     check_planted_bug("no_fence", monkeypatch, run)
-    monkeypatch.setitem(MUTATIONS, "cp_async_wait", "while a cp.async into it was in flight|cp.async never waited")
-    check_planted_bug("cp_async_wait", monkeypatch, run)
+    for mutation in ("cp_async_wait", "cp_async_group"):
+        monkeypatch.setitem(MUTATIONS, mutation, "while a cp.async into it was in flight|cp.async never waited|"
+                                                 "before the cp.async into it completed")
+        check_planted_bug(mutation, monkeypatch, run)
 
 
 @pytest.mark.parametrize("num_splits", [0, 3])

@@ -67,7 +67,8 @@ enum class Mutation {
   kSwizzle,         // TMA loads land unswizzled while wgmma reads swizzled
   kSwapLboSbo,      // wgmma reads its descriptors with LBO and SBO swapped
   kPageTable,       // every block-table lookup reads the sequence's first page (a page box from the wrong page)
-  kCpAsyncWait,     // cp.async.wait_all returns without the thread's copies landed
+  kCpAsyncWait,     // cp.async.wait_group returns without the thread's copies landed
+  kCpAsyncGroup,    // cp.async.wait_group N waits for one group fewer (N + 1 left in flight)
 };
 inline Mutation& mutation() {
   static thread_local Mutation m = Mutation::kNone;
@@ -86,6 +87,7 @@ inline Mutation read_mutation() {
   if (v == "swap_lbo_sbo") return Mutation::kSwapLboSbo;
   if (v == "page_table") return Mutation::kPageTable;
   if (v == "cp_async_wait") return Mutation::kCpAsyncWait;
+  if (v == "cp_async_group") return Mutation::kCpAsyncGroup;
   throw std::invalid_argument("SINKATTN_EMU90_MUTATE=" + v + ": not a mutation of the sm90 host emulation");
 }
 
@@ -368,8 +370,11 @@ struct EmuPrims {
 
   // ---- cp.async ------------------------------------------------------------------------------------------------
   static void cp_async16(uint32_t smem_addr, void const* src, bool fill) { cp_async_issue(smem_addr, src, fill); }
-  static void cp_async_wait_all() {
-    if (mutation() != Mutation::kCpAsyncWait) cp_async_land();
+  static void cp_async_commit() { emu90::cp_async_commit(); }
+  template <int N>
+  static void cp_async_wait_group() {
+    if (mutation() == Mutation::kCpAsyncWait) return;
+    cp_async_land(mutation() == Mutation::kCpAsyncGroup ? N + 1 : N);
   }
 
   // ---- wgmma ---------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@
 //     float format) and marked pending at issue, and the data lands, with its bytes, when a thread waits on that
 //     barrier (as late as the hardware may land it before the wait returns);
 //   - cp.async copies (the forward's gather of small pages): their destination poisoned and marked pending at issue,
-//     landed as the issuing thread's generic-proxy writes at its cp_async_wait_all (a wgmma reading them then needs
+//     grouped at the thread's commits, landed as its generic-proxy writes at its wait for their group (a wgmma reading them then needs
 //     that thread's fence.proxy.async, as for any generic write);
 //   - a deadlock detector: when every thread of the CTA is blocked, the pending loads land; if still every thread
 //     is blocked, the launch fails with who waits on what. A wait longer than kWaitLimit fails it too.
@@ -522,12 +522,15 @@ inline void tma_issue(TensorMap const& m, void* bar_ptr, int const* crd, void* d
 }
 
 // ---- cp.async -------------------------------------------------------------------------------------------------
-// One 16-byte copy a thread issued and has not waited for.
+// One 16-byte copy a thread issued and has not waited for: its group (the thread's commits count them from 0; -1
+// until the thread commits it).
 struct PendingCopy {
   uint32_t off;
   unsigned char data[16];
+  int64_t group = -1;
 };
 inline thread_local std::vector<PendingCopy> cp_async_pending;
+inline thread_local int64_t cp_async_groups = 0;  // the groups this thread committed
 
 // cp.async of 16 bytes from src (zeros when !fill) into shared byte off: the source is read now (the hardware reads it
 // some time before the copy completes; nothing writes it during a kernel), the destination poisoned and pending
@@ -567,10 +570,22 @@ inline void cp_async_issue(uint32_t off, void const* src, bool fill) {
   std::memset(b.smem + off, 0xFF, 16);  // in flight: what a reader would see is undefined
   cp_async_pending.push_back(c);
 }
-// The thread's cp.async.wait_all: its copies land as its own generic-proxy writes.
-inline void cp_async_land() {
+// cp.async.commit_group: the thread's copies not yet in a group become its newest.
+inline void cp_async_commit() {
+  for (auto& c : cp_async_pending)
+    if (c.group < 0) c.group = cp_async_groups;
+  ++cp_async_groups;
+}
+// cp.async.wait_group n: the copies of every group of the thread but its n newest land, as its own generic-proxy
+// writes (copies not committed stay in flight).
+inline void cp_async_land(int64_t n) {
   Block& b = *ctx.block;
+  std::vector<PendingCopy> still;
   for (auto const& c : cp_async_pending) {
+    if (c.group < 0 || c.group >= cp_async_groups - n) {
+      still.push_back(c);
+      continue;
+    }
     std::memcpy(b.smem + c.off, c.data, 16);
     for (uint32_t w = c.off / 4; w < c.off / 4 + 4; ++w) {
       b.tma_pending[w].store(kNotPending, std::memory_order_relaxed);
@@ -578,7 +593,7 @@ inline void cp_async_land() {
       b.last_read[w].store(0, std::memory_order_relaxed);
     }
   }
-  cp_async_pending.clear();
+  cp_async_pending.swap(still);
 }
 
 // ---- launch --------------------------------------------------------------------------------------------------

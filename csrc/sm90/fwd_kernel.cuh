@@ -203,8 +203,10 @@ struct PageRows {
 // lane's next one the other halves, from L1 (cp.async.ca keeps the sector there); two threads per row, reading whole
 // sectors, spilled the producer's 40 registers at hd128 (sm_90a: 16 spill loads). Rows at or past the sequence's
 // keys and columns past the head dim land as zeros (cp.async's zero fill: no byte is read, no table entry past the
-// sequence's pages). Each thread then waits for its own copies, fences them for wgmma (an async-proxy reader of
-// generic-proxy writes) and arrives on both full barriers, which count the 128 arrivals and no bytes (fwd_cta).
+// sequence's pages). A block's copies are one cp.async group of the thread; once it landed (produce_gathered keeps
+// the next block's group in flight meanwhile where the tile has the stages), the thread fences them for wgmma (an
+// async-proxy reader of generic-proxy writes) and arrives on both full barriers, which count the 128 arrivals and no
+// bytes (fwd_cta).
 template <class Kt, class Prims>
 struct KvGather {
   using Element = typename Kt::Element;
@@ -262,7 +264,8 @@ struct KvGather {
   }
 
   // Key block n into stage st of K and V, at shared addresses k_smem / v_smem (the caller waited for both stages'
-  // release). ptid: the thread's index in the producer warpgroup.
+  // release): this thread's cp.async (an FP8 cache's codes, which decode() then converts once they landed).
+  // ptid: the thread's index in the producer warpgroup.
   __device__ void copy(FwdFp8Params const& p, uint32_t k_smem, uint32_t v_smem, int st, int n, int ptid) const {
     if constexpr (Kt::kCanGatherFp8) {
       if (p.kv_fp8 != kFp8None) {
@@ -289,7 +292,8 @@ struct KvGather {
   // FP8 caches (FwdFp8Params::kv_fp8): wgmma reads no FP8 beside a bf16/fp16 Q, so the codes are decoded in the
   // stage. Each thread owns whole rows (kThreadsPerRow 1: Kt::kCanGatherFp8), and a row's codes take half the bytes
   // of its elements: they land by cp.async (no register holds them, the block's DRAM latency paid once, as for
-  // elements) in the upper half of the row's own chunks, and are then decoded in place from the lowest vector up,
+  // elements) in the upper half of the row's own chunks, and are then (decode_fp8, once they landed) decoded in place
+  // from the lowest vector up,
   // 16 codes into 16 elements, each vector read before the two chunks written over it (vector c of the row's codes is
   // chunk kChunksPerRow / 2 + c, its elements chunks 2c and 2c + 1: a chunk is written only after every vector in it
   // was read). Every byte a thread reads or writes is its own row's: no other thread waits. Exact (every code of
@@ -311,7 +315,15 @@ struct KvGather {
         Prims::cp_async16(v_smem + off, v + c * 16, fill);
       }
     }
-    Prims::cp_async_wait_all();
+  }
+  // The landed codes of this thread's rows of stage st, decoded in place (an FP8 cache; nothing otherwise).
+  __device__ void decode(FwdFp8Params const& p, uint32_t k_smem, uint32_t v_smem, int st, int ptid) const {
+    if constexpr (Kt::kCanGatherFp8) {
+      if (p.kv_fp8 != kFp8None) decode_fp8(p, k_smem, v_smem, st, ptid);
+    }
+  }
+  __device__ void decode_fp8(FwdFp8Params const& p, uint32_t k_smem, uint32_t v_smem, int st, int ptid) const {
+    constexpr int kVecs = kChunksPerRow / 2;
     // One vector in registers at a time: more (both tensors' vectors, or the loop unrolled) spilled the producer's
     // 40 registers and cost the consumers' paired P conversion (sm_90a hd64: F2FP 32 -> 64 per key block).
 #pragma unroll 1
@@ -424,6 +436,11 @@ template <class Kt, class Prims>
 SA90_DEVICE void produce_gathered(FwdFp8Params const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
                                   typename Kt::SharedStorage& ss, int ptid) {
   constexpr int kBlockM = Kt::kBlockM, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
+  // Blocks a thread keeps in flight behind the one it publishes: two (kLag 1) where the tile has three stages or more.
+  // Not more: publishing block i - kLag waits for block i's stages, which the consumers release after block
+  // i - kStages + 1 (its V, read by the product that follows the next block's S), so kLag <= kStages - 2; with two
+  // stages (hd128) each block is published before the next is issued.
+  constexpr int kLag = kStages >= 3 ? 1 : 0;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQs{});
   uint32_t const k_smem = Prims::smem_address(ss.k), v_smem = Prims::smem_address(ss.v);
   GmemExtent const eq = q_extent(p);
@@ -437,20 +454,24 @@ SA90_DEVICE void produce_gathered(FwdFp8Params const& p, TmaParams<Kt> const& tm
     TileWork<Kt> const w(p, sched, t);
     if (!w.valid) continue;
     KvGather<Kt, Prims> const gather(p, w.batch, w.ext.seqlen_k, w.kv_head(p));
-    // Block i of the range into stage kv, K and V together: each thread waits for both stages' release, copies, waits
-    // for its own copies, fences them and arrives on both full barriers.
-    auto gather_block = [&](int i) {
-      int const st = kv.index();
+    // Block i of the range into stage kv, K and V together: each thread waits for both stages' release, issues its
+    // copies and commits them as one group.
+    auto issue_block = [&](int i) {
       wait_empty<Prims>(ss.k_empty, kv, BarrierId::kKEmpty);
       wait_empty<Prims>(ss.v_empty, kv, BarrierId::kVEmpty);
-      gather.copy(p, k_smem, v_smem, st, w.range.block(i), ptid);
-      Prims::cp_async_wait_all();
+      gather.copy(p, k_smem, v_smem, kv.index(), w.range.block(i), ptid);
+      Prims::cp_async_commit();
+    };
+    // The block in stage st, whose copies landed (the caller waited for its group): decoded (FP8), fenced for wgmma,
+    // then this thread's arrival on both full barriers.
+    auto publish = [&](int st) {
+      gather.decode(p, k_smem, v_smem, st, ptid);
       Prims::fence_async_shared();
       Prims::arrive(&ss.k_full[st]);
       Prims::arrive(&ss.v_full[st]);
     };
     int const nblocks = w.nblocks;
-    if (nblocks > 0) gather_block(0);  // before Q's buffer, as in produce()
+    if (nblocks > 0) issue_block(0);  // before Q's buffer, as in produce()
     if (issuer) {
       int const qb = qs.index();
       wait_empty<Prims>(ss.q_empty, qs, BarrierId::kQEmpty);
@@ -466,8 +487,20 @@ SA90_DEVICE void produce_gathered(FwdFp8Params const& p, TmaParams<Kt> const& tm
       }
     }
     qs.advance();
-    for (int i = 0; i < nblocks; ++i, kv.advance())
-      if (i > 0) gather_block(i);
+    // kLag blocks stay in flight behind the one published: block i - kLag is published once block i's copies are out.
+    for (int i = 0; i < nblocks; ++i, kv.advance()) {
+      if (i > 0) issue_block(i);
+      if (i >= kLag) {
+        Prims::template cp_async_wait_group<kLag>();
+        publish((kv.count - kLag) % kStages);
+      }
+    }
+    if constexpr (kLag > 0) {  // the tile's last kLag blocks
+      if (nblocks > 0) {
+        Prims::template cp_async_wait_group<0>();
+        for (int j = nblocks < kLag ? nblocks : kLag; j > 0; --j) publish((kv.count - j) % kStages);
+      }
+    }
   }
 }
 

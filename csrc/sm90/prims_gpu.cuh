@@ -169,14 +169,19 @@ struct GpuPrims {
   // ---- cp.async (the producer warpgroup's gather of pages smaller than a TMA box) ----------------------------
   // 16 bytes from global `src` into shared memory at `smem_addr` (16-byte aligned both), through L1 (.ca: the gather
   // reads half a 32-byte sector per instruction, the other half with the next); !fill: 16 zero bytes, nothing read
-  // (src-size 0). Asynchronous: the bytes are this thread's generic-proxy writes once cp_async_wait_all returns, and
+  // (src-size 0). Asynchronous: the bytes are this thread's generic-proxy writes once the wait for their group returns, and
   // a wgmma may read them only after the writer's fence_async_shared.
   static __device__ __forceinline__ void cp_async16(uint32_t smem_addr, void const* src, bool fill) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(fill ? 16 : 0)
                  : "memory");
   }
-  // Wait until every cp.async this thread issued has landed (commit and wait for all groups).
-  static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+  // The cp.async this thread issued since its last commit become one group; cp_async_wait_group<N> returns once at
+  // most the N newest of its groups are in flight (the older ones landed).
+  static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+  template <int N>
+  static __device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+  }
 
   // ---- FP8 codes (the gather of FP8 caches) -------------------------------------------------------------------
   // Eight codes (lo: codes 0-3, hi: 4-7, the lowest byte first) of an FP8 cache in `format` (common/fp8.h: kFp8E4M3,
