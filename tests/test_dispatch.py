@@ -32,8 +32,6 @@ ARCHS = {"sm80": "sm_80,sm_90,compute_80", "sm90": "sm_90a", "sm80-emulated": "h
 def entry(family, op, headdim=128, dtype="bf16", **changes):
     """One registry entry of a build; `changes` overrides its fields (features=, smem_bytes=, ...)."""
     features = changes.pop("features", None) or FEATURES[(family.replace("-emulated", ""), op)]
-    if family.startswith("sm90") and op == "fwd" and headdim == 256:
-        features = features.replace(",split_kv,paged", ",split_kv")
     e = dict(name=f"{op}_{family}_hdim{headdim}_{dtype}", family=family, op=op, headdim=headdim, dtype=dtype,
              features=features, archs=ARCHS[family], smem_bytes=0)
     e.update(changes)
@@ -189,8 +187,8 @@ def test_kvcache_needs_the_kvcache_feature(gpu, fake_registry):
 
 @pytest.mark.parametrize("validated", [False, True])
 def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
-    """The sm90 forward serves cache calls (contiguous, paged at any page size but at head dim 256, where only
-    multiples of 16 rows) when forced; "auto" keeps them on sm80 on cc 9.0, before a GPU run validates it
+    """The sm90 forward serves cache calls (contiguous, paged at any page size, FP8 caches, at every head dim) when
+    forced; "auto" keeps them on sm80 on cc 9.0, before a GPU run validates it
     (SM90_CACHE_VALIDATED) and the report's note says why; once validated (it splits keys like the sm80 kernels),
     "auto" runs it."""
     monkeypatch.setattr(dispatch, "SM90_CACHE_VALIDATED", validated)
@@ -208,19 +206,20 @@ def test_sm90_cache_is_opt_in(gpu, fake_registry, monkeypatch, validated):
         assert dispatch.why_not("sm90", odd) is None and dispatch.choose(odd, "sm90") == "sm90"
         assert dispatch.why_not("sm80", odd) is None
         assert dispatch.choose(odd, "auto") == ("sm90" if validated else "sm80")
-        reason = dispatch.why_not("sm90", dataclasses.replace(odd, headdim=256))
-        assert "page size is not a multiple of 16 rows" in reason, reason
+        assert dispatch.why_not("sm90", dataclasses.replace(odd, headdim=256)) is None
     assert dispatch.choose(CUDA_PROBLEM, "auto") == "sm90"  # the forward's choice is untouched
     # FP8 caches: the sm90 forward's fwd_fp8 entries (the same kernels, csrc/sm90/fwd_tiles.h fwd_fp8_features) serve
-    # them when forced, not at head dim 256; "auto" routes them as every cache call
+    # them when forced; "auto" routes them as every cache call
     fp8 = dataclasses.replace(paged16, kv_fp8=True)
     fake_registry(build("sm90", "sm80")
                   + tuple(entry("sm80", "fwd_fp8", h, "bf16") for h in (64, 128))
-                  + tuple(entry("sm90", "fwd_fp8", h, "bf16", features=FEATURES[("sm90", "fwd")]
-                                + (",fp8_kv" if h != 256 else "")) for h in (64, 128, 256)))
+                  + tuple(entry("sm90", "fwd_fp8", h, "bf16", features=FEATURES[("sm90", "fwd")] + ",fp8_kv")
+                          for h in (64, 128, 256)))
     assert dispatch.why_not("sm90", fp8) is None and dispatch.choose(fp8, "sm90") == "sm90"
     assert dispatch.choose(fp8, "auto") == ("sm90" if validated else "sm80")
-    assert "FP8 KV caches" in dispatch.why_not("sm90", dataclasses.replace(fp8, headdim=256))
+    # head dim 256: the sm90 forward's gather decodes it; the sm80 FP8 tiles stop at 128
+    fp8_256 = dataclasses.replace(fp8, headdim=256)
+    assert dispatch.why_not("sm90", fp8_256) is None and dispatch.choose(fp8_256, "sm90") == "sm90"
 
 
 def test_fp8_cache_runs_on_the_fwd_fp8_kernels(gpu, fake_registry, monkeypatch):

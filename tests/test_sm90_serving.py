@@ -6,8 +6,8 @@ batches (tests/serving_cases.py SM90_SERVING_CASES), the padded decode and chunk
 (tests/decode_cases.py), the same bits from a contiguous, a boxed and a gathered paged cache, one call per batch,
 the planted bugs of the page lookup and of the gather's protocol, FP8 caches (both formats, per-tensor and
 per-(sequence, KV head) scales, contiguous and paged, decoded in place by the gather), split-KV (each split's
-partials and the combine: forced counts, more splits than key blocks, the count "auto" picks), and what the sm90 path
-refuses (small pages and FP8 caches at head dim 256) with the fix named.
+partials and the combine: forced counts, more splits than key blocks, the count "auto" picks), at head dims 64, 96,
+128 and 256.
 """
 from __future__ import annotations
 
@@ -47,15 +47,9 @@ EMU_HEADDIMS = sorted({k["headdim"] for k in _REG if k["family"] == "sm90-emulat
 @pytest.mark.parametrize("d", EMU_HEADDIMS or [pytest.param(0, marks=pytest.mark.skip("no other emulated head dim"))])
 def test_sm90_emulated_serving_other_head_dims(d, page_size, rng_seed):
     """Head dims 128 (128-key blocks, two 64-column boxes per page box; pages of 1 and 7 rows gathered, 16 chunks per
-    thread) and 256 (48-key blocks: a block's three page boxes straddle pages of 16 and 32 rows) over a mixed
-    batch. Head dim 256 gathers no pages (its producer's 24 registers): refused, naming the sm80 kernels."""
-    if d == 256 and page_size % 16:
-        pb = PagedBatch([(1, 20), (2, 10)], h=4, hk=2, d=d, page_size=page_size, dtype=torch.bfloat16)
-        with pytest.raises(SinkattnError, match="multiple of 16 rows.*What would serve: backend='sm80"):
-            sinkattn.flash_attn_with_kvcache(pb.q, pb.k_cache, pb.v_cache, cache_seqlens=pb.seqused_k,
-                                             block_table=pb.block_table, cu_seqlens_q=pb.cu_seqlens_q,
-                                             max_seqlen_q=2, backend="sm90-emulated")
-        return
+    thread) and 256 (48-key blocks: a block's three page boxes straddle pages of 16 and 32 rows; pages of 1 and 7 rows
+    gathered by 48 of the 128 producer threads, one row and 32 chunks each, the other 80 only arriving) over a mixed
+    batch."""
     reqs = [(1, 200), (130, 150), (0, 0), (9, 97)]
     run_serving("sm90-emulated", "cpu", rng_seed, reqs, h=4, hk=2, d=d, page_size=page_size, causal=True,
                 window_size=(90, 0), sink_tokens=3)
@@ -186,8 +180,8 @@ def test_sm90_emulated_fp8_no_scales(fmt, rng_seed):
 @pytest.mark.parametrize("fmt", list(FP8_FORMATS))
 def test_sm90_emulated_fp8_other_head_dims_and_fp16(fmt, rng_seed):
     """Head dim 128 (a row's 8 code vectors in the upper 64 columns, decoded into both 64-column atoms), head dim
-    96 on it (codes past 96 zero-filled), fp16 queries over pages of 7 rows; head dim 256 refused (its producer does
-    not gather)."""
+    96 on it (codes past 96 zero-filled), fp16 queries over pages of 7 rows; head dim 256 (48 rows a block, one a
+    thread, 16 code vectors a row decoded over its four 64-column atoms), which the sm80 FP8 tiles do not serve."""
     if 128 in EMU_HEADDIMS:
         run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, d=128, h=8, hk=2, sq=9, sn=9, causal=True,
                        capacity=300, lens=(250, 64, 1), page_size=16)
@@ -195,9 +189,10 @@ def test_sm90_emulated_fp8_other_head_dims_and_fp16(fmt, rng_seed):
     run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, dtype=torch.float16, h=8, hk=1, causal=True,
                    window_size=(60, 0), sink_tokens=2, page_size=7)
     if 256 in EMU_HEADDIMS:
-        # (the sm80 FP8 tiles stop at head dim 128 too: the reference backend is what serves it)
-        with pytest.raises(SinkattnError, match="do not serve FP8 KV caches.*What would serve: backend='reference'"):
-            run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, d=256, causal=True)
+        run_fp8_decode("sm90-emulated", "cpu", rng_seed, fmt=fmt, d=256, h=8, hk=2, sq=3, sn=3, causal=True,
+                       window_size=(70, 0), sink_tokens=2, capacity=200, lens=(150, 49, 0), page_size=5)
+        run_serving("sm90-emulated", "cpu", rng_seed, [(1, 120), (20, 60)], h=4, hk=1, d=256, fp8=fmt, causal=True,
+                    page_size=16)
 
 
 def test_sm90_fp8_gather_planted_bugs_fail(monkeypatch, rng_seed):

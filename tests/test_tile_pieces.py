@@ -141,11 +141,11 @@ def test_registry_records_each_kernels_smallest_tile():
         if k["family"] in ("sm90", "sm90-emulated"):
             assert 100 * KB < k["smem_bytes"] <= 227 * KB, k
             # the forward reads KV caches: pages of a multiple of 16 rows in TMA boxes, any other page size where
-            # its producer warpgroup gathers them (csrc/sm90/fwd_tiles.h gathers_pages: not at head dim 256, whose
-            # producer has 24 registers), split-KV at every head dim; FP8 caches are its "fwd_fp8" entries'
+            # its producer warpgroup gathers them (csrc/sm90/fwd_tiles.h gathers_pages: every table tile), split-KV;
+            # FP8 caches are its "fwd_fp8" entries'
             feats = k["features"].split(",")
             assert ("kvcache" in feats) == ("paged16" in feats) == ("split_kv" in feats) == (k["op"] == "fwd"), k
-            assert ("paged" in feats) == (k["op"] == "fwd" and k["headdim"] != 256), k
+            assert ("paged" in feats) == (k["op"] == "fwd"), k
             assert "fp8_kv" not in feats, k
         if k["family"] in ("sm90-sweep", "sm90-emulated-sweep"):
             # a variant's features follow its tile: a dynamic tile walk needs a counter and gathers no pages
@@ -154,13 +154,13 @@ def test_registry_records_each_kernels_smallest_tile():
             assert ("tile_counter" in feats) == dynamic, k
             assert not ("paged" in feats and (dynamic or "r24x" in k["name"])), k
     # the sm90 forward's FP8-cache entries are the same kernels (csrc/sm90/fwd_tiles.h fwd_fp8_features): FP8 where the
-    # tile's gather decodes it, not at head dim 256
+    # tile's gather decodes it, every table tile
     for k in sinkattn._ext.registry():
         if k["family"] in ("sm90", "sm90-emulated") and k["op"] == "fwd_fp8":
             twin = [f for f in reg if f["family"] == k["family"] and f["op"] == "fwd" and f["headdim"] == k["headdim"]
                     and f["dtype"] == k["dtype"]]
             assert len(twin) == 1 and twin[0]["smem_bytes"] == k["smem_bytes"], k
-            assert ("fp8_kv" in k["features"].split(",")) == (k["headdim"] != 256), k
+            assert "fp8_kv" in k["features"].split(","), k
     bwd256 = [k for k in reg if k["op"] == "bwd" and k["headdim"] == 256]
     assert all(k["smem_bytes"] == 144 * KB for k in bwd256), "the hd256 backward needs 144 KB"
 

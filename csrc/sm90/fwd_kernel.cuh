@@ -196,7 +196,8 @@ struct PageRows {
 // A page pool whose page size is not a multiple of kPageRows (any size from 1): a key block's rows may come from
 // kBlockN pages, too many boxes for one thread, so the producer warpgroup's 128 threads gather the block
 // (FlashAttention-3's paged path does so with cp.async too; here every other load stays the one thread's TMA). A
-// thread takes whole rows (kThreadsPerRow of them share one when the block has fewer rows than threads): one
+// thread takes whole rows (kThreadsPerRow of them share one where the block's rows divide 128; hd256's 48 rows take
+// one thread each, the other 80 threads idle but for their arrival): one
 // block-table read per row serves its K and its V, and the row's 16-byte chunks go out as cp.async from one row
 // address with constant offsets (no register holds data, so a block's copies are all in flight at once:
 // 2 * kBlockN * kHeadDim * 2 bytes per CTA). A warp instruction then reads half of 32 rows' 32-byte sectors, the
@@ -211,10 +212,13 @@ template <class Kt, class Prims>
 struct KvGather {
   using Element = typename Kt::Element;
   static constexpr int kChunksPerRow = Kt::kHeadDim / 8;  // 16-byte chunks of a row
-  static constexpr int kThreadsPerRow = Kt::kBlockN >= 128 ? 1 : 128 / Kt::kBlockN;
-  static constexpr int kRowsPerThread = Kt::kBlockN * kThreadsPerRow / 128;
+  // Rows per thread: a multiple of 128 rows spread whole over the 128 threads; fewer rows, either shared by
+  // 128 / kBlockN threads each (kBlockN divides 128) or one per thread, the threads past them idle (hd256's 48).
+  static constexpr int kThreadsPerRow = Kt::kBlockN >= 128 || 128 % Kt::kBlockN != 0 ? 1 : 128 / Kt::kBlockN;
+  static constexpr int kRowsPerThread = (Kt::kBlockN * kThreadsPerRow + 127) / 128;
+  static constexpr bool kIdleThreads = Kt::kBlockN * kThreadsPerRow % 128 != 0;
   static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerRow;
-  static_assert(Kt::kBlockN % 128 == 0 || 128 % Kt::kBlockN == 0);
+  static_assert(Kt::kBlockN % 128 == 0 || Kt::kBlockN < 128);
   static_assert(kChunksPerRow % kThreadsPerRow == 0);
   int const* pages;  // the sequence's row of the block table; null over a contiguous cache
   int b, seqlen_k, hk;
@@ -277,6 +281,7 @@ struct KvGather {
     CUTE_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
       int const row = ptid / kThreadsPerRow + j * (128 / kThreadsPerRow);
+      if (kIdleThreads && row >= Kt::kBlockN) break;
       auto const [in, k, v] = row_source<Element>(p, n * Kt::kBlockN + row);
       CUTE_UNROLL
       for (int c = 0; c < kChunksPerThread; ++c) {
@@ -306,6 +311,7 @@ struct KvGather {
     CUTE_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
       int const row = ptid + j * 128;
+      if (kIdleThreads && row >= Kt::kBlockN) break;
       auto const [in, k, v] = row_source<uint8_t>(p, n * Kt::kBlockN + row);
       CUTE_UNROLL
       for (int c = 0; c < kVecs; ++c) {
@@ -324,6 +330,7 @@ struct KvGather {
   }
   __device__ void decode_fp8(FwdFp8Params const& p, uint32_t k_smem, uint32_t v_smem, int st, int ptid) const {
     constexpr int kVecs = kChunksPerRow / 2;
+    if (kIdleThreads && ptid >= Kt::kBlockN) return;  // one row per thread at most there
     // One vector in registers at a time: more (both tensors' vectors, or the loop unrolled) spilled the producer's
     // 40 registers and cost the consumers' paired P conversion (sm_90a hd64: F2FP 32 -> 64 per key block).
 #pragma unroll 1
@@ -430,8 +437,8 @@ SA90_DEVICE void produce(FwdParams const& p, TmaParams<Kt> const& tma, Persisten
 
 // The producer over a page pool or FP8 cache that gathers (Kt::gathers): all 128 threads of the warpgroup walk the
 // tiles (the static walk) and copy each key block's K and V (KvGather); the first also issues each tile's Q, as
-// produce() does. A loop of its own, not a branch in produce(): within the producer's 40 registers (24 at head dim
-// 256) the two paths' values together spilled, the TMA path's too. ptid: the thread's index in the warpgroup.
+// produce() does. A loop of its own, not a branch in produce(): within the producer's 40 registers the two paths'
+// values together spilled, the TMA path's too. ptid: the thread's index in the warpgroup.
 template <class Kt, class Prims>
 SA90_DEVICE void produce_gathered(FwdFp8Params const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
                                   typename Kt::SharedStorage& ss, int ptid) {

@@ -31,13 +31,15 @@ struct FwdTile {
   constexpr int consumer_warpgroups() const { return block_m / 64; }
   // Whether the producer warpgroup gathers pages that are not a multiple of the 16-row TMA box (fwd_kernel.cuh
   // KvGather): a static tile walk (every producer thread walks it), 40 producer registers (within 24 the gather
-  // spilled, and the TMA path with it), and whole rows per thread (block_n divides 128 or 128 divides it).
+  // spilled, and the TMA path with it; within 32 at hd256, 3 spill loads per key block), and whole rows per thread
+  // (block_n a multiple of 128, or fewer rows than threads).
   constexpr bool gathers_pages() const {
-    return !dynamic_tiles && producer_regs >= 40 && (block_n % 128 == 0 || 128 % block_n == 0);
+    return !dynamic_tiles && producer_regs >= 40 && (block_n % 128 == 0 || block_n < 128);
   }
-  // Whether that gather also decodes FP8 caches: each thread then owns whole rows (block_n a multiple of 128), whose
-  // codes it decodes in place (fwd_kernel.cuh KvGather::copy_fp8).
-  constexpr bool gathers_fp8() const { return gathers_pages() && block_n % 128 == 0; }
+  // Whether that gather also decodes FP8 caches: each thread then owns whole rows (block_n a multiple of 128, or one
+  // row per thread where 128 threads do not share the rows evenly), whose codes it decodes in place
+  // (fwd_kernel.cuh KvGather::copy_fp8).
+  constexpr bool gathers_fp8() const { return gathers_pages() && (block_n % 128 == 0 || 128 % block_n != 0); }
 };
 
 // A tile's registry features: every tile's, "paged" (any page size) where it gathers pages, "tile_counter" (it needs
@@ -54,13 +56,15 @@ constexpr char const* fwd_fp8_features(FwdTile t) {
 }
 
 // Shared memory 113 / 161 / 193 KB for head dim 64 / 128 / 256; a block of 48 keys at head dim 256 keeps O
-// (128 fp32 registers per thread) and S within the consumers' 240 registers.
+// (128 fp32 registers per thread) and S within the consumers' registers: 224 of them (sm_90a: no spill, the key-block
+// loop's path 582 instructions against 579 at 240), so that its producer has the 40 its gather needs (at 24 the
+// gather spilled; at 40 it keeps 5 values of a tile in local memory, none per block).
 // The head dims specialized here are those the sm90 forward is compiled for: csrc/generate_kernels.py reads
 // them, strictly (each `template <> struct FwdTileOf<N> {` at a line's start), and writes no unit for any other.
 template <int kHeadDim> struct FwdTileOf;
 template <> struct FwdTileOf<64> { static constexpr FwdTile tile{64, 128, 3}; };
 template <> struct FwdTileOf<128> { static constexpr FwdTile tile{128, 128, 2}; };
-template <> struct FwdTileOf<256> { static constexpr FwdTile tile{256, 48, 2, 24, 240}; };
+template <> struct FwdTileOf<256> { static constexpr FwdTile tile{256, 48, 2, 40, 224}; };
 
 template <int kHeadDim>
 constexpr int fwd_min_smem() { return FwdTileOf<kHeadDim>::tile.smem_bytes(); }
