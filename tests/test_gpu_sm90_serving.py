@@ -54,4 +54,14 @@ def test_sm90_split_kv_long_decode(d, num_splits, rng_seed):
     a window and sink tokens; the combine (common/combine_launch.cuh) adds the sink once."""
     reqs = [(1, 16000), (1, 3), (2, 9000)]
     run_serving("sm90", "cuda", rng_seed, reqs, h=8, hk=2, d=d, causal=True, window_size=(8000, 0), sink_tokens=4,
-                num_splits=num_splits, page_size=16 if d == 256 else 7)
+                num_splits=num_splits, page_size=7)
+
+
+@pytest.mark.parametrize("fmt", list(FP8_FORMATS))
+@pytest.mark.parametrize("d", [128, 256])
+def test_sm90_fp8_other_head_dims(d, fmt, rng_seed):
+    """FP8 caches at head dims 128 and 256 (hd256: one gathering thread per row of a 48-row block, 16 code vectors
+    decoded over four 64-column atoms), paged 16 and gathered at page 5."""
+    for page in (16, 5):
+        run_serving("sm90", "cuda", rng_seed, [(1, 3000), (70, 500), (0, 0), (3, 40)], h=8, hk=2, d=d, fp8=fmt,
+                    causal=True, window_size=(1000, 0), sink_tokens=2, page_size=page)
