@@ -443,10 +443,10 @@ template <class Kt, class Prims>
 SA90_DEVICE void produce_gathered(FwdFp8Params const& p, TmaParams<Kt> const& tma, PersistentTileOrder const& sched,
                                   typename Kt::SharedStorage& ss, int ptid) {
   constexpr int kBlockM = Kt::kBlockM, kHeadDim = Kt::kHeadDim, kStages = Kt::kStages;
-  // Blocks a thread keeps in flight behind the one it publishes: two (kLag 1) where the tile has three stages or more.
-  // Not more: publishing block i - kLag waits for block i's stages, which the consumers release after block
-  // i - kStages + 1 (its V, read by the product that follows the next block's S), so kLag <= kStages - 2; with two
-  // stages (hd128) each block is published before the next is issued.
+  // Blocks in flight per thread: block i - kLag is published once block i's copies are out (kLag 1: two blocks) where
+  // the tile has three stages. Not more: issuing block i waits for its stages to be released from block i - kStages,
+  // whose V the consumers read in the product that follows block i - kStages + 1's S, so that block must already be
+  // published: kLag <= kStages - 2. With two stages (hd128, hd256) each block is published before the next is issued.
   constexpr int kLag = kStages >= 3 ? 1 : 0;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Kt::SmemLayoutQs{});
   uint32_t const k_smem = Prims::smem_address(ss.k), v_smem = Prims::smem_address(ss.v);
