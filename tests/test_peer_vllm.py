@@ -9,6 +9,7 @@ Triton reads TRITON_INTERPRET when it is first imported (its standard library is
 other tests may have imported it already, so the comparison runs in a child process.
 """
 import importlib.util
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,21 @@ def test_grid_covers_the_issue():
     assert any(n.startswith("mixed/") for n in names) and any(n.startswith("spec4/") for n in names)
     mixed = next(b for b in P.grid() if b.name.startswith("mixed/"))
     assert mixed.q[-2:] == (2048, 2048) and mixed.ctx[-1] == 8192  # a chunk over a cached prefix
+
+
+def test_fa3_call_names_every_argument_of_the_wheels_op(vllm_src):  # noqa: F811
+    """The Hopper peer (prep_vllm_fa3: vLLM's FlashAttention-3 build from the same wheel) calls its fwd op by keyword:
+    every argument of the schema the wheel's library registers (read from its bytes: the library itself loads only
+    beside a GPU driver), the sinks in bf16 (the only s_aux dtype it takes) and the cache as its paged K/V views."""
+    with zipfile.ZipFile(P._wheel()) as z:
+        names = P.fa3_schema(z.read(P.FA3_SO))
+    assert names[:3] == ["q", "k", "v"] and "s_aux" in names and "scheduler_metadata" in names
+    batch = BATCHES["mixed"]
+    x = P.make(batch, torch.device("cpu"), seed=1)
+    kw = P.fa3_call(batch, x, torch.empty_like(x["query"]), None)
+    assert sorted(kw) == sorted(names)
+    assert kw["s_aux"].dtype == torch.bfloat16 and kw["s_aux"].shape == (P.H,)
+    blocks = x["kv_cache"].shape[0]
+    for t in (kw["k"], kw["v"]):  # (num_pages, page_size, num_heads_k, head_size), last dim contiguous
+        assert t.shape == (blocks, P.PAGE, P.HK, P.D) and t.stride(-1) == 1
+    assert kw["page_table"].dtype == torch.int32 and kw["seqused_k"].dtype == torch.int32

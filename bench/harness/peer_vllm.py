@@ -18,7 +18,8 @@ in vLLM's logical layout (num_blocks, 8, 16, 128) over vLLM's default physical o
 TritonAttentionImpl.forward calls it, with the split-K scratch TritonAttentionMetadataBuilder allocates
 (threshold 128 // num_kv_heads sequences, 16 segments), and a block table as wide as vLLM's (a 128k
 max_model_len: 8192 columns, whatever the batch's lengths). sinkattn runs `vllm_paged.attend`, the backend's
-forward (one serving launch per batch), on "auto" and (cc 9.0) forced "sm80" and "sm90"; on uniform batches also the
+forward (one serving launch per batch), on "auto" and (cc 9.0) forced "sm80" and "sm90", and there vLLM's FlashAttention-3
+build as its FLASH_ATTN backend calls it (`prep_vllm_fa3`, from the same wheel); on uniform batches also the
 padded flash_attn_with_kvcache call it replaced (`sinkattn-padded`), which its decode must stay within 5% of. Both are
 timed as CUDA graph replays where they capture
 (vLLM runs decode in full CUDA graphs), else eagerly (the `method` column says which).
@@ -52,6 +53,12 @@ from .prepared import Inputs, Prepared, Unsupported
 
 VLLM_VERSION = "0.33.0"
 FILES = ("vllm/v1/attention/ops/triton_attention_helpers.py", "vllm/v1/attention/ops/triton_unified_attention.py")
+# vLLM's FlashAttention-3 build (its FLASH_ATTN backend on Hopper: learnable sinks as s_aux, paged KV, split-KV with a
+# scheduler precomputed per step), a compiled extension inside the same wheel. 165 MB, 41 MB deflated: `extract` packs
+# it into FA3_ZIP, which a GPU round carries beside .prebuilt.tar.xz (the pair fits one device call's 64 MB); every
+# torch symbol it needs is in torch 2.14.1 (checked with nm against its libraries).
+FA3_SO = "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
+FA3_ZIP = "vllm_fa3_C.zip"
 # vLLM's cache writer of its Triton backend (the same bytes as the reshape_and_cache_flash op its FlashAttention
 # backend calls): tests/test_vllm_fp8.py checks that sinkattn's fallback writer writes what it writes.
 WRITER_FILE = "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py"
@@ -82,7 +89,36 @@ def extract(dest: Path = PEER_DIR) -> Path:
             out = dest / name
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(z.read(name))
+        with zipfile.ZipFile(dest / FA3_ZIP, "w", zipfile.ZIP_DEFLATED) as fa3:
+            fa3.writestr(FA3_SO, z.read(FA3_SO))
     return dest
+
+
+def fa3_schema(so_bytes: bytes) -> list[str]:
+    """The argument names of the FA3 extension's `fwd` op, read from the schema string its library registers (the
+    bytes of _vllm_fa3_C: no GPU, no load)."""
+    import re
+    m = re.search(rb"fwd\((Tensor!\s+q,.*?)\)\s*->\s*Tensor\[\]", so_bytes, re.S)
+    if m is None:
+        raise ValueError("no fwd(...) schema in the FA3 extension's bytes")
+    return [a.split()[-1] for a in m.group(1).decode().split(",")]
+
+
+def load_fa3(src: Path = PEER_DIR):
+    """torch.ops._vllm_fa3_C from the carried FA3_ZIP, loaded into this torch. Unpacked into the temporary directory,
+    not next to the zip: the carried folder stays the 41 MB it was."""
+    import tempfile
+    packed = src / FA3_ZIP
+    if not packed.exists():
+        raise FileNotFoundError(f"{packed} is missing: run `python -m bench.harness.peer_vllm extract` where PyPI is "
+                                f"reachable and carry it along")
+    dest = Path(tempfile.gettempdir()) / f"sinkattn-vllm-{VLLM_VERSION}-fa3"
+    so = dest / FA3_SO
+    if not so.exists():
+        with zipfile.ZipFile(packed) as z:
+            z.extract(FA3_SO, dest)
+    torch.ops.load_library(str(so))
+    return torch.ops._vllm_fa3_C
 
 
 # ---------------------------------------------------------------------------------------------- stand-ins
@@ -305,6 +341,46 @@ def prep_vllm(unified_attention, batch: Batch, x):
     return run
 
 
+def fa3_call(batch: Batch, x, out, scheduler_metadata) -> dict:
+    """The keyword arguments of _vllm_fa3_C.fwd as vLLM's FlashAttentionImpl.forward passes them on Hopper (by the
+    op's own argument names: tests/test_peer_vllm.py checks them against the wheel's schema): the paged K/V views of
+    the same cache, sinks as s_aux in the model dtype (the extension takes bf16 only), the step's scheduler."""
+    from sinkattn.integrations import vllm_paged
+    k_cache, v_cache = vllm_paged.cache_views(x["kv_cache"], D)
+    none = dict.fromkeys(("k_new", "v_new", "q_v", "cu_seqlens_k", "cu_seqlens_k_new", "seqused_q", "kv_batch_idx",
+                          "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale",
+                          "v_descale", "pack_gqa", "cp_tot_seqused_k"))
+    return dict(none, q=x["query"], k=k_cache, v=v_cache, out=out, cu_seqlens_q=x["qsl_dev"], seqused_k=x["seq_lens"],
+                max_seqlen_q=max(batch.q), max_seqlen_k=max(batch.seq), page_table=x["block_table"],
+                softmax_scale=D ** -0.5, is_causal=True, window_size_left=batch.window if batch.window >= 0 else -1,
+                window_size_right=0 if batch.window >= 0 else -1, softcap=0.0, is_rotary_interleaved=True,
+                scheduler_metadata=scheduler_metadata, num_splits=0, sm_margin=0,
+                s_aux=x["sinks"].to(x["query"].dtype), cp_world_size=1, cp_rank=0)
+
+
+def prep_vllm_fa3(fa3, batch: Batch, x):
+    """vLLM's FlashAttention-3 on Hopper: the scheduler metadata computed once per step, outside the timed call, as
+    vLLM's FlashAttentionMetadataBuilder computes it (shared by every layer), then one fwd per layer."""
+    if "fp8_dtype" in x:
+        raise Unsupported("vLLM's FA3 reads an FP8 cache only with FP8 queries (its backend quantizes q): not the same "
+                          "call as sinkattn's")
+    window = (batch.window, 0) if batch.window >= 0 else (-1, -1)
+    sched = fa3.get_scheduler_metadata(
+        batch_size=len(batch.q), max_seqlen_q=max(batch.q), max_seqlen_k=max(batch.seq), num_heads=H,
+        num_heads_k=HK, headdim=D, headdim_v=D, qkv_dtype=x["query"].dtype, seqused_k=x["seq_lens"],
+        cu_seqlens_q=x["qsl_dev"], cu_seqlens_k=None, cu_seqlens_k_new=None, seqused_q=None, leftpad_k=None,
+        page_size=PAGE, max_seqlen_k_new=0, is_causal=True, window_size_left=window[0], window_size_right=window[1],
+        has_softcap=False, num_splits=0, pack_gqa=None, sm_margin=0)
+    out = torch.empty_like(x["query"])
+    kw = fa3_call(batch, x, out, sched)
+
+    def run():
+        fa3.fwd(**kw)
+        return out
+    run.served_by = "vllm-fa3"
+    return run
+
+
 def prep_sinkattn(batch: Batch, x, backend="auto"):
     """sinkattn's vLLM backend forward (vllm_paged.attend) on the same cache and metadata."""
     from sinkattn.integrations import vllm_paged
@@ -457,6 +533,12 @@ def run(args) -> list[dict]:
         comparators["sinkattn-sm80"] = lambda b, x: prep_sinkattn(b, x, "sm80")
         # the sm90 forward over the paged cache ("auto" keeps cache calls on sm80 until SM90_CACHE_VALIDATED)
         comparators["sinkattn-sm90"] = lambda b, x: prep_sinkattn(b, x, "sm90")
+        # what vLLM serves gpt-oss with on Hopper: its FA3 build (the issue's target: the sm90 column >= 1.2x of it)
+        try:
+            fa3 = load_fa3(Path(args.src))
+            comparators["vllm-fa3"] = lambda b, x: prep_vllm_fa3(fa3, b, x)
+        except (OSError, RuntimeError) as e:
+            print(f"vllm-fa3: not loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})", flush=True)
     from . import ceilings
     copy = ceilings.measure_copy(device)  # GB/s of a large device copy (read + write), this run's ceiling
     print(f"copy ceiling: {copy['copy_GBps']:.1f} GB/s", flush=True)
@@ -489,12 +571,13 @@ def run(args) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """One line per case: each comparator's median and sinkattn's speedup over vLLM's Triton kernel, sinkattn's
-    fraction of the copy ceiling, and, for an FP8 case, sinkattn's speedup over itself on the bf16 cache."""
+    fraction of the copy ceiling, for an FP8 case sinkattn's speedup over itself on the bf16 cache, and on Hopper the
+    sm90 forward's speedup over vLLM's FA3."""
     by = {}
     for r in rows:
         by.setdefault(r["case"], {})[r["comparator"]] = r
     lines = [f"{'case':47s} {'vllm-triton ms':>14s} {'sinkattn ms':>12s} {'x':>6s} {'sm80 ms':>9s} {'x':>6s} "
-             f"{'copy':>5s} {'vs bf16':>7s}"]
+             f"{'copy':>5s} {'vs bf16':>7s} {'fa3 ms':>8s} {'sm90 ms':>8s} {'x fa3':>6s}"]
     for case, d in by.items():
         v = d.get("vllm-triton", {}).get("median_ms")
         cells = [f"{case:47s}", f"{v:14.4f}" if v else f"{'-':>14s}"]
@@ -507,6 +590,9 @@ def table(rows: list[dict]) -> str:
         if "/fp8_" in case:
             bf = by.get(case.rsplit("/", 1)[0], {}).get("sinkattn", {}).get("median_ms")
         cells.append(f"{bf / t:7.2f}" if (t and bf) else f"{'-':>7s}")
+        fa3, sm90 = d.get("vllm-fa3", {}).get("median_ms"), d.get("sinkattn-sm90", {}).get("median_ms")
+        cells += [f"{fa3:8.4f}" if fa3 else f"{'-':>8s}", f"{sm90:8.4f}" if sm90 else f"{'-':>8s}",
+                  f"{fa3 / sm90:6.2f}" if (fa3 and sm90) else f"{'-':>6s}"]
         lines.append(" ".join(cells))
     return "\n".join(lines)
 
