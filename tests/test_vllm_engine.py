@@ -6,9 +6,9 @@ generation, chunked prefill mixed with decode, prefix caching, block sizes 16 an
 window, fp32 and FP8 (e4m3, e5m2) caches. sinkattn's backend is selected as a user would (attention_backend="CUSTOM",
 registered by sinkattn's own plugin); tests/vllm_cpu_route.py, a plugin of the test only, lets the CPU platform honor
 that selection. Checked: identical greedy tokens and logprobs within 1e-4 against transformers' eager model (FP8:
-eager over K/V rounded through the format) and against vLLM's own CPU attention (fp32; its FP8 caches need
-AVX-512), the backend's forward called once per layer on every step, and that the comparison fails without the
-sinks or without the window. In any other environment (no vllm-cpu) the module skips.
+eager over K/V rounded through the format) and against vLLM's own CPU attention (fp32; over FP8 caches, on x86
+with AVX-512, it computes something else, which a test records), the backend's forward called once per layer on
+every step, and that the comparison fails without the sinks or without the window. In any other environment (no vllm-cpu) the module skips.
 """
 from __future__ import annotations
 
@@ -246,8 +246,18 @@ def test_the_comparison_fails_without_sinks_or_window(served, eager, drop):
                     reason="vLLM's CPU attention reads FP8 KV caches only on x86 with AVX-512 or AMX; here the FP8 "
                            "caches are checked against eager attention over K/V rounded through the format")
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_sinkattn_fp8_cache_matches_vllm_cpu_attention(served, model_dir, kv_cache_dtype):
+def test_vllm_cpu_attention_is_not_an_fp8_comparator(served, model_dir, eager, kv_cache_dtype):
+    """vLLM's own CPU attention over an FP8 cache does not compute attention over the keys and values rounded
+    through the format, which sinkattn's FP8 caches share with vLLM's GPU backends (each key read back from the cache
+    the step wrote) and are checked against (test_sinkattn_backend_matches_transformers_eager): first run on a
+    machine with AVX-512 on 2026-12-06, vLLM 0.32's greedy tokens differed from that reference's from a request's
+    first token on, its logprobs by up to 3.6 (e4m3) and 0.9 (e5m2), where sinkattn's agree within 1e-4. So it is
+    no exact comparator for FP8; if a vLLM release makes it agree, this fails, and sinkattn's tokens are compared
+    with it again."""
     ours = next(served[c.id] for c in SINKATTN if c.kv_cache_dtype == kv_cache_dtype)
+    ref = eager(kv_cache_dtype=kv_cache_dtype)
+    assert mismatches(ours, ref, TOL) == []
     with pytest.MonkeyPatch.context() as mp:
         theirs = _serve(model_dir, Config("cpu_attn", 32, kv_cache_dtype), mp)
-    assert [r[1] for r in ours.requests] == [r[1] for r in theirs.requests]
+    assert mismatches(theirs, ref, TOL) != [], ("vLLM's CPU attention now agrees with attention over the FP8-rounded "
+                                                "cache: compare sinkattn's FP8 tokens with it exactly again")
