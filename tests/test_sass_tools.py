@@ -158,3 +158,32 @@ def test_hot_path_is_the_interior_iteration():
     assert loop[0] == list(range(8))  # the natural loop: every branch of the body
     assert sass.hot_path(insns, loop) == [0, 1, 4, 6, 7]  # both MMAs, no mask, no load
     assert sass.hot_path(insns, loop, with_loads=True) == [0, 1, 4, 5, 6, 7]  # and the next block's load
+
+
+def test_profile_path_follows_the_emulated_line_counts(tmp_path):
+    """tools/perf_counts.py: the loop's blocks weighed by the line counts of the statements their instructions come
+    from (the innermost frame in the kernel body); the interior iteration skips the mask nobody ran, takes the next
+    block's load that most iterations ran, and runs the mask where every iteration did."""
+    import json
+    import perf_counts
+    (insns,) = sass.parse_sass(LOOP_FIXTURE, default_arch="sm_90").values()
+    loop = sass.hot_loop(insns)
+    body = "sm80/fwd_kernel.h"
+    line_of = {0x00: 10, 0x10: 10, 0x20: 20, 0x30: 20, 0x40: 30, 0x50: 40, 0x60: 50, 0x70: 50}
+    # the mask block's instructions were inlined from a helper: the body frame is the call site, not the innermost
+    chains = {a: ([("common/mask.h", 7)] if n == 20 else []) + [(body, n), ("sm80/fwd_launch.cuh", 22)]
+              for a, n in line_of.items()}
+    cov = tmp_path / "cov.json"
+
+    def path(mask_runs):
+        lines = [{"line_number": n, "count": c, "function_name": "_ZN8sinkattn4sm809fwd_blockINS0_9FwdTraitsILi64E"}
+                 for n, c in ((10, 100), (20, mask_runs), (30, 100), (40, 99), (50, 100))]
+        lines.append({"line_number": 20, "count": 100, "function_name": "_ZN8sinkattn4sm809fwd_blockINS0_5OtherE"})
+        cov.write_text(json.dumps({"files": [{"file": "/x/csrc/" + body, "lines": lines}]}))
+        counts = perf_counts.gcov_counts(str(cov), "FwdTraitsILi64E", body)
+        assert counts[20] == mask_runs  # another instantiation's counts stay out
+        blocks, succ, weights = perf_counts.block_weights(insns, chains, counts, body)
+        return perf_counts.dominant_path(loop, blocks, succ, weights)
+
+    assert path(0) == [0, 1, 4, 5, 6, 7]  # no mask (none ran), the load (99 of 100 iterations)
+    assert path(100) == [0, 1, 2, 3, 4, 5, 6, 7]  # a mask every iteration ran

@@ -62,8 +62,10 @@ import sass  # noqa: E402
 HMMA_SM90 = 232.0   # FMA/clk/SMSP of mma.sync m16n8k16 bf16 on sm_90 (fitted, see the docstring; A100: 256)
 # What one loop iteration issues (make_kernel's `path`, --rows --path): "loop", the whole natural loop (every branch
 # of the body, each iteration: the default, what the predictions in bench/RESULTS.md used); "mma" / "mma+loads",
-# the interior iteration's path by sass.hot_path's two rules. docs/internals.md has the rows under each.
-PATH_RULES = ("loop", "mma", "mma+loads")
+# the interior iteration's path by sass.hot_path's two rules; "profile", the path the emulated kernel's line counts
+# say the iterations take (tools/perf_counts.py; our forward kernels in --rows, FA2's keep "loop", on which
+# HMMA_SM90 was fitted). docs/internals.md has the rows under each.
+PATH_RULES = ("loop", "mma", "mma+loads", "profile")
 LOADED_LAT = 1300.0  # ns: NOT fitted (4d9dcbd's decode rows are not latency-bound: docstring)
 
 
@@ -426,8 +428,10 @@ def read_kernels(path: str, dev: Device, arch: str | None = None) -> dict[str, t
 
 
 def make_kernel(name: str, insns, loop, res: dict, dev: Device, threads: int, dyn_smem: int,
-                loop_warps: int | None = None, path: str = "loop") -> Kernel:
-    idx = loop[0] if path == "loop" else sass.hot_path(insns, loop, with_loads=path == "mma+loads")
+                loop_warps: int | None = None, path: str = "loop", idx: list[int] | None = None) -> Kernel:
+    """idx: the iteration's instructions when the caller has them (perf_counts.profile_path); else by `path`."""
+    if idx is None:
+        idx = loop[0] if path in ("loop", "profile") else sass.hot_path(insns, loop, with_loads=path == "mma+loads")
     lc = loop_cost(insns, idx, dev)
     return Kernel(name, res.get("reg", 255), threads, dyn_smem + res.get("shared", 0), lc,
                   len(insns) - len(loop[0]), loop_warps or threads // 32, insns, idx)
@@ -443,6 +447,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", action="store_true", help="predict the checked rows (tools/perf_rows.py)")
     ap.add_argument("--ours", help="--rows: folder of 4d9dcbd objects (default build/peer_sass/4d9dcbd/out)")
     ap.add_argument("--fa2", help="--rows: folder of FA2 cubins")
+    ap.add_argument("--counts", help="--rows --path profile: folder of cov_hd<d>.json line counts of the same commit's "
+                                     "emulated kernels (tools/perf_counts.sh; default build/peer_sass/4d9dcbd/counts)")
     ap.add_argument("--path", default="loop", choices=PATH_RULES,
                     help="--rows: what one loop iteration issues: the whole loop, or the interior path (sass.hot_path)")
     a = ap.parse_args(argv)

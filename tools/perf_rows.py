@@ -138,7 +138,17 @@ def predict_decode(kern, dev, b, hk, sk, hd, bm, bn):
     return by / t / 1e9, {"bound": "copy" if t * dev.dram_gbs * 1e9 <= by * 1.0001 else "warp", "w": occ}
 
 
-def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop"):
+def profile_idx(obj: str, fn: str, insns, loop, counts_dir: str, needle: str, dev: pm.Device):
+    """Our forward loop's interior path by its emulated line counts (tools/perf_counts.py), or None without counts."""
+    import perf_counts
+    cov = os.path.join(counts_dir, f"cov_hd{traits(fn)[0]}.json")
+    if not os.path.exists(cov):
+        return None
+    cubin = perf_counts.cubin_of(obj, dev.arch, os.path.join(counts_dir, "cubins", os.path.basename(obj)))
+    return perf_counts.profile_path(cubin, fn, insns, loop, cov, needle)
+
+
+def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop", counts_dir: str | None = None):
     ours_files = sorted(glob.glob(os.path.join(ours_dir, "*.o")))
     fa2_files = sorted(glob.glob(os.path.join(fa2_dir, "*.cubin")))
     out = {}
@@ -156,8 +166,13 @@ def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop"):
         if hit:
             insns, loop, r, fn = hit
             t = traits(fn)
-            k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem, path=path), t[1], t[2])
-            out[("fwd", hd, False, "ours")] = out[("fwd", hd, True, "ours")] = k
+            idx = None
+            if path == "profile":
+                obj = next(f for f in ours_files if any(key[1] == fn for key in _CODE[f][0]))
+                idx = profile_idx(obj, fn, insns, loop, counts_dir or "build/peer_sass/4d9dcbd/counts", pre, dev)
+            if path != "profile" or idx is not None:
+                k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem, path=path, idx=idx), t[1], t[2])
+                out[("fwd", hd, False, "ours")] = out[("fwd", hd, True, "ours")] = k
     for causal in (False, True):
         hit = find(fa2_files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", FA2_BWD[128], fa2_bools(causal, True))
         if hit:
@@ -198,7 +213,8 @@ def table(ks, dev):
 def main(a) -> int:
     dev = pm.DEVICES[a.device]
     ks = kernels(getattr(a, "ours", None) or "build/peer_sass/4d9dcbd/out",
-                 getattr(a, "fa2", None) or "build/peer_sass/fa2_torch", dev, getattr(a, "path", "loop"))
+                 getattr(a, "fa2", None) or "build/peer_sass/fa2_torch", dev, getattr(a, "path", "loop"),
+                 getattr(a, "counts", None))
     print(f"| case | batch x seqlen | ours sm80 measured / predicted | FA2 measured / predicted | ratio measured / "
           f"predicted (error) | bound (W) |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Which branches a kernel's loop takes, without a GPU: the host-emulated kernel's line counts on the problem
+(tools/perf_counts.sh: gcov over tools/perf_counts_harness.cpp) carried onto the kernel's SASS blocks through the
+cubin's line info (nvdisasm -gi: each instruction's source line and the lines it was inlined at), then the loop's
+dominant path for tools/perf_model.py to cost (perf_model.py --rows --path profile).
+
+Why: the model costs what one loop iteration issues, and the SASS alone does not say which of a loop's branches
+the interior iterations take (docs/internals.md: the whole loop, or the path with the most MMAs, missed 4d9dcbd's
+forward by -58% and +29% at hd64). The emulated kernel runs the same source on the same problem, so its line
+counts say how often each statement ran.
+
+A block's weight is the largest count of the kernel-body lines (`body`, the innermost frame in that file) its
+instructions come from: ptxas if-converts short conditional code into straight-line blocks (4d9dcbd's softcap
+test: its lines ran 0 times, yet its predicated-off instructions sit in the block that holds the MMAs), so a block
+runs whenever any of its lines does. Counts are per emulated thread and per execution of the statement; only their
+comparison between a branch's successors matters. From the loop's header the path takes, at each branch, a
+successor run on at least half the iterations, preferring one that is not the latch (which every iteration reaches
+anyway), then the conditional block over the edge that skips it (its join follows anyway), else the most executed.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sass  # noqa: E402
+
+BODY = "sm80/fwd_kernel.h"  # the sm80 forward's body: its statements' counts weigh the blocks
+
+
+def line_chains(cubin: str, fn: str) -> dict[int, list[tuple[str, int]]]:
+    """{instruction address: [(file, line), ...] innermost first} of function `fn` (mangled) of a cubin."""
+    out = subprocess.run([sass.find_tool("nvdisasm"), "-gi", cubin], capture_output=True, text=True,
+                         check=True).stdout
+    res, group, fresh, inside = {}, [], True, False
+    for ln in out.splitlines():
+        if ln.startswith(".text."):
+            inside = ln[len(".text."):].rstrip(":") == fn
+            continue
+        if not inside:
+            continue
+        if "//##" in ln:  # a group of these precedes the instructions it describes
+            if fresh:
+                group, fresh = [], False
+            group += [(f, int(n)) for f, n in re.findall(r'"([^"]+)", line (\d+)', ln)]
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/", ln)
+        if m:
+            fresh = True
+            res[int(m.group(1), 16)] = list(group)
+    return res
+
+
+def gcov_counts(cov_json: str, needle: str, body: str = BODY) -> collections.Counter:
+    """{line of `body`: executions} summed over the instantiations whose mangled name holds `needle` (the tile's
+    traits, e.g. 'FwdTraitsILi64ELi128ELi64ELi4E')."""
+    counts = collections.Counter()
+    for f in json.load(open(cov_json))["files"]:
+        if f["file"].endswith(body):
+            for ln in f["lines"]:
+                if needle in ln.get("function_name", ""):
+                    counts[ln["line_number"]] += ln["count"]
+    return counts
+
+
+def block_weights(insns, chains, counts, body: str = BODY):
+    """(blocks, successors, weight per block: the largest count of its body lines, None without any). A line that a
+    predecessor block holds too says nothing of this block: a statement's condition and its branch can share a line
+    (`if (pages) return ... pages[j / page_size] ...`: the count is the test's, not the division's)."""
+    blocks, succ, _ = sass.cfg(insns)
+    lines_of = []
+    for a, e in blocks:
+        ls = set()
+        for i in range(a, e + 1):
+            line = next((n for f, n in chains.get(insns[i].addr, []) if f.endswith(body)), None)
+            if line is not None and line in counts:
+                ls.add(line)
+        lines_of.append(ls)
+    preds = collections.defaultdict(set)
+    for b, ss in enumerate(succ):
+        for t in ss:
+            preds[t].add(b)
+    weights = []
+    for b, ls in enumerate(lines_of):
+        own = ls - set().union(*(lines_of[q] for q in preds[b] if q != b)) if preds[b] else ls
+        weights.append(max(counts[n] for n in own) if own else None)
+    return blocks, succ, weights
+
+
+def dominant_path(loop, blocks, succ, weights) -> list[int]:
+    """The instruction indices of one interior iteration of `loop` (sass.hot_loop's (indices, blocks, header))."""
+    _, body, h = loop
+    inside, path, b, seen = set(body), [], h, set()
+    full = weights[h] or 0
+    wt = lambda t: weights[t] if weights[t] is not None else -1.0  # noqa: E731
+
+    def reach(t):  # the loop's blocks reachable from t without passing the header
+        out, todo = set(), [t]
+        while todo:
+            x = todo.pop()
+            if x in out or x == h or x not in inside:
+                continue
+            out.add(x)
+            todo += succ[x]
+        return out
+    while True:
+        seen.add(b)
+        path.extend(range(blocks[b][0], blocks[b][1] + 1))
+        nxt = [t for t in succ[b] if t in inside]
+        options = [t for t in nxt if t not in seen]
+        if not options:
+            return path
+        # run on most iterations first; then not the latch; then the branch into a conditional block over the edge
+        # that skips it (the skipped-to block is reached after it anyway); then the most executed
+        best = max(options, key=lambda t: (wt(t) >= 0.5 * full, h not in succ[t],
+                                           any(o in reach(t) for o in options if o != t), wt(t)))
+        if h in nxt and wt(best) < 0.5 * full:
+            return path
+        b = best
+
+
+def cubin_of(obj: str, arch: str, workdir: str) -> str:
+    """The `arch` cubin inside an object (.o) or .so, extracted into workdir (nvdisasm reads cubins only)."""
+    if obj.endswith(".cubin"):
+        return obj
+    os.makedirs(workdir, exist_ok=True)
+    subprocess.run([sass.find_tool("cuobjdump"), "-xelf", "all", os.path.abspath(obj)], cwd=workdir,
+                   capture_output=True, check=True)
+    found = [f for f in os.listdir(workdir) if f.endswith(f".{arch}.cubin")]
+    if not found:
+        raise FileNotFoundError(f"no {arch} cubin in {obj}")
+    return os.path.join(workdir, sorted(found)[0])
+
+
+def profile_path(cubin: str, fn: str, insns, loop, cov_json: str, needle: str, body: str = BODY) -> list[int]:
+    """The loop's interior path by the emulated kernel's line counts (the module's docstring)."""
+    blocks, succ, weights = block_weights(insns, line_chains(cubin, fn), gcov_counts(cov_json, needle, body), body)
+    return dominant_path(loop, blocks, succ, weights)

@@ -1,0 +1,23 @@
+#!/bin/bash
+# Line counts of the sm80 forward on one problem, for tools/perf_counts.py (the model's branch weights, no GPU):
+# builds tools/perf_counts_harness.cpp with gcov against a tree's host emulation (SINKATTN_SRC: this checkout, or a
+# worktree of an older commit) for each head dim, runs it (S keys, full), and writes $OUT/cov_hd<d>.json (gcov's
+# JSON). About 25 s of compile and 10-20 s of run per head dim on one core.
+#   SINKATTN_SRC=<tree> OUT=build/peer_sass/4d9dcbd/counts bash tools/perf_counts.sh 64 128
+set -e
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(dirname "$HERE")
+S=${SINKATTN_SRC:-$REPO}; OUT=${OUT:-$REPO/build/perf_counts}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+CUT=${CUTLASS_INC:-$S/third_party/cutlass/include}
+[ -d "$CUT" ] || CUT=$REPO/third_party/cutlass/include
+INC="-I$S/csrc -I$CUT -I$CUDA_HOME/include"
+[ -d "$CUDA_HOME/include/cccl" ] && INC="$INC -I$CUDA_HOME/include/cccl"
+for hd in ${@:-64 128}; do
+  W=$OUT/hd$hd; rm -rf "$W"; mkdir -p "$W"
+  ( cd "$W" && { g++ -std=c++20 -O1 --coverage -fprofile-update=atomic -fno-strict-aliasing -pthread -DNDEBUG \
+      -DHD=$hd -DSINKATTN_COMPILED_ARCHS='"host"' $INC "$HERE/perf_counts_harness.cpp" -o harness > build.log 2>&1 \
+      || { cat build.log; exit 1; }; } \
+    && ./harness ${PERF_COUNTS_S:-1024} f \
+    && gcov --json-format --stdout harness-perf_counts_harness.gcda > "$OUT/cov_hd$hd.json" 2>/dev/null )
+  echo "$OUT/cov_hd$hd.json"
+done
