@@ -15,7 +15,8 @@ test: its lines ran 0 times, yet its predicated-off instructions sit in the bloc
 runs whenever any of its lines does. Counts are per emulated thread and per execution of the statement; only their
 comparison between a branch's successors matters. From the loop's header the path takes, at each branch, a
 successor run on at least half the iterations, preferring one that is not the latch (which every iteration reaches
-anyway), then the conditional block over the edge that skips it (its join follows anyway), else the most executed.
+anyway), then, where the counts say it runs, the conditional block over the edge that skips it (its join follows
+anyway), else the most executed; where no count speaks for either side, the edge that skips.
 """
 from __future__ import annotations
 
@@ -114,10 +115,13 @@ def dominant_path(loop, blocks, succ, weights) -> list[int]:
         options = [t for t in nxt if t not in seen]
         if not options:
             return path
-        # run on most iterations first; then not the latch; then the branch into a conditional block over the edge
-        # that skips it (the skipped-to block is reached after it anyway); then the most executed
+        # run on most iterations first; then not the latch; then, where the counts say it runs, the branch into a
+        # conditional block over the edge that skips it (the skipped-to block follows anyway); then the most executed;
+        # where no count speaks for either side, the edge that skips (no evidence that the block runs)
+        known = lambda t: weights[t] is not None  # noqa: E731
         best = max(options, key=lambda t: (wt(t) >= 0.5 * full, h not in succ[t],
-                                           any(o in reach(t) for o in options if o != t), wt(t)))
+                                           known(t) and any(o in reach(t) for o in options if o != t), wt(t),
+                                           not known(t) and any(t in reach(o) for o in options if o != t)))
         if h in nxt and wt(best) < 0.5 * full:
             return path
         b = best
