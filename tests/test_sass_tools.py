@@ -175,15 +175,24 @@ def test_profile_path_follows_the_emulated_line_counts(tmp_path):
               for a, n in line_of.items()}
     cov = tmp_path / "cov.json"
 
-    def path(mask_runs):
-        lines = [{"line_number": n, "count": c, "function_name": "_ZN8sinkattn4sm809fwd_blockINS0_9FwdTraitsILi64E"}
-                 for n, c in ((10, 100), (20, mask_runs), (30, 100), (40, 99), (50, 100))]
+    def path(mask_runs, counted=(10, 20, 30, 40, 50)):
+        runs = {10: 100, 20: mask_runs, 30: 100, 40: 99, 50: 100}
+        lines = [{"line_number": n, "count": runs[n], "function_name": "_ZN8sinkattn4sm809fwd_blockINS0_9FwdTraitsILi64E"}
+                 for n in counted]
         lines.append({"line_number": 20, "count": 100, "function_name": "_ZN8sinkattn4sm809fwd_blockINS0_5OtherE"})
         cov.write_text(json.dumps({"files": [{"file": "/x/csrc/" + body, "lines": lines}]}))
         counts = perf_counts.gcov_counts(str(cov), "FwdTraitsILi64E", body)
-        assert counts[20] == mask_runs  # another instantiation's counts stay out
+        assert counts[20] == (mask_runs if 20 in counted else 0)  # another instantiation's counts stay out
         blocks, succ, weights = perf_counts.block_weights(insns, chains, counts, body)
         return perf_counts.dominant_path(loop, blocks, succ, weights)
 
     assert path(0) == [0, 1, 4, 5, 6, 7]  # no mask (none ran), the load (99 of 100 iterations)
     assert path(100) == [0, 1, 2, 3, 4, 5, 6, 7]  # a mask every iteration ran
+    # no count for either side of the mask's branch: the edge that skips it (no evidence that the block runs)
+    assert path(100, counted=(10, 40, 50)) == [0, 1, 4, 5, 6, 7]
+    # the same rules on a CFG whose conditional block is the first successor: header 0 -> block 1 or its join 2,
+    # 1 -> 2, 2 -> latch 3 -> 0
+    blocks, succ, loop = [(i, i) for i in range(4)], [[1, 2], [2], [3], [0]], ([0, 1, 2, 3], [0, 1, 2, 3], 0)
+    assert perf_counts.dominant_path(loop, blocks, succ, [100, 100, 100, 100]) == [0, 1, 2, 3]  # it runs: entered
+    assert perf_counts.dominant_path(loop, blocks, succ, [100, None, None, 100]) == [0, 2, 3]  # no count: skipped
+    assert perf_counts.dominant_path(loop, blocks, succ, [100, 2, 100, 100]) == [0, 2, 3]  # 2 of 100: skipped
