@@ -7,15 +7,19 @@ each ran, found by its mangled name in the SASS given:
          PEER_SASS_DIR=build/peer_sass/4d9dcbd)
   FA2    SDPA's flash backend, the comparator measured: FlashAttention-2 inside torch's libtorch_cuda.so, whose sm_90
          cubins hold its kernels (extracted with `cuobjdump -xelf` into --fa2; tools/perf_fa2_cubins.sh)
+  counts (--path profile) the line counts of 4d9dcbd's emulated forward, `SINKATTN_SRC=<4d9dcbd worktree>
+         OUT=build/peer_sass/4d9dcbd/counts bash tools/perf_counts.sh 64 128`, into --counts; our forward kernels'
+         iteration is then the path they say (tools/perf_counts.py), FA2's the whole loop
 
-    python3 tools/perf_model.py --rows [--ours DIR] [--fa2 DIR] [--markdown]
+The forward and backward rows in TFLOP/s beside FA2's, then the decode rows (DECODE) in GB/s.
+
+    python3 tools/perf_model.py --rows [--ours DIR] [--fa2 DIR] [--path loop|mma|mma+loads|profile] [--counts DIR]
 """
 from __future__ import annotations
 
 import glob
 import os
 import re
-
 import sys
 
 import perf_model as pm
