@@ -29,9 +29,7 @@ void launch_fwd_kernel_emulated(FwdFp8Params const& p, EmuLaunch const& launch) 
 }
 template <class Tile, class Element>
 void launch_fwd_emulated(FwdParams const& p, EmuLaunch const& launch) {
-  FwdFp8Params fp;
-  static_cast<FwdParams&>(fp) = p;
-  launch_fwd_kernel_emulated<Tile, Element>(fp, launch);
+  launch_fwd_kernel_emulated<Tile, Element>(fwd_kernel_params(p), launch);
 }
 
 }  // namespace sm90

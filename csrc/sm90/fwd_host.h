@@ -32,6 +32,14 @@ PersistentTileOrder fwd_schedule(FwdParams const& p) {
   return PersistentTileOrder{int(blocks), 1, heads, p.packed_tiles ? 1 : p.batch};
 }
 
+// A call over q/k/v, or over a cache in q's dtype, as the kernel's parameters (FwdFp8Params, which one kernel takes for
+// both entries: kv_fp8 0, no descales). The GPU and the emulated launchers' launch_fwd both pass through it.
+inline FwdFp8Params fwd_kernel_params(FwdParams const& p) {
+  FwdFp8Params fp;
+  static_cast<FwdParams&>(fp) = p;
+  return fp;
+}
+
 // Whether the forward has anything to write: no tile or no query row means no launch, and no descriptor is encoded
 // (q would be an empty tensor). Throws where the kernel would fault.
 template <class Kt>

@@ -54,9 +54,7 @@ void launch_fwd_kernel(FwdFp8Params const& p, cudaStream_t stream) {
 // run_fwd_fp8_sm90. (Two names, not two overloads: the tuning grid registers &launch_fwd<Tile, Element>.)
 template <class Tile, class Element>
 void launch_fwd(FwdParams const& p, cudaStream_t stream) {
-  FwdFp8Params fp;
-  static_cast<FwdParams&>(fp) = p;
-  launch_fwd_kernel<Tile, Element>(fp, stream);
+  launch_fwd_kernel<Tile, Element>(fwd_kernel_params(p), stream);
 }
 
 }  // namespace sm90
