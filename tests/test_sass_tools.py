@@ -196,3 +196,32 @@ def test_profile_path_follows_the_emulated_line_counts(tmp_path):
     assert perf_counts.dominant_path(loop, blocks, succ, [100, 100, 100, 100]) == [0, 1, 2, 3]  # it runs: entered
     assert perf_counts.dominant_path(loop, blocks, succ, [100, None, None, 100]) == [0, 2, 3]  # no count: skipped
     assert perf_counts.dominant_path(loop, blocks, succ, [100, 2, 100, 100]) == [0, 2, 3]  # 2 of 100: skipped
+
+
+def test_profile_path_leaves_out_blocks_the_emulation_never_ran():
+    """tools/perf_counts.py dead_blocks: an if/else inside an inlined helper, both sides inlined from one line of the
+    kernel body (KvLoader's whole-tile copy against its bounds-checked one), so the body's counts cannot tell them
+    apart; the helpers' own lines, counted per instantiation, can. A line two instantiations share with different
+    counts (the row loader called for Q and for a tail block) defers to its caller's line."""
+    import types
+    import perf_counts
+    body, t = "/x/csrc/sm80/fwd_kernel.h", "FwdTraitsILi64E"
+    # header 0 -> whole-tile copy 1 or checked copy 2; both -> join 3 -> latch 4 -> 0
+    blocks, succ = [(i, i) for i in range(5)], [[2, 1], [3], [3], [4], [0]]
+    loop = ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], 0)
+    insns = [types.SimpleNamespace(addr=16 * i) for i in range(5)]
+    chains = {0: [(body, 10)], 16: [("/x/csrc/sm80/row_loader.h", 52), ("/x/csrc/sm80/kv_loader.h", 72), (body, 90)],
+              32: [("/x/csrc/sm80/row_loader.h", 23), ("/x/csrc/sm80/kv_loader.h", 77), (body, 90)],
+              48: [(body, 90)], 64: [(body, 120)]}
+    inst = {("sm80/row_loader.h", 52): [4096], ("sm80/kv_loader.h", 72): [512],
+            ("sm80/row_loader.h", 23): [128, 0],  # Q's instantiation ran it, the tail's did not: ask the caller
+            ("sm80/kv_loader.h", 77): [0], ("sm80/fwd_kernel.h", 90): [512]}
+    weights = [512, None, None, 512, 512]  # one body line for both copies: no weight speaks for either side
+    assert perf_counts.dead_blocks(insns, blocks, chains, inst) == {2}
+    assert perf_counts.dominant_path(loop, blocks, succ, weights) == [0, 2, 3, 4]  # without: the first successor
+    assert perf_counts.dominant_path(loop, blocks, succ, weights, {2}) == [0, 1, 3, 4]
+    # the shared line's caller ran (the checked copy called from the whole-tile side): not dead
+    assert perf_counts.dead_blocks(insns, blocks, {**chains, 32: chains[32][:1] + chains[16][1:]}, inst) == set()
+    # if-converted code that never ran, in one block with code that ran (instructions 1 and 2 one block): not dead
+    assert perf_counts.dead_blocks(insns, [(0, 0), (1, 2), (3, 3), (4, 4)], chains, inst) == set()
+    assert perf_counts.dead_blocks(insns, blocks, chains, {}) == set()  # no counts: nothing is known dead

@@ -16,7 +16,11 @@ runs whenever any of its lines does. Counts are per emulated thread and per exec
 comparison between a branch's successors matters. From the loop's header the path takes, at each branch, a
 successor run on at least half the iterations, preferring one that is not the latch (which every iteration reaches
 anyway), then, where the counts say it runs, the conditional block over the edge that skips it (its join follows
-anyway), else the most executed; where no count speaks for either side, the edge that skips.
+anyway), else the most executed; where no count speaks for either side, the edge that skips. Before all of that,
+a block the emulated kernel never ran is not taken while a successor remains that it may have run (dead_blocks: the
+kernel-body lines cannot say which way a branch inside an inlined helper went, e.g. KvLoader's whole-tile copy
+against its bounds-checked one, both inlined from one line of the body; the helpers' own lines, counted per
+instantiation, can).
 """
 from __future__ import annotations
 
@@ -92,7 +96,47 @@ def block_weights(insns, chains, counts, body: str = BODY):
     return blocks, succ, weights
 
 
-def dominant_path(loop, blocks, succ, weights) -> list[int]:
+def gcov_instances(cov_json: str, needle: str) -> dict[tuple[str, int], list[int]]:
+    """{(path under csrc/, line): [count of each instantiation holding `needle` that has the line]} over every
+    source file of the tree (the kernel's helpers too: gcov counts each template instantiation apart)."""
+    out = collections.defaultdict(list)
+    for f in json.load(open(cov_json))["files"]:
+        if "/csrc/" not in f["file"]:
+            continue
+        rel = f["file"].split("/csrc/")[-1]
+        for ln in f["lines"]:
+            if needle in ln.get("function_name", ""):
+                out[(rel, ln["line_number"])].append(ln["count"])
+    return out
+
+
+def dead_blocks(insns, blocks, chains, inst) -> set[int]:
+    """The blocks the emulated kernel never ran. An instruction's verdict comes from its inlining chain, innermost
+    frame first: the first frame in the tree whose line every matching instantiation ran (alive) or none did (dead);
+    a line some ran and some did not (a helper called from two places, e.g. the row loader for Q once per tile and
+    for a tail key block) passes the question to its caller's line. A block is dead when some instruction of it is
+    and none is alive (ptxas puts if-converted code that never runs beside code that does)."""
+    def verdict(i):
+        for f, n in chains.get(insns[i].addr, []):
+            if "/csrc/" not in f:
+                continue
+            cs = inst.get((f.split("/csrc/")[-1], n))
+            if not cs:
+                continue
+            if all(c == 0 for c in cs):
+                return False
+            if all(c > 0 for c in cs):
+                return True
+        return None
+    dead = set()
+    for b, (a, e) in enumerate(blocks):
+        vs = {verdict(i) for i in range(a, e + 1)}
+        if False in vs and True not in vs:
+            dead.add(b)
+    return dead
+
+
+def dominant_path(loop, blocks, succ, weights, dead=frozenset()) -> list[int]:
     """The instruction indices of one interior iteration of `loop` (sass.hot_loop's (indices, blocks, header))."""
     _, body, h = loop
     inside, path, b, seen = set(body), [], h, set()
@@ -113,6 +157,7 @@ def dominant_path(loop, blocks, succ, weights) -> list[int]:
         path.extend(range(blocks[b][0], blocks[b][1] + 1))
         nxt = [t for t in succ[b] if t in inside]
         options = [t for t in nxt if t not in seen]
+        options = [t for t in options if t not in dead] or options
         if not options:
             return path
         # run on most iterations first; then not the latch; then, where the counts say it runs, the branch into a
@@ -142,5 +187,6 @@ def cubin_of(obj: str, arch: str, workdir: str) -> str:
 
 def profile_path(cubin: str, fn: str, insns, loop, cov_json: str, needle: str, body: str = BODY) -> list[int]:
     """The loop's interior path by the emulated kernel's line counts (the module's docstring)."""
-    blocks, succ, weights = block_weights(insns, line_chains(cubin, fn), gcov_counts(cov_json, needle, body), body)
-    return dominant_path(loop, blocks, succ, weights)
+    chains = line_chains(cubin, fn)
+    blocks, succ, weights = block_weights(insns, chains, gcov_counts(cov_json, needle, body), body)
+    return dominant_path(loop, blocks, succ, weights, dead_blocks(insns, blocks, chains, gcov_instances(cov_json, needle)))
