@@ -225,3 +225,11 @@ def test_profile_path_leaves_out_blocks_the_emulation_never_ran():
     # if-converted code that never ran, in one block with code that ran (instructions 1 and 2 one block): not dead
     assert perf_counts.dead_blocks(insns, [(0, 0), (1, 2), (3, 3), (4, 4)], chains, inst) == set()
     assert perf_counts.dead_blocks(insns, blocks, chains, {}) == set()  # no counts: nothing is known dead
+    # a tile's set-up (body line 5, also before the loop: instruction 5) rematerialized in the never-run block is no
+    # evidence that it runs; without the loop it is
+    remat = {**chains, 40: [("/x/csrc/common/mask.h", 70), (body, 5)], 80: [(body, 5)]}
+    insns7 = insns[:3] + [types.SimpleNamespace(addr=40)] + insns[3:] + [types.SimpleNamespace(addr=80)]
+    blocks7, inst7 = [(0, 0), (1, 1), (2, 3), (4, 4), (5, 5), (6, 6)], {**inst, ("common/mask.h", 70): [64]}
+    loop7 = ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4], 0)
+    assert perf_counts.dead_blocks(insns7, blocks7, remat, inst7, loop7) == {2}
+    assert perf_counts.dead_blocks(insns7, blocks7, remat, inst7) == set()

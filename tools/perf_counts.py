@@ -110,12 +110,19 @@ def gcov_instances(cov_json: str, needle: str) -> dict[tuple[str, int], list[int
     return out
 
 
-def dead_blocks(insns, blocks, chains, inst) -> set[int]:
+def dead_blocks(insns, blocks, chains, inst, loop=None, body: str = BODY) -> set[int]:
     """The blocks the emulated kernel never ran. An instruction's verdict comes from its inlining chain, innermost
     frame first: the first frame in the tree whose line every matching instantiation ran (alive) or none did (dead);
     a line some ran and some did not (a helper called from two places, e.g. the row loader for Q once per tile and
     for a tail key block) passes the question to its caller's line. A block is dead when some instruction of it is
-    and none is alive (ptxas puts if-converted code that never runs beside code that does)."""
+    and none is alive (ptxas puts if-converted code that never runs beside code that does). Given the loop, an
+    instruction of it whose body line also has instructions before or after the loop says nothing for its block:
+    ptxas rematerializes a tile's set-up inside the loop's conditional blocks where it is needed (the mask's bounds
+    inside the mask block), and a line run once per tile is no evidence that the block runs."""
+    body_line = lambda i: next((n for f, n in chains.get(insns[i].addr, []) if f.endswith(body)), None)  # noqa: E731
+    inside = set(loop[0]) if loop else set()
+    outside_lines = {body_line(i) for i in range(len(insns)) if i not in inside} if loop else set()
+
     def verdict(i):
         for f, n in chains.get(insns[i].addr, []):
             if "/csrc/" not in f:
@@ -126,7 +133,7 @@ def dead_blocks(insns, blocks, chains, inst) -> set[int]:
             if all(c == 0 for c in cs):
                 return False
             if all(c > 0 for c in cs):
-                return True
+                return None if body_line(i) in outside_lines else True
         return None
     dead = set()
     for b, (a, e) in enumerate(blocks):
@@ -188,5 +195,7 @@ def cubin_of(obj: str, arch: str, workdir: str) -> str:
 def profile_path(cubin: str, fn: str, insns, loop, cov_json: str, needle: str, body: str = BODY) -> list[int]:
     """The loop's interior path by the emulated kernel's line counts (the module's docstring)."""
     chains = line_chains(cubin, fn)
-    blocks, succ, weights = block_weights(insns, chains, gcov_counts(cov_json, needle, body), body)
-    return dominant_path(loop, blocks, succ, weights, dead_blocks(insns, blocks, chains, gcov_instances(cov_json, needle)))
+    counts = gcov_counts(cov_json, needle, body)
+    blocks, succ, weights = block_weights(insns, chains, counts, body)
+    dead = dead_blocks(insns, blocks, chains, gcov_instances(cov_json, needle), loop, body)
+    return dominant_path(loop, blocks, succ, weights, dead)

@@ -2,7 +2,8 @@
 # Line counts of the sm80 forward on one problem, for tools/perf_counts.py (the model's branch weights, no GPU):
 # builds tools/perf_counts_harness.cpp with gcov against a tree's host emulation (SINKATTN_SRC: this checkout, or a
 # worktree of an older commit) for each head dim, runs it (S keys, full), and writes $OUT/cov_hd<d>.json (gcov's
-# JSON). About 25 s of compile and 10-20 s of run per head dim on one core.
+# JSON). About 25 s of compile and 10-20 s of run per head dim on one core. PERF_COUNTS_SMEM_KB: the shared memory
+# per block the tile is chosen for (default 227, an H100 / H200's; 163 an A100's, 99 an sm86's).
 #   SINKATTN_SRC=<tree> OUT=build/peer_sass/4d9dcbd/counts bash tools/perf_counts.sh 64 128
 set -e
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -17,7 +18,7 @@ for hd in ${@:-64 128}; do
   ( cd "$W" && { g++ -std=c++20 -O1 --coverage -fprofile-update=atomic -fno-strict-aliasing -pthread -DNDEBUG \
       -DHD=$hd -DSINKATTN_COMPILED_ARCHS='"host"' $INC "$HERE/perf_counts_harness.cpp" -o harness > build.log 2>&1 \
       || { cat build.log; exit 1; }; } \
-    && ./harness ${PERF_COUNTS_S:-1024} f \
+    && ./harness ${PERF_COUNTS_S:-1024} f ${PERF_COUNTS_SMEM_KB:-227} \
     && gcov --json-format --stdout harness-perf_counts_harness.gcda > "$OUT/cov_hd$hd.json" 2>/dev/null )
   echo "$OUT/cov_hd$hd.json"
 done
