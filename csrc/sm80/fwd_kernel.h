@@ -92,8 +92,10 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   };
 
   // One cp.async group per key block, committed even when empty (past the last block), so the group of
-  // block t is always the (t - t_begin)-th and one wait count serves every iteration. Q joins block t_begin's.
+  // block t is always the (t - t_begin)-th and one wait count serves every iteration. Q joins block t_begin's,
+  // or under Kt::kQInRegs is a group of its own, older than every block's, waited for alone before the loop.
   load_rows<Kt>(gmem_thr.partition_D(sQ), tQcQ, vec, rows - m0, p.headdim, q_row);
+  if constexpr (Kt::kQInRegs) Prims::cp_async_fence();
   if (t_end > t_begin) load_kv(t_begin);
   Prims::cp_async_fence();
   CUTE_UNROLL
@@ -121,6 +123,14 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   auto smem_copy_k = make_tiled_copy_B(typename Kt::SmemCopyAtom{}, tiled_mma);
   auto smem_copy_v = make_tiled_copy_B(typename Kt::SmemCopyAtomT{}, tiled_mma);
   Tensor tSsQ = smem_copy_q.get_thread_slice(mma_tid).partition_S(sQ);
+  if constexpr (Kt::kQInRegs) {
+    // Q's group is the oldest: the kStages - 1 key-block groups issued after it may stay in flight. Read once here
+    // (a copy inside the loop under `t == t_begin` was if-converted by ptxas into predicated ldmatrix issued
+    // every block).
+    Prims::template cp_async_wait<Kt::kStages - 1>();
+    Prims::sync_threads();
+    copy(smem_copy_q, tSsQ, smem_copy_q.get_thread_slice(mma_tid).retile_D(tSrQ));
+  }
 
   // (row, col) coordinates of this thread's S elements (columns from key0), for the mask and the LSE.
   Tensor tScS = rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockNMma>>{})));
@@ -181,7 +191,11 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockNMma>>{});
     clear(acc_s);
     Tensor tSsK = smem_copy_k.get_thread_slice(mma_tid).partition_S(sK_mma(Kt::kFp8 ? 0 : s));
-    gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, mma_tid);
+    if constexpr (Kt::kQInRegs) {
+      gemm_reg_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsK, smem_copy_k, mma_tid);
+    } else {
+      gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, mma_tid);
+    }
     Tensor scores = rowcol_view(acc_s);
     static_assert(decltype(size<0>(scores))::value == kRows);
     score.bound(acc_s);

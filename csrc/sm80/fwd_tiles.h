@@ -16,6 +16,11 @@ struct FwdTile {
   int head_dim, block_m, block_n, warps;
   int stages = 2;      // K/V blocks in shared memory: 2 is double buffering; more keep more bytes in flight (decode)
   int key_groups = 1;  // > 1: the warps also split each key block's keys (decode tiles of <= 32 real rows)
+  // 1: each warp reads its Q fragments from shared memory once per tile and holds them in registers, instead of
+  // once per key block (fwd_kernel.h). For a tile whose loop is bound by shared-memory reads and whose registers
+  // leave the room at the same occupancy: the 8-warp hd128 prefill tile (216 -> 239 registers, one CTA per SM
+  // either way; Q was 8 of its 72 ldmatrix per key block).
+  int q_regs = 0;
 
   constexpr int smem_bytes() const { return (block_m + 2 * stages * block_n) * head_dim * 2; }
   constexpr bool operator==(FwdTile const&) const = default;
@@ -42,7 +47,7 @@ SINKATTN_FWD_TILE(Hd128Keys2, 128, 32, 64, 4, 3, 2);      // 104 KB: sm80, sm90
 SINKATTN_FWD_TILE(Hd128Keys2Small, 128, 32, 64, 4, 2, 2); // 72 KB
 SINKATTN_FWD_TILE(Hd128Few, 128, 64, 64, 4, 3);           // 112 KB, 64 KB in flight: sm80, sm90
 SINKATTN_FWD_TILE(Hd128FewSmall, 128, 64, 32, 4, 4);      // 80 KB, 48 KB in flight
-SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8);            // 96 KB: fits sm86 too
+SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8, 2, 1, 1);  // 96 KB: fits sm86 too; Q in registers
 // Head dim 256. Rows 17-32 keep the 64-row tile: two key groups (32 of 64 keys each) would take 144 KB.
 SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per warp: sm80, sm90
 SINKATTN_FWD_TILE(Hd256Rows, 256, 64, 64, 4);             // 160 KB: sm80 only

@@ -43,6 +43,7 @@ struct FwdTraits {
   // with its own kBlockNMma keys of each key block and keeps its own softmax state, as if it were a split of
   // the keys; the groups' states merge once at the end (fwd_kernel.h, merge_key_groups).
   static constexpr int kKeyGroups = kTile.key_groups;
+  static constexpr bool kQInRegs = kTile.q_regs != 0;  // fwd_tiles.h FwdTile::q_regs
   static constexpr bool kSplitKeys = kKeyGroups > 1;
   static_assert(kNWarps % kKeyGroups == 0);
   static constexpr int kMmaWarps = kNWarps / kKeyGroups;  // warps of one TiledMma: one key group
@@ -50,6 +51,7 @@ struct FwdTraits {
   static_assert(kBlockM % (16 * kMmaWarps) == 0, "each warp owns whole 16-row MMA tiles");
   static_assert(!kSplitKeys || kBlockM == 16 * kMmaWarps, "split keys: one 16-row slice per warp of a group");
   static_assert(kBlockNMma % 16 == 0, "a group's keys are whole k16 slices of P V");
+  static_assert(!kQInRegs || !kSplitKeys, "Q in registers: the prefill row tiles only");
   // N tile 16 lets one ldmatrix.x4 feed two n8 atoms.
   using TiledMma = TiledMMA<MMA_Atom<typename Prims::template Mma<Element>>, Layout<Shape<Int<kMmaWarps>, _1, _1>>,
                             Tile<Int<16 * kMmaWarps>, _16, _16>>;
