@@ -118,7 +118,8 @@ SWEEP_SM80 = [
     Sm80Variant(128, 128, 128, 8),  # 160 KB: longer key blocks, fewer rescale rounds
     Sm80Variant(128, 64, 64, 4),    # 64 rows: twice the CTAs
     Sm80Variant(128, 128, 64, 8, 3),  # a third stage (128 KB)
-    # hd256 (table: Hd256Rows m64 n64 w4).
+    # hd256 (table: Hd256Staggered m64 n64 w4, one K and one V buffer, where two CTAs fit (sm90); Hd256Rows elsewhere).
+    Sm80Variant(256, 64, 64, 4),    # the double-buffered tile on sm90 (160 KB: one CTA per SM)
     Sm80Variant(256, 128, 32, 8),   # 128 rows with 32-key blocks (128 KB)
     Sm80Variant(256, 64, 32, 4, 3),  # 32-key blocks, 3 stages (128 KB)
 ]

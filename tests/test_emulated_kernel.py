@@ -28,6 +28,18 @@ def _cases():
         # The sm86/sm89 configuration (99 KB of shared memory) differs from sm80's only at head dim 256.
         cases.append(Case("d256-sm86-config", 256, seqlen_q=70, seqlen_k=100, causal=True, window=(40, 0),
                           sink_tokens=3, max_smem=99 * 1024))
+    if (256, "bf16") in EMU:
+        # The sm90 configuration (227 KB per block): one K and one V buffer loaded staggered (fwd_tiles.h
+        # Hd256Staggered). Odd lengths, a window cutting blocks, sink tokens, a last M tile of 6 rows (three warps
+        # without a row: they take both barriers and load), GQA, learnable sinks, softcap, empty and one-key rows.
+        for name, kw in (("causal-window-tokens", dict(seqlen_q=70, seqlen_k=333, causal=True, window=(100, 0),
+                                                      sink_tokens=5)),
+                         ("full-gqa-sinks", dict(seqlen_q=129, seqlen_k=191, nheads=4, nheads_k=2, sinks="random")),
+                         ("softcap-causal", dict(seqlen_q=65, seqlen_k=64, causal=True, softcap=30.0)),
+                         ("one-key", dict(seqlen_q=3, seqlen_k=1)),
+                         ("q-longer-than-k-causal", dict(seqlen_q=90, seqlen_k=40, causal=True, sinks="random")),
+                         ("varlen", dict(varlen=[(70, 100), (3, 1), (129, 200), (0, 5)], causal=True))):
+            cases.append(Case(f"d256-sm90-config-{name}", 256, max_smem=227 * 1024, **kw))
     if (64, "bf16") in EMU:
         cases.append(Case("d64-sm86-few-rows-config", 64, seqlen_q=30, seqlen_k=300, nheads=4, nheads_k=2, causal=True,
                           window=(200, 0), sink_tokens=2, max_smem=99 * 1024))

@@ -115,6 +115,10 @@ def test_fwd_tile_prefers_the_big_tile_where_it_fits():
     assert C.fwd_tile(128, 40, True, 99 * KB)["block_n"] == 32  # the 80 KB 4-stage tile of sm86 / sm89
     assert C.fwd_tile(256, 4096, False, 163 * KB)["block_n"] == 64
     assert C.fwd_tile(256, 4096, False, 99 * KB)["block_n"] == 32
+    # sm90 (227 KB per block): one K and one V buffer, 96 KB, two CTAs per SM; sm80 keeps the double-buffered 160 KB
+    assert C.fwd_tile(256, 4096, False, 227 * KB) == dict(C.fwd_tile(256, 4096, False, 227 * KB), stages=1, block_n=64,
+                                                          smem_bytes=96 * KB)
+    assert C.fwd_tile(256, 4096, False, 163 * KB)["stages"] == 2 and C.fwd_tile(256, 4096, False, 163 * KB)["smem_bytes"] == 160 * KB
 
 
 def test_bwd_tile_table():

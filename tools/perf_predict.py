@@ -5,7 +5,8 @@ A bench case (the fields of bench/harness/grids.Case: kind, mode, batch, seqlen_
 window, sink tokens, kv dtype) is mapped to the kernel that serves it and to that kernel's launch; tools/perf_model.py
 costs the launch:
 
-  sm80 forward, prefill   fwd_kernel<Hd{d}Rows, Softcap 0>: one CTA per (batch, head, block_m rows), each walking
+  sm80 forward, prefill   fwd_kernel<Hd{d}Rows, Softcap 0> (hd256 on sm90: Hd256Staggered): one CTA per (batch, head,
+                          block_m rows), each walking
                           the key blocks its rows see (causal / window / sink tokens counted block by block)
   sm80 backward           bwd_kernel<Hd{d}, Softcap 0>: one CTA per (batch, head, block_n keys), each walking the
                           query blocks that see its keys. Only the main kernel: the dO.O preprocess, the dQ
@@ -77,6 +78,18 @@ def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
     base = {4: "Keys4", 2: "Keys2", 1: "Few"}[kg]
     name = f"Hd{hd}{base}"
     smem = lambda t: (t["block_m"] + 2 * t["stages"] * t["block_n"]) * t["head_dim"] * 2  # noqa: E731
+    if name in tiles and smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:
+        name += "Small"
+    return name
+
+
+def sm80_prefill_tile(tiles: dict, hd: int, smem_cap: int) -> str:
+    """The name of the tile choose_fwd_tile picks for a prefill problem: Hd{d}Rows, except at hd256 the staggered
+    tile where two of them fit the per-block limit (sm90) and the Small one where Rows does not fit (sm86/89)."""
+    smem = lambda t: (t["block_m"] + 2 * t["stages"] * t["block_n"]) * t["head_dim"] * 2  # noqa: E731
+    if hd == 256 and "Hd256Staggered" in tiles and smem_cap >= 2 * (smem(tiles["Hd256Staggered"]) + 1024):
+        return "Hd256Staggered"
+    name = f"Hd{hd}Rows"
     if name in tiles and smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:
         name += "Small"
     return name
@@ -184,7 +197,7 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO) -> dict
                 "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_FWD}
     fwd_t, bwd_t = sm80_fwd_tiles(repo), sm80_bwd_tiles(repo)
     if kind == "attn" and mode == "fwd" and sq * (h // max(hk, 1)) > 64:
-        name = f"Hd{hd}Rows"
+        name = sm80_prefill_tile(fwd_t, hd, dev.smem_block)
         t = fwd_t.get(name)
         hit = t and (ks.find("sm8010fwd_kernel", _tile_needle("fwd_tiles", name), "SoftcapE0")
                      or ks.find("sm8010fwd_kernel", _tile_needle("fwd_tiles", name)))

@@ -4,7 +4,8 @@
 // under host emulation (emu/fwd_sm80_emu.h with EmuPrims): everything arch-facing goes through Kt::Prims.
 //
 // Per CTA: Q tile (kBlockM x d) once; K/V blocks chosen by the mask policy (window blocks from the last down,
-// then sink-token blocks), kStages-buffered through shared memory with cp.async; S = Q K^T and O += P V on
+// then sink-token blocks), kStages-buffered through shared memory with cp.async (or, with one stage, one K and one
+// V buffer loaded staggered: V of a block during its S, K of the next during its softmax); S = Q K^T and O += P V on
 // mma.sync m16n8k16 with fp32 accumulation; the online softmax in exp2 units (common/online_softmax.h); the
 // learnable sink joins once per row in the finalize; then the epilogue (fwd_epilogue.h, or
 // split_epilogue.h under split-KV). Over an FP8 cache (Kt::kFp8, sm80/fp8_kv.h) K/V blocks arrive as FP8 codes and
@@ -90,13 +91,26 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   auto load_kv = [&](int t) {
     load_block(range.block(t), int(unsigned(t - t_begin) % Kt::kStages), stage_k, stage_v, tid);
   };
+  auto load_k = [&](int t) { load_block.template load<true, false>(range.block(t), 0, stage_k, stage_v, tid); };
+  auto load_v = [&](int n) { load_block.template load<false, true>(n, 0, stage_k, stage_v, tid); };  // block n
+  // Staggered (one K and one V buffer): after the barrier that K(t) landed behind, V(t) loads during S = Q K(t);
+  // after the one V(t) landed behind, K(t + 1) loads during the softmax and P V. Both barriers every warp takes.
+  auto staggered_k_next = [&](int t) {
+    Prims::template cp_async_wait<0>();  // V(t) landed
+    Prims::sync_threads();               // ... for every thread; every read of K(t) done
+    if (t + 1 < t_end) load_k(t + 1);
+    Prims::cp_async_fence();
+  };
 
   // One cp.async group per key block, committed even when empty (past the last block), so the group of
   // block t is always the (t - t_begin)-th and one wait count serves every iteration. Q joins block t_begin's,
   // or under Kt::kQInRegs is a group of its own, older than every block's, waited for alone before the loop.
   load_rows<Kt>(gmem_thr.partition_D(sQ), tQcQ, vec, rows - m0, p.headdim, q_row);
   if constexpr (Kt::kQInRegs) Prims::cp_async_fence();
-  if (t_end > t_begin) load_kv(t_begin);
+  if (t_end > t_begin) {
+    if constexpr (Kt::kStaggered) load_k(t_begin);
+    else load_kv(t_begin);
+  }
   Prims::cp_async_fence();
   CUTE_UNROLL
   for (int i = 1; i < Kt::kStages - 1; ++i) {  // blocks t_begin + 1 .. t_begin + kStages - 2 in flight too
@@ -153,7 +167,12 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   // ---- the key blocks ----------------------------------------------------------------------------------------
   for (int t = t_begin; t < t_end; ++t) {
     int const n = range.block(t), s = int(unsigned(t - t_begin) % Kt::kStages);
-    if constexpr (Kt::kStages == 2) {
+    if constexpr (Kt::kStaggered) {
+      Prims::template cp_async_wait<0>();  // K(t) (and Q) landed
+      Prims::sync_threads();               // ... for every thread; every read of V(t - 1) done
+      load_v(n);
+      Prims::cp_async_fence();
+    } else if constexpr (Kt::kStages == 2) {
       // Two stages: block t + 1 goes into the other stage, freed by the barrier that ended iteration t - 1,
       // before the wait for block t, so its copy overlaps that wait too. (This order, with two barriers per
       // block, is the loop the H200 measured at 221 TFLOP/s for hd128; 208 with the one-barrier order below,
@@ -182,7 +201,8 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
       Prims::sync_threads();
     }
     if (!warp_active) {
-      // the end-of-iteration barrier every warp takes
+      // the barriers every warp takes
+      if constexpr (Kt::kStaggered) staggered_k_next(t);
       if constexpr (Kt::kStages == 2 && !Kt::kFp8) Prims::sync_threads();
       continue;
     }
@@ -202,6 +222,8 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
     if (mask_test.needs(n)) {
       tile_mask.apply<kRows, kCols>(tScS, m0, n * kBlockN + key0, [&](int r, int c) { scores(r, c) = -INFINITY; });
     }
+
+    if constexpr (Kt::kStaggered) staggered_k_next(t);
 
     // P = exp(S - running max), O and the sums rescaled to the new max; O += P V with P in the input precision.
     float correction[kRows];

@@ -52,6 +52,9 @@ SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8, 2, 1, 1);  // 96 KB: fits sm86 too
 SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per warp: sm80, sm90
 SINKATTN_FWD_TILE(Hd256Rows, 256, 64, 64, 4);             // 160 KB: sm80 only
 SINKATTN_FWD_TILE(Hd256RowsSmall, 256, 64, 32, 4);        // 96 KB: sm86 / sm89
+// One K and one V buffer, loaded staggered (FlashAttention-2's hd256 pipeline): 96 KB, so two CTAs share an sm90 SM
+// (228 KB), where Hd256Rows (160 KB) leaves one warp per scheduler and the model puts it bound by that warp's chain.
+SINKATTN_FWD_TILE(Hd256Staggered, 256, 64, 64, 4, 1);     // 96 KB: sm90
 #undef SINKATTN_FWD_TILE
 }  // namespace fwd_tiles
 
@@ -63,6 +66,7 @@ template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256RowsSmall> = true;
+template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Staggered> = true;
 
 template <class... Tiles>
 struct TileList {};
@@ -80,7 +84,7 @@ template <> struct FwdTilesOf<128> {
                         fwd_tiles::Hd128Keys2Small, fwd_tiles::Hd128Few, fwd_tiles::Hd128FewSmall, fwd_tiles::Hd128Rows>;
 };
 template <> struct FwdTilesOf<256> {
-  using type = TileList<fwd_tiles::Hd256Keys4, fwd_tiles::Hd256Rows, fwd_tiles::Hd256RowsSmall>;
+  using type = TileList<fwd_tiles::Hd256Keys4, fwd_tiles::Hd256Rows, fwd_tiles::Hd256RowsSmall, fwd_tiles::Hd256Staggered>;
 };
 
 // The smallest shared memory any tile of the head dim needs (the registry records it: below it nothing runs).
@@ -131,6 +135,9 @@ constexpr FwdTile choose_fwd_tile(int head_dim, FwdShape s, int max_smem) {
     return Hd128Rows::tile;
   }
   if (key_groups == 4 && max_smem >= Hd256Keys4::tile.smem_bytes()) return Hd256Keys4::tile;
+  // Two staggered CTAs per SM where the per-block limit says the SM holds two of them (sm90: 227 KB per block of
+  // 228 per SM; sm80's 163 of 164 holds one, where the double-buffered tile is the better one).
+  if (max_smem >= 2 * (Hd256Staggered::tile.smem_bytes() + 1024)) return Hd256Staggered::tile;
   return fit(Hd256Rows::tile, Hd256RowsSmall::tile);
 }
 

@@ -87,7 +87,11 @@ struct FwdTraits {
   // K/V stages in shared memory: while block t computes, blocks t+1 .. t+kStages-1 are in flight (2: double
   // buffering; more for decode, where a CTA computes little per byte and needs many bytes in flight).
   static constexpr int kStages = kTile.stages;
-  static_assert(kStages >= 2);
+  // One stage: one K and one V buffer, loaded staggered (fwd_kernel.h): V of block t while S of block t computes,
+  // K of block t + 1 while its softmax and P V do; the shared memory of 1.5 double-buffered stages' worth of overlap.
+  static constexpr bool kStaggered = kStages == 1;
+  static_assert(kStages >= 1);
+  static_assert(!kStaggered || !kSplitKeys, "staggered K/V: the prefill row tiles only");
   static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;
   static_assert(kSmemBytes == kTile.smem_bytes(), "the table's size is the layouts' size");
   // Split keys: after the last key block the K/V stages hold the key groups' softmax states (max and sum per

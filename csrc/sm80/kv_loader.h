@@ -62,6 +62,12 @@ struct KvLoader {
   // ptxas spill, so they take the checked load_rows there). The last block and a head dim below the kernel's go
   // through load_rows, row by row with bounds and zero-fill.
   SA_DEVICE void operator()(int n, int s, Cache* stage_k, Cache* stage_v, int tid) const {
+    load<true, true>(n, s, stage_k, stage_v, tid);
+  }
+  // K only, or V only: the staggered tiles (fwd_tiles.h, stages 1) load a block's K and V at different points of
+  // the loop (fwd_kernel.h).
+  template <bool kK, bool kV>
+  SA_DEVICE void load(int n, int s, Cache* stage_k, Cache* stage_v, int tid) const {
     typename Load::GmemTiledCopyLoad copy;
     auto thr = copy.get_thread_slice(tid);
     Tensor tKVcKV = thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -72,14 +78,14 @@ struct KvLoader {
     auto k_row = [&](int r) { return k_seq + offset(p.k_batch_stride, p.k_row_stride, j0 + r); };
     auto v_row = [&](int r) { return v_seq + offset(p.v_batch_stride, p.v_row_stride, j0 + r); };
     if (n < whole_blocks && block_in_page) {
-      load_tile<Load>(tKsK, tKVcKV, vec, k_row(0), p.k_row_stride);
-      load_tile<Load>(tVsV, tKVcKV, vec, v_row(0), p.v_row_stride);
+      if constexpr (kK) load_tile<Load>(tKsK, tKVcKV, vec, k_row(0), p.k_row_stride);
+      if constexpr (kV) load_tile<Load>(tVsV, tKVcKV, vec, v_row(0), p.v_row_stride);
     } else if (!kComputeBound<typename Kt::TileTag> && n < whole_blocks) {
-      load_rows<Load, true>(tKsK, tKVcKV, vec, kBlockN, kHeadDim, k_row);
-      load_rows<Load, true>(tVsV, tKVcKV, vec, kBlockN, kHeadDim, v_row);
+      if constexpr (kK) load_rows<Load, true>(tKsK, tKVcKV, vec, kBlockN, kHeadDim, k_row);
+      if constexpr (kV) load_rows<Load, true>(tVsV, tKVcKV, vec, kBlockN, kHeadDim, v_row);
     } else {
-      load_rows<Load>(tKsK, tKVcKV, vec, seqlen_k - j0, p.headdim, k_row);
-      load_rows<Load>(tVsV, tKVcKV, vec, seqlen_k - j0, p.headdim, v_row);
+      if constexpr (kK) load_rows<Load>(tKsK, tKVcKV, vec, seqlen_k - j0, p.headdim, k_row);
+      if constexpr (kV) load_rows<Load>(tVsV, tKVcKV, vec, seqlen_k - j0, p.headdim, v_row);
     }
   }
 };
