@@ -233,3 +233,9 @@ def test_profile_path_leaves_out_blocks_the_emulation_never_ran():
     loop7 = ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4], 0)
     assert perf_counts.dead_blocks(insns7, blocks7, remat, inst7, loop7) == {2}
     assert perf_counts.dead_blocks(insns7, blocks7, remat, inst7) == set()
+    # outside the loop a line's own count speaks: the epilogue block that ran (line 5) beside never-run split-KV code
+    insns8 = [types.SimpleNamespace(addr=a) for a in (0, 16, 32)]
+    chains8 = {0: [(body, 10)], 16: [(body, 5)], 32: [("/x/csrc/sm80/split_epilogue.h", 20), (body, 7)]}
+    inst8 = {("sm80/fwd_kernel.h", 5): [16], ("sm80/split_epilogue.h", 20): [0], ("sm80/fwd_kernel.h", 10): [100]}
+    assert perf_counts.dead_blocks(insns8, [(0, 0), (1, 2)], chains8, inst8, ([0], [0], 0)) == set()
+    assert perf_counts.dead_blocks(insns8, [(0, 0), (1, 1), (2, 2)], chains8, inst8, ([0], [0], 0)) == {2}

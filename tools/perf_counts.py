@@ -133,7 +133,7 @@ def dead_blocks(insns, blocks, chains, inst, loop=None, body: str = BODY) -> set
             if all(c == 0 for c in cs):
                 return False
             if all(c > 0 for c in cs):
-                return None if body_line(i) in outside_lines else True
+                return None if i in inside and body_line(i) in outside_lines else True
         return None
     dead = set()
     for b, (a, e) in enumerate(blocks):
@@ -194,8 +194,18 @@ def cubin_of(obj: str, arch: str, workdir: str) -> str:
 
 def profile_path(cubin: str, fn: str, insns, loop, cov_json: str, needle: str, body: str = BODY) -> list[int]:
     """The loop's interior path by the emulated kernel's line counts (the module's docstring)."""
+    return profile(cubin, fn, insns, loop, cov_json, needle, body)[0]
+
+
+def profile(cubin: str, fn: str, insns, loop, cov_json: str, needle: str, body: str = BODY) -> tuple[list[int], int]:
+    """(the loop's interior path, the instructions outside the loop in blocks the emulated kernel ran): what a CTA
+    issues once besides its iterations. Counting every instruction outside the loop charged each CTA with every
+    epilogue and set-up variant compiled in (split-KV partials, the key-group merge, FP8 scales): 5374 instructions
+    in HEAD's hd64 forward, 2.3x FA2's, which the causal rows (half the iterations per CTA) felt most."""
     chains = line_chains(cubin, fn)
     counts = gcov_counts(cov_json, needle, body)
     blocks, succ, weights = block_weights(insns, chains, counts, body)
     dead = dead_blocks(insns, blocks, chains, gcov_instances(cov_json, needle), loop, body)
-    return dominant_path(loop, blocks, succ, weights, dead)
+    inside = set(loop[1])
+    outside = sum(e - a + 1 for b, (a, e) in enumerate(blocks) if b not in inside and b not in dead)
+    return dominant_path(loop, blocks, succ, weights, dead), outside

@@ -428,13 +428,16 @@ def read_kernels(path: str, dev: Device, arch: str | None = None) -> dict[str, t
 
 
 def make_kernel(name: str, insns, loop, res: dict, dev: Device, threads: int, dyn_smem: int,
-                loop_warps: int | None = None, path: str = "loop", idx: list[int] | None = None) -> Kernel:
-    """idx: the iteration's instructions when the caller has them (perf_counts.profile_path); else by `path`."""
+                loop_warps: int | None = None, path: str = "loop", idx: list[int] | None = None,
+                outside: int | None = None) -> Kernel:
+    """idx: the iteration's instructions when the caller has them (perf_counts.profile); else by `path`. outside:
+    the instructions a CTA issues once besides the loop, when the caller knows them (perf_counts.profile); else
+    every instruction outside the loop."""
     if idx is None:
         idx = loop[0] if path in ("loop", "profile") else sass.hot_path(insns, loop, with_loads=path == "mma+loads")
     lc = loop_cost(insns, idx, dev)
     return Kernel(name, res.get("reg", 255), threads, dyn_smem + res.get("shared", 0), lc,
-                  len(insns) - len(loop[0]), loop_warps or threads // 32, insns, idx)
+                  len(insns) - len(loop[0]) if outside is None else outside, loop_warps or threads // 32, insns, idx)
 
 
 def main(argv=None) -> int:

@@ -149,7 +149,7 @@ def profile_idx(obj: str, fn: str, insns, loop, counts_dir: str, needle: str, de
     if not os.path.exists(cov):
         return None
     cubin = perf_counts.cubin_of(obj, dev.arch, os.path.join(counts_dir, "cubins", os.path.basename(obj)))
-    return perf_counts.profile_path(cubin, fn, insns, loop, cov, needle)
+    return perf_counts.profile(cubin, fn, insns, loop, cov, needle)
 
 
 def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop", counts_dir: str | None = None):
@@ -173,9 +173,13 @@ def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop", cou
             idx = None
             if path == "profile":
                 obj = next(f for f in ours_files if any(key[1] == fn for key in _CODE[f][0]))
-                idx = profile_idx(obj, fn, insns, loop, counts_dir or "build/peer_sass/4d9dcbd/counts", pre, dev)
+                prof = profile_idx(obj, fn, insns, loop, counts_dir or "build/peer_sass/4d9dcbd/counts", pre, dev)
+                idx, outside = prof if prof else (None, None)
+            else:
+                outside = None
             if path != "profile" or idx is not None:
-                k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem, path=path, idx=idx), t[1], t[2])
+                k = (pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem, path=path, idx=idx, outside=outside),
+                     t[1], t[2])
                 out[("fwd", hd, False, "ours")] = out[("fwd", hd, True, "ours")] = k
     for causal in (False, True):
         hit = find(fa2_files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", FA2_BWD[128], fa2_bools(causal, True))
