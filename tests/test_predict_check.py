@@ -109,3 +109,32 @@ def test_block_counts():
     assert pp.key_blocks_per_row_block(512, 512, 128, 64, 127, 0, 4)[-1] == 5
     # the backward: key block j is seen by query blocks from the diagonal on (causal, 64 x 64)
     assert pp.query_blocks_per_key_block(256, 256, 64, 64, -1, 0, 0) == [4, 3, 2, 1]
+
+
+def test_counts_dir_prefers_the_packed_counts(tmp_path, monkeypatch):
+    """predict_check's second table (the profile rule) reads the line counts gpu-prebuilt packs, else build/'s."""
+    monkeypatch.setattr(pc, "REPO", str(tmp_path))
+    assert pc.counts_dir() is None
+    (tmp_path / "build" / "perf_counts").mkdir(parents=True)
+    (tmp_path / "build" / "perf_counts" / "cov_hd64.json").write_text("{}")
+    assert pc.counts_dir() == str(tmp_path / "build" / "perf_counts")
+    (tmp_path / ".prebuilt" / "perf_counts").mkdir(parents=True)
+    (tmp_path / ".prebuilt" / "perf_counts" / "cov_hd128.json").write_text("{}")
+    assert pc.counts_dir() == str(tmp_path / ".prebuilt" / "perf_counts")
+
+
+def test_the_profile_rule_predicts_the_sm80_prefill_forward_only():
+    """With line counts, every case but the sm80 prefill forward says it has no profile prediction (no silent
+    whole-loop figure in the profile table)."""
+    import perf_model as pm
+
+    class NoKernels:  # find() would be the next step of a case the rule costs
+        dev = pm.DEVICES["h200"]
+
+        def find(self, *needles):
+            raise AssertionError("looked up a kernel for a case the profile rule does not cost")
+
+    for c, fam in ((pp.case("attn", "bwd", 2, 8192, 8192, 32, 32, 64), "sm80"),
+                   (pp.case("decode", "fwd", 64, 1, 8192, 64, 8, 64, True), "sm80"),
+                   (pp.case("attn", "fwd", 2, 8192, 8192, 32, 32, 64), "sm90")):
+        assert "profile rule" in pp.predict_case(NoKernels(), c, fam, counts_dir="/nowhere")["error"]

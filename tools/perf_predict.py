@@ -146,6 +146,17 @@ class Kernels:
         self.code = sass.disassemble(path)
         self.res = sass.resources(path)
 
+    def cubin_with(self, fn: str) -> str:
+        """The cubin of this file (for the device's arch) that holds kernel fn: nvdisasm -gi reads cubins only."""
+        import tempfile
+        import perf_counts
+        if not hasattr(self, "_cubins"):
+            self._dir = tempfile.mkdtemp(prefix="sinkattn-cubins-")
+            perf_counts.cubin_of(self.path, self.dev.arch, self._dir)  # extracts every cubin of the file
+            self._cubins = sorted(os.path.join(self._dir, f) for f in os.listdir(self._dir)
+                                  if f.endswith(f".{self.dev.arch.rstrip('a')}.cubin"))
+        return next(c for c in self._cubins if fn.encode() in open(c, "rb").read())
+
     def find(self, *needles: str):
         for (a, fn), insns in sorted(self.code.items()):
             if a.rstrip("a") != self.dev.arch.rstrip("a") or not all(n in fn for n in needles):
@@ -164,14 +175,29 @@ def _tile_needle(ns: str, name: str) -> str:
 # ---- one case ---------------------------------------------------------------------------------------------------
 
 NOTE_FWD = "HMMA/HGMMA rate and latencies of the device table; the whole loop body (masked path too) every iteration"
+NOTE_PROFILE = ("the loop's path and a CTA's once-issued blocks from the emulated kernel's line counts "
+                "(tools/perf_counts.py, --path profile)")
+
+
+def profile_of(ks: Kernels, fn: str, insns, loop, counts_dir: str, hd: int, name: str):
+    """(path, outside) of an sm80 forward tile by the line counts in counts_dir (tools/perf_counts.sh of the same
+    checkout), or None without counts for the head dim."""
+    import perf_counts
+    cov = os.path.join(counts_dir, f"cov_hd{hd}.json")
+    if not os.path.exists(cov):
+        return None
+    emu = _tile_needle("fwd_tiles", name)[1:] + "N7cutlass10bfloat16_tENS_5emu808EmuPrimsELNS_7SoftcapE0E"
+    return perf_counts.profile(ks.cubin_with(fn), fn, insns, loop, cov, emu)
 NOTE_BWD = ("main kernel only: the preprocess/postprocess launches and dQ's fp32 atomics (L2) are not costed; "
             "on FA2 the same model was +13 to +48% high")
 NOTE_DEC = ("LOADED_LAT = {lat:.0f} ns is a placeholder, NOT fitted; split-KV assumed to fill every SM; launch "
             "latency not costed")
 
 
-def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO) -> dict:
-    """{value, unit, kernel, bound, note} for one case on one kernel family ('sm80' or 'sm90'), or {error}."""
+def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_dir: str | None = None) -> dict:
+    """{value, unit, kernel, bound, note} for one case on one kernel family ('sm80' or 'sm90'), or {error}. With
+    counts_dir (line counts of the emulated forward, tools/perf_counts.sh) the sm80 prefill forward is costed on the
+    path they say (the `profile` rule); every other case has no such prediction ({error})."""
     dev = ks.dev
     hd, b, h, hk = int(case["headdim"]), int(case["batch"]), int(case["nheads"]), int(case["nheads_k"])
     sq, sk = int(case["seqlen_q"]), int(case["seqlen_k"])
@@ -179,6 +205,8 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO) -> dict
     st = int(case.get("sink_tokens") or 0)
     kind, mode = case["kind"], case["mode"]
     fp8 = str(case.get("kv_dtype", "auto")) not in ("auto", "")
+    if family == "sm90" and counts_dir:
+        return {"error": "the profile rule costs the sm80 prefill forward only"}
     if family == "sm90":
         if kind != "attn" or mode != "fwd":
             return {"error": "sm90: only the forward is modelled (the sm90 backward's loop is not mapped yet)"}
@@ -204,13 +232,19 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO) -> dict
         if not hit:
             return {"error": f"sm80 forward {name}: not in this build"}
         a, fn, insns, loop, res = hit
-        k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t["warps"], (t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2)
+        prof = profile_of(ks, fn, insns, loop, counts_dir, hd, name) if counts_dir else None
+        if counts_dir and not prof:
+            return {"error": f"no line counts for hd{hd} in {counts_dir}"}
+        k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t["warps"], (t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2,
+                           idx=prof[0] if prof else None, outside=prof[1] if prof else None)
         its = key_blocks_per_row_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st) * (b * h)
         r = pm.kernel_time_s(k, dev, len(its), its)
         fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
                                sink_tokens=st)
         return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm80 fwd {name}",
-                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_FWD}
+                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_PROFILE if prof else NOTE_FWD}
+    if counts_dir:
+        return {"error": "the profile rule costs the sm80 prefill forward only"}
     if kind == "attn" and mode == "bwd":
         name = f"Hd{hd}"
         t = bwd_t.get(name)
