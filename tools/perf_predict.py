@@ -22,6 +22,9 @@ SASS is read: sm_80 -> A100, sm_90 / sm_90a -> H200 (perf_model.DEVICES).
 
     python3 tools/perf_predict.py sinkattn/_C*.so --device a100 [--markdown]
     python3 tools/perf_predict.py /path/fwd_sm90_hdim64_bf16.cu.o --device h200 --family sm90
+    python3 tools/perf_predict.py <fwd_sm80_hdim{64,128,256}_bf16 object or the .so> --device h200 --counts DIR
+        (DIR: `OUT=DIR bash tools/perf_counts.sh 64 128 256` on the same checkout; the sm80 prefill rows of
+        bench/RESULTS.md by the profile rule)
 """
 from __future__ import annotations
 
@@ -315,18 +318,26 @@ HD64_CASES = [
 ]
 
 
+# The prefill rows bench/RESULTS.md predicts by the profile rule (4d9dcbd's measured shapes, tools/perf_rows.py FWD).
+PREFILL_CASES = [case("attn", "fwd", b, s, s, h, h, hd, causal)
+                 for hd, h, shapes in ((64, 32, ((2, 8192),)), (128, 16, ((8, 2048), (2, 8192))), (256, 8, ((2, 8192),)))
+                 for b, s in shapes for causal in (False, True)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path")
     ap.add_argument("--device", default="a100", choices=sorted(pm.DEVICES))
     ap.add_argument("--family", default="sm80", choices=("sm80", "sm90"))
+    ap.add_argument("--counts", help="line counts of this checkout's emulated forward (tools/perf_counts.sh): the sm80 "
+                                     "prefill rows (PREFILL_CASES) by the profile rule instead of the hd64 cases")
     a = ap.parse_args(argv)
     dev = pm.DEVICES[a.device]
     ks = Kernels(a.path, dev)
     print(f"| case | batch | seqlen_q | seqlen_k | predicted ({dev.name}) | unit | kernel | bound | rests on |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for c in HD64_CASES:
-        p = predict_case(ks, c, a.family)
+    for c in PREFILL_CASES if a.counts else HD64_CASES:
+        p = predict_case(ks, c, a.family, counts_dir=a.counts)
         if "error" in p:
             continue
         print(f"| {c['variant']} | {c['batch']} | {c['seqlen_q']} | {c['seqlen_k']} | {p['value']:.3g} | {p['unit']} "
