@@ -88,7 +88,8 @@ struct FwdTraits {
   // buffering; more for decode, where a CTA computes little per byte and needs many bytes in flight).
   static constexpr int kStages = kTile.stages;
   // One stage: one K and one V buffer, loaded staggered (fwd_kernel.h): V of block t while S of block t computes,
-  // K of block t + 1 while its softmax and P V do; the shared memory of 1.5 double-buffered stages' worth of overlap.
+  // K of block t + 1 while block t's softmax and P V do; half the shared memory of double buffering, each copy still
+  // overlapping compute.
   static constexpr bool kStaggered = kStages == 1;
   static_assert(kStages >= 1);
   static_assert(!kStaggered || !kSplitKeys, "staggered K/V: the prefill row tiles only");
