@@ -126,8 +126,9 @@ gpu-check: ## on a GPU machine: build for its GPU, report, GPU tests, sanitizers
 # bench/gpu/check.sh runs the never-run sm90 kernels' tests on before anything else, so a hang costs seconds;
 # GPU_PREBUILT_DIAGNOSTIC=0 leaves it out (the sweep's pack never has it).
 GPU_PREBUILT_DIAGNOSTIC ?= 1
-# The head dims whose emulated forward gpu-prebuilt counts lines of (gcov, about a minute each) for bench/gpu/
-# predict_check.py's second table: the sm80 prefill rows by the model's profile rule (docs/internals.md).
+# The head dims whose emulated forward and backward gpu-prebuilt counts lines of (gcov, one to three minutes each)
+# for bench/gpu/predict_check.py's second table: the sm80 prefill and backward rows by the model's profile rule
+# (docs/internals.md).
 PERF_COUNTS_HEADDIMS ?= 64 128 256
 KERNEL_OBJECTS = $$(sed -n 's/^build \([^:]*\):.*/\1/p' build/kernels/build.ninja) build/kernels/cutlass_version.txt
 gpu-prebuilt: install ## pack this build's kernel objects (and its diagnostic build's) into .prebuilt.tar.xz for a GPU machine
@@ -142,7 +143,7 @@ gpu-prebuilt: install ## pack this build's kernel objects (and its diagnostic bu
 	  SINKATTN_DIAGNOSTIC="$(SINKATTN_DIAGNOSTIC)" $(MAKE) --no-print-directory install; fi
 	@if [ -z "$(PREBUILT_SWEEP)" ]; then \
 	  echo "gpu-prebuilt: line counts of the emulated forward for the SASS model's profile rule (tools/perf_counts.sh $(PERF_COUNTS_HEADDIMS))"; \
-	  mkdir -p build/logs; OUT=.prebuilt/perf_counts bash tools/perf_counts.sh $(PERF_COUNTS_HEADDIMS) > build/logs/perf_counts.log 2>&1 \
+	  mkdir -p build/logs; PERF_COUNTS_BWD=1 OUT=.prebuilt/perf_counts bash tools/perf_counts.sh $(PERF_COUNTS_HEADDIMS) > build/logs/perf_counts.log 2>&1 \
 	    || echo "gpu-prebuilt: no line counts (build/logs/perf_counts.log): predict-check prints the whole-loop rule only"; \
 	  rm -rf .prebuilt/perf_counts/hd*; fi
 	tar -C .prebuilt -cJf .prebuilt.tar.xz .

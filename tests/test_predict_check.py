@@ -123,9 +123,9 @@ def test_counts_dir_prefers_the_packed_counts(tmp_path, monkeypatch):
     assert pc.counts_dir() == str(tmp_path / ".prebuilt" / "perf_counts")
 
 
-def test_the_profile_rule_predicts_the_sm80_prefill_forward_only():
-    """With line counts, every case but the sm80 prefill forward says it has no profile prediction (no silent
-    whole-loop figure in the profile table)."""
+def test_the_profile_rule_predicts_the_sm80_prefill_forward_and_backward_only():
+    """With line counts, every case but the sm80 prefill forward and backward says it has no profile prediction (no
+    silent whole-loop figure in the profile table)."""
     import perf_model as pm
 
     class NoKernels:  # find() would be the next step of a case the rule costs
@@ -134,7 +134,6 @@ def test_the_profile_rule_predicts_the_sm80_prefill_forward_only():
         def find(self, *needles):
             raise AssertionError("looked up a kernel for a case the profile rule does not cost")
 
-    for c, fam in ((pp.case("attn", "bwd", 2, 8192, 8192, 32, 32, 64), "sm80"),
-                   (pp.case("decode", "fwd", 64, 1, 8192, 64, 8, 64, True), "sm80"),
+    for c, fam in ((pp.case("decode", "fwd", 64, 1, 8192, 64, 8, 64, True), "sm80"),
                    (pp.case("attn", "fwd", 2, 8192, 8192, 32, 32, 64), "sm90")):
         assert "profile rule" in pp.predict_case(NoKernels(), c, fam, counts_dir="/nowhere")["error"]

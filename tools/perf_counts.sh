@@ -3,7 +3,8 @@
 # builds tools/perf_counts_harness.cpp with gcov against a tree's host emulation (SINKATTN_SRC: this checkout, or a
 # worktree of an older commit) for each head dim, runs it (S keys, full), and writes $OUT/cov_hd<d>.json (gcov's
 # JSON). About 25 s of compile and 10-20 s of run per head dim on one core. PERF_COUNTS_SMEM_KB: the shared memory
-# per block the tile is chosen for (default 227, an H100 / H200's; 163 an A100's, 99 an sm86's).
+# per block the tile is chosen for (default 227, an H100 / H200's; 163 an A100's, 99 an sm86's). PERF_COUNTS_BWD=1:
+# the backward of the same problem runs too, its lines in the same file (sm80/bwd_kernel.h's body).
 #   SINKATTN_SRC=<tree> OUT=build/peer_sass/4d9dcbd/counts bash tools/perf_counts.sh 64 128
 set -e
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -16,9 +17,9 @@ INC="-I$S/csrc -I$CUT -I$CUDA_HOME/include"
 for hd in ${@:-64 128}; do
   W=$OUT/hd$hd; rm -rf "$W"; mkdir -p "$W"
   ( cd "$W" && { g++ -std=c++20 -O1 --coverage -fprofile-update=atomic -fno-strict-aliasing -pthread -DNDEBUG \
-      -DHD=$hd -DSINKATTN_COMPILED_ARCHS='"host"' $INC "$HERE/perf_counts_harness.cpp" -o harness > build.log 2>&1 \
+      -DHD=$hd -DSINKATTN_COMPILED_ARCHS='"host"' ${PERF_COUNTS_BWD:+-DPERF_COUNTS_BWD} $INC "$HERE/perf_counts_harness.cpp" -o harness > build.log 2>&1 \
       || { cat build.log; exit 1; }; } \
-    && ./harness ${PERF_COUNTS_S:-1024} f ${PERF_COUNTS_SMEM_KB:-227} \
+    && ./harness ${PERF_COUNTS_S:-1024} f ${PERF_COUNTS_SMEM_KB:-227} ${PERF_COUNTS_BWD:+bwd} \
     && gcov --json-format --stdout harness-perf_counts_harness.gcda > "$OUT/cov_hd$hd.json" 2>/dev/null )
   echo "$OUT/cov_hd$hd.json"
 done

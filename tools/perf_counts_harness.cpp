@@ -1,14 +1,19 @@
-// perf_counts_harness.cpp: one sm80 forward (batch 1, one head, seqlen_q = seqlen_k = S, head dim HD, bf16) run
+// perf_counts_harness.cpp: one sm80 forward (batch 1, one head, seqlen_q = seqlen_k = S, head dim HD, bf16), and with
+// a fourth argument `bwd` the backward of it too (emu/bwd_sm80_emu.h), run
 // on the CPU by the host emulation of the tree it is compiled against (csrc/emu/fwd_sm80_emu.h: the kernel's own
 // body), built with gcov so that every source line of the kernel counts its executions on this problem.
 // tools/perf_counts.sh builds and runs it; tools/perf_counts.py weighs the kernel's SASS blocks with the counts.
 // No torch: the emulation headers need only CUTLASS/CuTe. A dense problem with an interior of whole key blocks:
 // what the model's measured prefill rows run.
 #include "emu/fwd_sm80_emu.h"
+#ifdef PERF_COUNTS_BWD  // built so by tools/perf_counts.sh with PERF_COUNTS_BWD=1 (a tree older than the harness may lack it)
+#include "emu/bwd_sm80_emu.h"
+#endif
 
 #include <cmath>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 int main(int argc, char** argv) {
@@ -39,6 +44,27 @@ int main(int argc, char** argv) {
   p.max_smem_per_block = smem;
   EmuLaunch l;
   l.max_smem_per_block = smem;
+  p.total_q = p.total_k = s;
   run_fwd_sm80_emulated<HD, E>(p, l);
-  return std::isfinite(lse[0]) ? 0 : 1;
+  if (!std::isfinite(lse[0])) return 1;
+#ifdef PERF_COUNTS_BWD
+  if (argc <= 4 || std::string(argv[4]) != "bwd") return 0;
+  // The backward of the same problem: dO random, every gradient and workspace as api.cpp allocates them.
+  std::vector<E> dout(s * h * d), dq(s * h * d), dk(s * h * d), dv(s * h * d);
+  for (auto& x : dout) x = E(n(g));
+  std::vector<float> dq_accum(size_t(s) * h * d), dk_accum(size_t(s) * h * d), dv_accum(size_t(s) * h * d),
+      delta(h * s), dsink_rows(h * s);
+  BwdParams b;
+  static_cast<AttnParams&>(b) = static_cast<AttnParams const&>(p);
+  b.out = o.data(); b.dout = dout.data(); b.lse = lse.data(); b.dq = dq.data(); b.dk = dk.data(); b.dv = dv.data();
+  b.dq_batch_stride = b.dk_batch_stride = b.dv_batch_stride = int64_t(s) * h * d;
+  b.dq_row_stride = b.dk_row_stride = b.dv_row_stride = h * d;
+  b.dq_head_stride = b.dk_head_stride = b.dv_head_stride = d;
+  b.dq_accum = dq_accum.data(); b.dk_accum = dk_accum.data(); b.dv_accum = dv_accum.data();
+  b.delta = delta.data(); b.dsink_rows = dsink_rows.data();
+  run_bwd_sm80_emulated<HD, E>(b, l);
+  return std::isfinite(float(dq[0])) ? 0 : 1;
+#else
+  return 0;
+#endif
 }

@@ -23,8 +23,8 @@ SASS is read: sm_80 -> A100, sm_90 / sm_90a -> H200 (perf_model.DEVICES).
     python3 tools/perf_predict.py sinkattn/_C*.so --device a100 [--markdown]
     python3 tools/perf_predict.py /path/fwd_sm90_hdim64_bf16.cu.o --device h200 --family sm90
     python3 tools/perf_predict.py <fwd_sm80_hdim{64,128,256}_bf16 object or the .so> --device h200 --counts DIR
-        (DIR: `OUT=DIR bash tools/perf_counts.sh 64 128 256` on the same checkout; the sm80 prefill rows of
-        bench/RESULTS.md by the profile rule)
+        (DIR: `PERF_COUNTS_BWD=1 OUT=DIR bash tools/perf_counts.sh 64 128 256` on the same checkout; the sm80
+        prefill and backward rows of bench/RESULTS.md by the profile rule; bwd_sm80_hdim128_bf16 for the backward's)
 """
 from __future__ import annotations
 
@@ -182,15 +182,18 @@ NOTE_PROFILE = ("the loop's path and a CTA's once-issued blocks from the emulate
                 "(tools/perf_counts.py, --path profile)")
 
 
-def profile_of(ks: Kernels, fn: str, insns, loop, counts_dir: str, hd: int, name: str):
-    """(path, outside) of an sm80 forward tile by the line counts in counts_dir (tools/perf_counts.sh of the same
-    checkout), or None without counts for the head dim."""
+def profile_of(ks: Kernels, fn: str, insns, loop, counts_dir: str, hd: int, name: str, op: str = "fwd"):
+    """(path, outside) of an sm80 forward (op "fwd") or backward ("bwd") tile by the line counts in counts_dir
+    (tools/perf_counts.sh of the same checkout; the backward's with PERF_COUNTS_BWD=1), or None without them."""
     import perf_counts
     cov = os.path.join(counts_dir, f"cov_hd{hd}.json")
     if not os.path.exists(cov):
         return None
-    emu = _tile_needle("fwd_tiles", name)[1:] + "N7cutlass10bfloat16_tENS_5emu808EmuPrimsELNS_7SoftcapE0E"
-    return perf_counts.profile(ks.cubin_with(fn), fn, insns, loop, cov, emu)
+    emu = _tile_needle(f"{op}_tiles", name)[1:] + "N7cutlass10bfloat16_tENS_5emu808EmuPrimsELNS_7SoftcapE0E"
+    body = f"sm80/{op}_kernel.h"
+    if not perf_counts.gcov_counts(cov, emu, body):
+        return None
+    return perf_counts.profile(ks.cubin_with(fn), fn, insns, loop, cov, emu, body)
 NOTE_BWD = ("main kernel only: the preprocess/postprocess launches and dQ's fp32 atomics (L2) are not costed; "
             "on FA2 the same model was +13 to +48% high")
 NOTE_DEC = ("LOADED_LAT = {lat:.0f} ns is a placeholder, NOT fitted; split-KV assumed to fill every SM; launch "
@@ -199,8 +202,9 @@ NOTE_DEC = ("LOADED_LAT = {lat:.0f} ns is a placeholder, NOT fitted; split-KV as
 
 def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_dir: str | None = None) -> dict:
     """{value, unit, kernel, bound, note} for one case on one kernel family ('sm80' or 'sm90'), or {error}. With
-    counts_dir (line counts of the emulated forward, tools/perf_counts.sh) the sm80 prefill forward is costed on the
-    path they say (the `profile` rule); every other case has no such prediction ({error})."""
+    counts_dir (line counts of the emulated kernels, tools/perf_counts.sh; PERF_COUNTS_BWD=1 for the backward's) the
+    sm80 prefill forward and backward are costed on the path they say (the `profile` rule); every other case has no
+    such prediction ({error})."""
     dev = ks.dev
     hd, b, h, hk = int(case["headdim"]), int(case["batch"]), int(case["nheads"]), int(case["nheads_k"])
     sq, sk = int(case["seqlen_q"]), int(case["seqlen_k"])
@@ -209,7 +213,7 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
     kind, mode = case["kind"], case["mode"]
     fp8 = str(case.get("kv_dtype", "auto")) not in ("auto", "")
     if family == "sm90" and counts_dir:
-        return {"error": "the profile rule costs the sm80 prefill forward only"}
+        return {"error": "the profile rule costs the sm80 prefill forward and backward only"}
     if family == "sm90":
         if kind != "attn" or mode != "fwd":
             return {"error": "sm90: only the forward is modelled (the sm90 backward's loop is not mapped yet)"}
@@ -246,8 +250,6 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
                                sink_tokens=st)
         return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm80 fwd {name}",
                 "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_PROFILE if prof else NOTE_FWD}
-    if counts_dir:
-        return {"error": "the profile rule costs the sm80 prefill forward only"}
     if kind == "attn" and mode == "bwd":
         name = f"Hd{hd}"
         t = bwd_t.get(name)
@@ -255,15 +257,21 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
         if not hit:
             return {"error": f"sm80 backward {name}: not in this build"}
         a, fn, insns, loop, res = hit
+        prof = profile_of(ks, fn, insns, loop, counts_dir, hd, name, "bwd") if counts_dir else None
+        if counts_dir and not prof:
+            return {"error": f"no backward line counts for hd{hd} in {counts_dir} (PERF_COUNTS_BWD=1)"}
         warps = t["warps_m"] * t["warps_n"]
         smem = (t["stages"] * 2 * t["block_m"] * hd + 2 * t["block_n"] * hd + 2 * t["block_m"] * t["block_n"]) * 2
-        k = pm.make_kernel(fn, insns, loop, res, dev, 32 * warps, smem)
+        k = pm.make_kernel(fn, insns, loop, res, dev, 32 * warps, smem, idx=prof[0] if prof else None,
+                           outside=prof[1] if prof else None)
         its = query_blocks_per_key_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st) * (b * h)
         r = pm.kernel_time_s(k, dev, len(its), its)
         fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
                                sink_tokens=st, mode="bwd")
         return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm80 bwd {name}",
-                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_BWD}
+                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_BWD + ("; " + NOTE_PROFILE if prof else "")}
+    if counts_dir:
+        return {"error": "the profile rule costs the sm80 prefill forward and backward only"}
     # decode / few rows: memory-bound
     rows = sq * (h // max(hk, 1))
     name = sm80_decode_tile(fwd_t, hd, rows, dev.smem_block)
@@ -318,10 +326,12 @@ HD64_CASES = [
 ]
 
 
-# The prefill rows bench/RESULTS.md predicts by the profile rule (4d9dcbd's measured shapes, tools/perf_rows.py FWD).
-PREFILL_CASES = [case("attn", "fwd", b, s, s, h, h, hd, causal)
+# The prefill and backward rows bench/RESULTS.md predicts by the profile rule (4d9dcbd's measured shapes,
+# tools/perf_rows.py FWD and BWD).
+PROFILE_CASES = [case("attn", "fwd", b, s, s, h, h, hd, causal)
                  for hd, h, shapes in ((64, 32, ((2, 8192),)), (128, 16, ((8, 2048), (2, 8192))), (256, 8, ((2, 8192),)))
-                 for b, s in shapes for causal in (False, True)]
+                 for b, s in shapes for causal in (False, True)] + \
+                [case("attn", "bwd", b, s, s, 16, 16, 128, causal) for b, s in ((8, 2048), (2, 8192)) for causal in (False, True)]
 
 
 def main(argv=None) -> int:
@@ -330,13 +340,13 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="a100", choices=sorted(pm.DEVICES))
     ap.add_argument("--family", default="sm80", choices=("sm80", "sm90"))
     ap.add_argument("--counts", help="line counts of this checkout's emulated forward (tools/perf_counts.sh): the sm80 "
-                                     "prefill rows (PREFILL_CASES) by the profile rule instead of the hd64 cases")
+                                     "prefill and backward rows (PROFILE_CASES) by the profile rule instead of the hd64 cases")
     a = ap.parse_args(argv)
     dev = pm.DEVICES[a.device]
     ks = Kernels(a.path, dev)
     print(f"| case | batch | seqlen_q | seqlen_k | predicted ({dev.name}) | unit | kernel | bound | rests on |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for c in PREFILL_CASES if a.counts else HD64_CASES:
+    for c in PROFILE_CASES if a.counts else HD64_CASES:
         p = predict_case(ks, c, a.family, counts_dir=a.counts)
         if "error" in p:
             continue

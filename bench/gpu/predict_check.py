@@ -6,8 +6,8 @@ Reads DIR/results.csv (bench/harness/run.py ROW_FIELDS) and DIR/env.json (the de
 through tools/perf_predict.py on the installed extension's SASS (cuobjdump from the triton wheel), and prints one line
 per measured sinkattn row it can predict: predicted | measured | ratio (measured / predicted). Rows: the
 `sinkattn-sm80` comparator (the sm80 kernels) and the `sinkattn` comparator on the family its `backend` column names.
-With line counts of the emulated forward (counts_dir: `make gpu-prebuilt` packs them) a second table costs the sm80
-prefill rows by the `profile` rule, the one bench/RESULTS.md's sm80 forward predictions use.
+With line counts of the emulated kernels (counts_dir: `make gpu-prebuilt` packs them) a second table costs the sm80
+prefill and backward rows by the `profile` rule, the one bench/RESULTS.md's sm80 predictions use.
 
 It never fails the round: on any error it prints why and exits 0 (the GPU's time is for the measurements; the model
 is checked by reading this table).
@@ -135,7 +135,7 @@ def run(out_dir: str, so: str | None, device: str | None) -> None:
     lines = table(rows, lambda case, fam: pp.predict_case(ks, case, fam))
     print(render(lines, model_commit(), dev.name))
     counts = counts_dir()
-    if counts:  # the same rows by the profile rule (the sm80 prefill forward), the rule bench/RESULTS.md predicts by
+    if counts:  # the same rows by the profile rule (the sm80 prefill forward and backward), as bench/RESULTS.md
         print(f"\nthe same rows by the emulated kernel's line counts ({counts}; --path profile):")
         print(render(table(rows, lambda case, fam: pp.predict_case(ks, case, fam, counts_dir=counts)),
                      model_commit(), dev.name))
