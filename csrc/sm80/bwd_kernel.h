@@ -158,6 +158,12 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
   for (int m_block = m_begin; m_block < m_end; ++m_block) {
     int const i0 = m_block * kBlockM;
     int const s = Kt::kStages == 2 ? (m_block - m_begin) % 2 : 0;
+    // The rows' lse and delta, loaded now so that their latency passes behind the wait and the S and dP products
+    // (bwd_p_ds.h load_row_stats). Not at hd256: its 255-register tile, holding them across the products, spilled
+    // 4 bytes more on sm_90 (8 more with softcap); it loads them after the products, as all tiles did before.
+    constexpr bool kStatsAhead = kHeadDim <= 128;
+    RowStats<decltype(size<0>(tScS))::value> row_stats;
+    if constexpr (kStatsAhead) row_stats = load_row_stats<decltype(size<0>(tScS))::value>(p, tScS, i0, seqlen_q, lse_seq);
     if (m_block > m_begin && Kt::kStages == 1) {
       load_qdo(m_block, 0);  // the buffer was freed by the barrier that ended the previous M tile
       Prims::cp_async_fence();
@@ -187,7 +193,8 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
     gemm_smem_smem(tiled_mma, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a, copy_b, tid);
 
     // P and dS from S and dP (in place), staged in shared memory for the three products below.
-    p_ds_pass<Kt>(p, tile_mask, score, tScS, m_block, n_block, i0, j0, seqlen_q, lse_seq, acc_s, acc_dp);
+    if constexpr (!kStatsAhead) row_stats = load_row_stats<decltype(size<0>(tScS))::value>(p, tScS, i0, seqlen_q, lse_seq);
+    p_ds_pass<Kt>(p, tile_mask, score, tScS, m_block, n_block, i0, j0, row_stats, acc_s, acc_dp);
     stage_p_ds<Element>(smem_copy_c, smem_thr_c, acc_s, acc_dp, tPsP, tPsdS);
     Prims::sync_threads();  // P and dS complete
 

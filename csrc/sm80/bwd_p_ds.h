@@ -14,12 +14,32 @@ namespace sinkattn::sm80 {
 
 using namespace cute;
 
+// The lse (bwd_lse's rule applied: +inf past the sequence) and delta of this thread's rows of one M tile. The kernel
+// loads them at the top of the tile, ahead of its S and dP products: loaded inside the pass, each tile waited on
+// those global loads (the model's chain of the hd128 tile, tools/perf_model.py --path profile: 856 of its 1609
+// cycles of waits per tile, the loads' whole latency).
+template <int kRows>
+struct RowStats {
+  float lse[kRows], delta[kRows];
+};
+template <int kRows, class Coords>
+SA_DEVICE RowStats<kRows> load_row_stats(BwdParams const& p, Coords const& tScS, int i0, int seqlen_q, int64_t lse_seq) {
+  RowStats<kRows> st;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    int const i = i0 + get<0>(tScS(r, 0));
+    st.lse[r] = bwd_lse(i < seqlen_q ? p.lse[lse_seq + i] : INFINITY);
+    st.delta[r] = i < seqlen_q ? p.delta[lse_seq + i] : 0.f;
+  }
+  return st;
+}
+
 // P = exp(S - lse), the forward's probabilities recomputed (lse holds the sink), and dS = P (dP - delta), element
 // by element in one pass over acc_s (S in, P out) and acc_dp (dP in, dS out); the mask's row bounds
 // (TileMask::row_keys) decide each element's visibility in the same pass: P = 0 and dS = 0 where hidden. Rows
 // past the sequence, and rows that see no key and have no sink (lse = -inf), take lse = +inf (bwd_lse): P = 0
-// there, never NaN. tScS: the (row, key) of this thread's elements in the tile (rows x cols view). lse_seq: the
-// sequence's and head's first row in lse and delta. i0, j0: the tile's first query and key (m_block * kBlockM,
+// there, never NaN. tScS: the (row, key) of this thread's elements in the tile (rows x cols view). st: the rows'
+// lse and delta (load_row_stats). i0, j0: the tile's first query and key (m_block * kBlockM,
 // n_block * kBlockN), computed once by the caller, which the dQ adds share: computing them here as well changed
 // the integer code around the M-tile loop and cost the sm_90 hd128 softcap tile 4 registers (218 -> 222).
 // Without softcap the mask is TileMask::apply on the raw scores (-inf: exp2 gives P = 0 and dS = 0), as in the
@@ -27,8 +47,8 @@ using namespace cute;
 // instructions per tile on sm_90. With softcap (tanh(-inf) would be -1) each element's test stays.
 template <class Kt, class Coords, class AccS, class AccDp>
 SA_DEVICE void p_ds_pass(BwdParams const& p, TileMask const& tile_mask, ScoreScale<Kt::kCap> const& score,
-                         Coords const& tScS, int m_block, int n_block, int i0, int j0, int seqlen_q, int64_t lse_seq,
-                         AccS& acc_s, AccDp& acc_dp) {
+                         Coords const& tScS, int m_block, int n_block, int i0, int j0,
+                         RowStats<decltype(size<0>(tScS))::value> const& st, AccS& acc_s, AccDp& acc_dp) {
   constexpr int kRows = decltype(size<0>(tScS))::value, kCols = decltype(size<1>(tScS))::value;
   float const log2e = float(M_LOG2E);
   Tensor scores = rowcol_view(acc_s);
@@ -44,9 +64,8 @@ SA_DEVICE void p_ds_pass(BwdParams const& p, TileMask const& tile_mask, ScoreSca
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     int const i = i0 + get<0>(tScS(r, 0));
-    float const lse = bwd_lse(i < seqlen_q ? p.lse[lse_seq + i] : INFINITY);
-    float const delta = i < seqlen_q ? p.delta[lse_seq + i] : 0.f;
-    float const lse_log2 = lse * log2e;
+    float const delta = st.delta[r];
+    float const lse_log2 = st.lse[r] * log2e;
     TileMask::RowKeys const keys = tile_mask.row_keys(i, j0);
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) {
