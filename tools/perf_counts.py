@@ -133,7 +133,8 @@ def dead_blocks(insns, blocks, chains, inst, loop=None, body: str = BODY) -> set
             if all(c == 0 for c in cs):
                 return False
             if all(c > 0 for c in cs):
-                return None if i in inside and body_line(i) in outside_lines else True
+                n_body = body_line(i)
+                return None if i in inside and n_body is not None and n_body in outside_lines else True
         return None
     dead = set()
     for b, (a, e) in enumerate(blocks):
