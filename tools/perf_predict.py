@@ -75,13 +75,17 @@ def sm90_fwd_tiles(repo: str = REPO) -> dict[int, dict]:
     return out
 
 
+def fwd_smem(t: dict) -> int:
+    """FwdTile::smem_bytes of a table row: Q plus `stages` K and V blocks, 2-byte elements."""
+    return (t["block_m"] + 2 * t["stages"] * t["block_n"]) * t["head_dim"] * 2
+
+
 def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
     """The name of the tile choose_fwd_tile (csrc/sm80/fwd_tiles.h) picks for a few-row (decode) problem."""
     kg = 4 if rows <= 16 else 2 if rows <= 32 else 1
     base = {4: "Keys4", 2: "Keys2", 1: "Few"}[kg]
     name = f"Hd{hd}{base}"
-    smem = lambda t: (t["block_m"] + 2 * t["stages"] * t["block_n"]) * t["head_dim"] * 2  # noqa: E731
-    if name in tiles and smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:
+    if name in tiles and fwd_smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:
         name += "Small"
     return name
 
@@ -89,11 +93,10 @@ def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
 def sm80_prefill_tile(tiles: dict, hd: int, smem_cap: int) -> str:
     """The name of the tile choose_fwd_tile picks for a prefill problem: Hd{d}Rows, except at hd256 the staggered
     tile where two of them fit the per-block limit (sm90) and the Small one where Rows does not fit (sm86/89)."""
-    smem = lambda t: (t["block_m"] + 2 * t["stages"] * t["block_n"]) * t["head_dim"] * 2  # noqa: E731
-    if hd == 256 and "Hd256Staggered" in tiles and smem_cap >= 2 * (smem(tiles["Hd256Staggered"]) + 1024):
+    if hd == 256 and "Hd256Staggered" in tiles and smem_cap >= 2 * (fwd_smem(tiles["Hd256Staggered"]) + 1024):
         return "Hd256Staggered"
     name = f"Hd{hd}Rows"
-    if name in tiles and smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:
+    if name in tiles and fwd_smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:
         name += "Small"
     return name
 
@@ -242,7 +245,7 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
         prof = profile_of(ks, fn, insns, loop, counts_dir, hd, name) if counts_dir else None
         if counts_dir and not prof:
             return {"error": f"no line counts for hd{hd} in {counts_dir}"}
-        k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t["warps"], (t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2,
+        k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t["warps"], fwd_smem(t),
                            idx=prof[0] if prof else None, outside=prof[1] if prof else None)
         its = key_blocks_per_row_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st) * (b * h)
         r = pm.kernel_time_s(k, dev, len(its), its)
@@ -282,7 +285,7 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
         return {"error": f"sm80 {'FP8 ' if fp8 else ''}decode {name}: not in this build"}
     a, fn, insns, loop, res = hit
     smem = (t["block_m"] * hd * 2 + 2 * t["stages"] * t["block_n"] * hd + 2 * t["block_n"] * hd * 2) if fp8 else \
-        (t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2
+        fwd_smem(t)
     k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t["warps"], smem)
     eb = 1 if fp8 else 2
     by = F.decode_bytes(b, h, hk, hd, sk, elem_bytes=eb, seqlen_q=sq, causal=bool(case.get("causal")),
