@@ -173,9 +173,11 @@ def test_profile_path_follows_the_emulated_line_counts(tmp_path):
     # the mask block's instructions were inlined from a helper: the body frame is the call site, not the innermost
     chains = {a: ([("common/mask.h", 7)] if n == 20 else []) + [(body, n), ("sm80/fwd_launch.cuh", 22)]
               for a, n in line_of.items()}
+    # ... or from a lambda of the body (line 15, which gcov did not count) called at line 20: the call site speaks
+    lambda_chains = {a: c[:1] + [(body, 15)] + c[1:] if line_of[a] == 20 else c for a, c in chains.items()}
     cov = tmp_path / "cov.json"
 
-    def path(mask_runs, counted=(10, 20, 30, 40, 50)):
+    def path(mask_runs, counted=(10, 20, 30, 40, 50), chains=chains):
         runs = {10: 100, 20: mask_runs, 30: 100, 40: 99, 50: 100}
         lines = [{"line_number": n, "count": runs[n], "function_name": "_ZN8sinkattn4sm809fwd_blockINS0_9FwdTraitsILi64E"}
                  for n in counted]
@@ -188,6 +190,8 @@ def test_profile_path_follows_the_emulated_line_counts(tmp_path):
 
     assert path(0) == [0, 1, 4, 5, 6, 7]  # no mask (none ran), the load (99 of 100 iterations)
     assert path(100) == [0, 1, 2, 3, 4, 5, 6, 7]  # a mask every iteration ran
+    assert path(100, chains=lambda_chains) == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert path(0, chains=lambda_chains) == [0, 1, 4, 5, 6, 7]
     # no count for either side of the mask's branch: the edge that skips it (no evidence that the block runs)
     assert path(100, counted=(10, 40, 50)) == [0, 1, 4, 5, 6, 7]
     # the same rules on a CFG whose conditional block is the first successor: header 0 -> block 1 or its join 2,
@@ -233,6 +237,17 @@ def test_profile_path_leaves_out_blocks_the_emulation_never_ran():
     loop7 = ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4], 0)
     assert perf_counts.dead_blocks(insns7, blocks7, remat, inst7, loop7) == {2}
     assert perf_counts.dead_blocks(insns7, blocks7, remat, inst7) == set()
+    # ... but a loop statement (line 90, run as often as the loop's header: loop_count) that ptxas hoisted part of out
+    # of the loop (instruction 5) still speaks for its block: the whole-tile copy (block 1) beside a speculated,
+    # never-run line of the loader (the paged offset, instruction 2) is alive; set-up run once per tile is not
+    spec = {**chains, 32: [("/x/csrc/sm80/kv_loader.h", 53), ("/x/csrc/sm80/kv_loader.h", 78), (body, 90)],
+            80: [("/x/csrc/sm80/kv_loader.h", 40), (body, 90)]}
+    insns6 = insns + [types.SimpleNamespace(addr=80)]
+    blocks6, inst6 = [(0, 0), (1, 2), (3, 3), (4, 4)], {**inst, ("sm80/kv_loader.h", 53): [0]}
+    loop6 = ([0, 1, 2, 3, 4], [0, 1, 2, 3], 0)
+    assert perf_counts.dead_blocks(insns6, blocks6, spec, inst6, loop6) == {1}  # the rule without the loop's count
+    assert perf_counts.dead_blocks(insns6, blocks6, spec, inst6, loop6, loop_count=512) == set()
+    assert perf_counts.dead_blocks(insns6, blocks6, spec, inst6, loop6, loop_count=513) == {1}
     # outside the loop a line's own count speaks: the epilogue block that ran (line 5) beside never-run split-KV code
     insns8 = [types.SimpleNamespace(addr=a) for a in (0, 16, 32)]
     chains8 = {0: [(body, 10)], 16: [(body, 5)], 32: [("/x/csrc/sm80/split_epilogue.h", 20), (body, 7)]}

@@ -81,8 +81,10 @@ def block_weights(insns, chains, counts, body: str = BODY):
     for a, e in blocks:
         ls = set()
         for i in range(a, e + 1):
-            line = next((n for f, n in chains.get(insns[i].addr, []) if f.endswith(body)), None)
-            if line is not None and line in counts:
+            # the innermost frame of the body that gcov counted: a lambda's line may have no count of its own
+            # (gcov records it under the lambda's name only where it kept one), its call site in the body has
+            line = next((n for f, n in chains.get(insns[i].addr, []) if f.endswith(body) and n in counts), None)
+            if line is not None:
                 ls.add(line)
         lines_of.append(ls)
     preds = collections.defaultdict(set)
@@ -110,7 +112,7 @@ def gcov_instances(cov_json: str, needle: str) -> dict[tuple[str, int], list[int
     return out
 
 
-def dead_blocks(insns, blocks, chains, inst, loop=None, body: str = BODY) -> set[int]:
+def dead_blocks(insns, blocks, chains, inst, loop=None, body: str = BODY, loop_count: int | None = None) -> set[int]:
     """The blocks the emulated kernel never ran. An instruction's verdict comes from its inlining chain, innermost
     frame first: the first frame in the tree whose line every matching instantiation ran (alive) or none did (dead);
     a line some ran and some did not (a helper called from two places, e.g. the row loader for Q once per tile and
@@ -118,8 +120,12 @@ def dead_blocks(insns, blocks, chains, inst, loop=None, body: str = BODY) -> set
     and none is alive (ptxas puts if-converted code that never runs beside code that does). Given the loop, an
     instruction of it whose body line also has instructions before or after the loop says nothing for its block:
     ptxas rematerializes a tile's set-up inside the loop's conditional blocks where it is needed (the mask's bounds
-    inside the mask block), and a line run once per tile is no evidence that the block runs."""
-    body_line = lambda i: next((n for f, n in chains.get(insns[i].addr, []) if f.endswith(body)), None)  # noqa: E731
+    inside the mask block), and a line run once per tile is no evidence that the block runs. Given loop_count (the
+    loop header's count), that holds only for a body line that ran fewer times: a loop statement ptxas hoisted part of
+    out of the loop (a loader's block offset) still speaks for its block. The body line is an instruction's outermost
+    frame of the body: a lambda of the body (a loader called before the loop and in it) has its own line outside the
+    loop as well, its call site in the loop does not."""
+    body_line = lambda i: next((n for f, n in reversed(chains.get(insns[i].addr, [])) if f.endswith(body)), None)  # noqa: E731
     inside = set(loop[0]) if loop else set()
     outside_lines = {body_line(i) for i in range(len(insns)) if i not in inside} if loop else set()
 
@@ -134,7 +140,9 @@ def dead_blocks(insns, blocks, chains, inst, loop=None, body: str = BODY) -> set
                 return False
             if all(c > 0 for c in cs):
                 n_body = body_line(i)
-                return None if i in inside and n_body is not None and n_body in outside_lines else True
+                setup = n_body is not None and n_body in outside_lines and (
+                    loop_count is None or max(inst.get((body, n_body), [0])) < loop_count)
+                return None if i in inside and setup else True
         return None
     dead = set()
     for b, (a, e) in enumerate(blocks):
@@ -206,7 +214,7 @@ def profile(cubin: str, fn: str, insns, loop, cov_json: str, needle: str, body: 
     chains = line_chains(cubin, fn)
     counts = gcov_counts(cov_json, needle, body)
     blocks, succ, weights = block_weights(insns, chains, counts, body)
-    dead = dead_blocks(insns, blocks, chains, gcov_instances(cov_json, needle), loop, body)
+    dead = dead_blocks(insns, blocks, chains, gcov_instances(cov_json, needle), loop, body, weights[loop[2]])
     inside = set(loop[1])
     outside = sum(e - a + 1 for b, (a, e) in enumerate(blocks) if b not in inside and b not in dead)
     return dominant_path(loop, blocks, succ, weights, dead), outside
