@@ -53,10 +53,11 @@ class Sm80Variant:
     warps: int
     stages: int = 2
     q_regs: int = 0  # FwdTile::q_regs: Q fragments held in registers across the key blocks
+    s_ahead: int = 0  # FwdTile::s_ahead: S of the next key block computed beside this block's softmax
 
     def tag(self) -> str:
         return (f"m{self.block_m}n{self.block_n}w{self.warps}" + (f"s{self.stages}" if self.stages != 2 else "")
-                + ("q" if self.q_regs else ""))
+                + ("q" if self.q_regs else "") + ("a" if self.s_ahead else ""))
 
     def smem_bytes(self) -> int:
         return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
@@ -66,7 +67,7 @@ class Sm80Variant:
 
     def cpp(self) -> str:
         return (f"sm80::FwdTile{{.head_dim = {self.head_dim}, .block_m = {self.block_m}, .block_n = {self.block_n}, "
-                f".warps = {self.warps}, .stages = {self.stages}, .q_regs = {self.q_regs}}}")
+                f".warps = {self.warps}, .stages = {self.stages}, .q_regs = {self.q_regs}, .s_ahead = {self.s_ahead}}}")
 
 
 _R3 = dict(block_m=192, producer_regs=24, consumer_regs=160)  # three consumer warpgroups: 128 * (24 + 3 * 160) = 64512
@@ -110,9 +111,10 @@ SWEEP_SM80 = [
     Sm80Variant(64, 128, 128, 4),   # FlashAttention-2's hd64 tile (S 128 registers per thread; ptxas: 164 B spill)
     Sm80Variant(64, 128, 64, 8),    # 8 warps x 16 rows
     Sm80Variant(64, 128, 64, 4, 3),  # a third K/V stage
-    # hd128 (table: Hd128Rows m128 n64 w8 with Q in registers; static: 0.56 LDSM per HMMA against FA2's 0.31, peer_sass,
-    # 0.50 with Q in registers).
-    Sm80Variant(128, 128, 64, 8),   # the table's tile reading Q from shared memory every key block (before q_regs)
+    # hd128 (table: Hd128Rows m128 n64 w8 with Q in registers and S ahead; static: 0.56 LDSM per HMMA against FA2's
+    # 0.31, peer_sass, 0.50 with Q in registers).
+    Sm80Variant(128, 128, 64, 8, q_regs=1),  # the table's tile without S ahead (before s_ahead)
+    Sm80Variant(128, 128, 64, 8),   # ... and reading Q from shared memory every key block (before q_regs)
     Sm80Variant(128, 128, 64, 4),   # FlashAttention-2's tile on sm80/sm90: 0.31 LDSM/HMMA (ptxas: 48 B spill on sm_90)
     Sm80Variant(128, 128, 32, 4),   # 4 x 32 rows with half the S registers (255 registers, no spill on sm_90)
     Sm80Variant(128, 128, 128, 8),  # 160 KB: longer key blocks, fewer rescale rounds

@@ -44,6 +44,19 @@ def _cases():
         cases.append(Case("d64-sm86-few-rows-config", 64, seqlen_q=30, seqlen_k=300, nheads=4, nheads_k=2, causal=True,
                           window=(200, 0), sink_tokens=2, max_smem=99 * 1024))
     if (128, "bf16") in EMU:
+        # The hd128 prefill tile (fwd_tiles.h Hd128Rows: S of the next key block computed beside this one's softmax,
+        # K one block ahead of V): one, two and three key blocks (the last iteration's S ahead reads its own stage),
+        # a last M tile of 2 or 5 rows (warps without a row take the barriers and load), blocks out of order (window
+        # blocks, then sink-token blocks), rows that see no key, GQA, softcap, varlen.
+        for name, kw in (("one-block", dict(seqlen_q=130, seqlen_k=50, sinks="random")),
+                         ("two-blocks-causal", dict(seqlen_q=100, seqlen_k=128, causal=True)),
+                         ("three-blocks-gqa", dict(seqlen_q=129, seqlen_k=191, nheads=4, nheads_k=2, sinks="random")),
+                         ("window-tokens", dict(seqlen_q=200, seqlen_k=333, causal=True, window=(100, 0),
+                                                sink_tokens=5)),
+                         ("q-longer-than-k-causal", dict(seqlen_q=150, seqlen_k=40, causal=True, sinks="random")),
+                         ("softcap-causal", dict(seqlen_q=97, seqlen_k=64, causal=True, softcap=30.0)),
+                         ("varlen", dict(varlen=[(70, 100), (3, 1), (129, 200), (0, 5)], causal=True))):
+            cases.append(Case(f"d128-rows-{name}", 128, **kw))
         # Few rows (seqlen_q <= 64): the decode tiles; at head dim 128 the sm86/sm89 one (99 KB) differs.
         cases.append(Case("d128-sm86-few-rows-config", 128, seqlen_q=40, seqlen_k=300, causal=True, window=(150, 0),
                           sink_tokens=3, max_smem=99 * 1024))

@@ -88,7 +88,7 @@ def test_never_fails_the_round(tmp_path, bench_out, capsys):
 def test_tile_tables_read_from_the_headers():
     # csrc/sm80/fwd_tiles.h: Hd64Rows{64, 128, 64, 4} (stages default 2), Hd64Keys4{64, 16, 128, 4, 3, 4}
     t = pp.sm80_fwd_tiles()
-    assert t["Hd64Rows"] == dict(head_dim=64, block_m=128, block_n=64, warps=4, stages=2, key_groups=1, q_regs=0)
+    assert t["Hd64Rows"] == dict(head_dim=64, block_m=128, block_n=64, warps=4, stages=2, key_groups=1, q_regs=0, s_ahead=0)
     assert t["Hd64Keys4"]["stages"] == 3 and t["Hd64Keys4"]["key_groups"] == 4
     assert pp.sm80_bwd_tiles()["Hd64"] == dict(head_dim=64, block_m=64, block_n=64, warps_m=4, warps_n=1, stages=2)
     assert pp.sm90_fwd_tiles()[64] == dict(head_dim=64, block_n=128, stages=3, block_m=128)

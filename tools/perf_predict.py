@@ -56,8 +56,8 @@ def _macro_table(path: str, macro: str, fields: list[str], defaults: dict) -> di
 
 def sm80_fwd_tiles(repo: str = REPO) -> dict[str, dict]:
     return _macro_table(os.path.join(repo, "csrc/sm80/fwd_tiles.h"), "SINKATTN_FWD_TILE",
-                        ["head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "q_regs"],
-                        {"stages": 2, "key_groups": 1, "q_regs": 0})
+                        ["head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "q_regs", "s_ahead"],
+                        {"stages": 2, "key_groups": 1, "q_regs": 0, "s_ahead": 0})
 
 
 def sm80_bwd_tiles(repo: str = REPO) -> dict[str, dict]:

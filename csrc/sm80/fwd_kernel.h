@@ -5,7 +5,8 @@
 //
 // Per CTA: Q tile (kBlockM x d) once; K/V blocks chosen by the mask policy (window blocks from the last down,
 // then sink-token blocks), kStages-buffered through shared memory with cp.async (or, with one stage, one K and one
-// V buffer loaded staggered: V of a block during its S, K of the next during its softmax); S = Q K^T and O += P V on
+// V buffer loaded staggered: V of a block during its S, K of the next during its softmax; or, S ahead, K one block
+// ahead of V and S of the next block computed beside this block's softmax); S = Q K^T and O += P V on
 // mma.sync m16n8k16 with fp32 accumulation; the online softmax in exp2 units (common/online_softmax.h); the
 // learnable sink joins once per row in the finalize; then the epilogue (fwd_epilogue.h, or
 // split_epilogue.h under split-KV). Over an FP8 cache (Kt::kFp8, sm80/fp8_kv.h) K/V blocks arrive as FP8 codes and
@@ -93,6 +94,9 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   };
   auto load_k = [&](int t) { load_block.template load<true, false>(range.block(t), 0, stage_k, stage_v, tid); };
   auto load_v = [&](int n) { load_block.template load<false, true>(n, 0, stage_k, stage_v, tid); };  // block n
+  // S ahead: K of block t, or V of block t, into stage s.
+  auto load_k_at = [&](int t, int s) { load_block.template load<true, false>(range.block(t), s, stage_k, stage_v, tid); };
+  auto load_v_at = [&](int t, int s) { load_block.template load<false, true>(range.block(t), s, stage_k, stage_v, tid); };
   // Staggered (one K and one V buffer): after the barrier that K(t) landed behind, V(t) loads during S = Q K(t);
   // after the one V(t) landed behind, K(t + 1) loads during the softmax and P V. Both barriers every warp takes.
   auto staggered_k_next = [&](int t) {
@@ -105,9 +109,16 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   // One cp.async group per key block, committed even when empty (past the last block), so the group of
   // block t is always the (t - t_begin)-th and one wait count serves every iteration. Q joins block t_begin's,
   // or under Kt::kQInRegs is a group of its own, older than every block's, waited for alone before the loop.
+  // S ahead (Q in registers): K(t_begin), whose wait is Q's, then K(t_begin + 1) with V(t_begin); from then on the
+  // one group in flight at the top of iteration t holds K(t + 1) and V(t).
   load_rows<Kt>(gmem_thr.partition_D(sQ), tQcQ, vec, rows - m0, p.headdim, q_row);
   if constexpr (Kt::kQInRegs) Prims::cp_async_fence();
-  if (t_end > t_begin) {
+  if constexpr (Kt::kSAhead) {
+    if (t_end > t_begin) load_k_at(t_begin, 0);
+    Prims::cp_async_fence();
+    if (t_begin + 1 < t_end) load_k_at(t_begin + 1, 1);
+    if (t_end > t_begin) load_v_at(t_begin, 0);
+  } else if (t_end > t_begin) {
     if constexpr (Kt::kStaggered) load_k(t_begin);
     else load_kv(t_begin);
   }
@@ -165,77 +176,127 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   OnlineSoftmax<kRows, Prims> softmax;
 
   // ---- the key blocks ----------------------------------------------------------------------------------------
-  for (int t = t_begin; t < t_end; ++t) {
-    int const n = range.block(t), s = int(unsigned(t - t_begin) % Kt::kStages);
-    if constexpr (Kt::kStaggered) {
-      Prims::template cp_async_wait<0>();  // K(t) (and Q) landed
-      Prims::sync_threads();               // ... for every thread; every read of V(t - 1) done
-      load_v(n);
-      Prims::cp_async_fence();
-    } else if constexpr (Kt::kStages == 2) {
-      // Two stages: block t + 1 goes into the other stage, freed by the barrier that ended iteration t - 1,
-      // before the wait for block t, so its copy overlaps that wait too. (This order, with two barriers per
-      // block, is the loop the H200 measured at 221 TFLOP/s for hd128; 208 with the one-barrier order below,
-      // other changes landing in between.)
-      if (t + 1 < t_end) {
-        load_kv(t + 1);
-        Prims::cp_async_fence();
-        Prims::template cp_async_wait<1>();
-      } else {
-        Prims::template cp_async_wait<0>();
-      }
-      Prims::sync_threads();  // stage s (and Q) written by every thread's copies
-    } else {
-      Prims::template cp_async_wait<Kt::kStages - 2>();  // this thread's copies of block t (and Q) landed
-      // Stage s (and Q) written by every thread's copies; every read of iteration t - 1 done, so its stage
-      // takes block t + kStages - 1 while this one computes.
-      Prims::sync_threads();
-      if (t + Kt::kStages - 1 < t_end) load_kv(t + Kt::kStages - 1);
-      Prims::cp_async_fence();
-    }
-    if constexpr (Kt::kFp8) {
-      // FP8 stage s (landed: the wait and barrier above) -> the Element K and V blocks, which every MMA read of
-      // block t - 1 is done with (same barrier); a barrier before the MMAs read them. FP8 stage s is then free
-      // for the loads issued after the next iteration's barrier, so no end-of-iteration barrier is needed.
-      convert_fp8_stage<Kt>(stage_k, stage_v, s, smem_k, smem_v, tid, p.kv_fp8);
-      Prims::sync_threads();
-    }
-    if (!warp_active) {
-      // the barriers every warp takes
-      if constexpr (Kt::kStaggered) staggered_k_next(t);
-      if constexpr (Kt::kStages == 2 && !Kt::kFp8) Prims::sync_threads();
-      continue;
-    }
-
-    // S = Q K^T, bounded (softcap) and masked.
+  if constexpr (Kt::kSAhead) {
+    // Stage s = (t - t_begin) % 2 holds K(t) and V(t); K(t + 1) sits in the other stage from the top of iteration t.
+    // The steps are those of the loop below (the tiles without S ahead), in another order.
+    auto qk = [&](auto& acc, int s) {  // S = Q K^T of the K block in stage s
+      clear(acc);
+      Tensor tSsK = smem_copy_k.get_thread_slice(mma_tid).partition_S(sK_mma(s));
+      gemm_reg_smem(tiled_mma, acc, tSrQ, tSrK, tSsK, smem_copy_k, mma_tid);
+    };
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockNMma>>{});
-    clear(acc_s);
-    Tensor tSsK = smem_copy_k.get_thread_slice(mma_tid).partition_S(sK_mma(Kt::kFp8 ? 0 : s));
-    if constexpr (Kt::kQInRegs) {
-      gemm_reg_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsK, smem_copy_k, mma_tid);
-    } else {
-      gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, mma_tid);
-    }
+    Tensor acc_next = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockNMma>>{});
     Tensor scores = rowcol_view(acc_s);
-    static_assert(decltype(size<0>(scores))::value == kRows);
-    score.bound(acc_s);
-    if (mask_test.needs(n)) {
-      tile_mask.apply<kRows, kCols>(tScS, m0, n * kBlockN + key0, [&](int r, int c) { scores(r, c) = -INFINITY; });
-    }
-
-    if constexpr (Kt::kStaggered) staggered_k_next(t);
-
-    // P = exp(S - running max), O and the sums rescaled to the new max; O += P V with P in the input precision.
-    float correction[kRows];
-    softmax.rescale(scores, score.log2, correction);
     Tensor out_rows = rowcol_view(acc_o);
-    softmax.rescale_rows(out_rows, correction);
-    Tensor rP = convert<Element>(acc_s);
-    Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
-    Tensor tOsVt = smem_copy_v.get_thread_slice(mma_tid).partition_S(sVt_mma(Kt::kFp8 ? 0 : s));
-    gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, mma_tid);
-    // every read of stage s done before t + 2 refills it
-    if constexpr (Kt::kStages == 2 && !Kt::kFp8) Prims::sync_threads();
+    // Block n's scores in acc_s bounded (softcap) and masked; for block t + 1 at the end of iteration t, so that
+    // nothing branches between this block's softmax and the next block's S.
+    auto bound_mask = [&](int n) {
+      score.bound(acc_s);
+      if (mask_test.needs(n)) {
+        tile_mask.apply<kRows, kCols>(tScS, m0, n * kBlockN + key0, [&](int r, int c) { scores(r, c) = -INFINITY; });
+      }
+    };
+    if (warp_active && t_end > t_begin) {
+      qk(acc_s, 0);
+      bound_mask(range.block(t_begin));
+    }
+    for (int t = t_begin; t < t_end; ++t) {
+      int const s = int(unsigned(t - t_begin) % 2);
+      Prims::template cp_async_wait<0>();  // K(t + 1) and V(t) landed
+      // ... for every thread; every read of iteration t - 1 done: K(t) (read as iteration t - 1's S ahead) and
+      // V(t - 1), whose stages take K(t + 2) and V(t + 1)
+      Prims::sync_threads();
+      if (t + 2 < t_end) load_k_at(t + 2, s);
+      if (t + 1 < t_end) load_v_at(t + 1, s ^ 1);
+      Prims::cp_async_fence();
+      if (!warp_active) continue;
+      // No branch from here to the copy below: ptxas interleaves the MMAs of S(t + 1) with this block's softmax.
+      // The last iteration computes it from K(t) (stage s, which nothing refills then) and drops it.
+      qk(acc_next, t + 1 < t_end ? s ^ 1 : s);
+      float correction[kRows];
+      softmax.rescale(scores, score.log2, correction);
+      softmax.rescale_rows(out_rows, correction);
+      Tensor rP = convert<Element>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+      Tensor tOsVt = smem_copy_v.get_thread_slice(mma_tid).partition_S(sVt_mma(s));
+      gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, mma_tid);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = acc_next(i);
+      if (t + 1 < t_end) bound_mask(range.block(t + 1));
+    }
+  } else {
+    for (int t = t_begin; t < t_end; ++t) {
+      int const n = range.block(t), s = int(unsigned(t - t_begin) % Kt::kStages);
+      if constexpr (Kt::kStaggered) {
+        Prims::template cp_async_wait<0>();  // K(t) (and Q) landed
+        Prims::sync_threads();               // ... for every thread; every read of V(t - 1) done
+        load_v(n);
+        Prims::cp_async_fence();
+      } else if constexpr (Kt::kStages == 2) {
+        // Two stages: block t + 1 goes into the other stage, freed by the barrier that ended iteration t - 1,
+        // before the wait for block t, so its copy overlaps that wait too. (This order, with two barriers per
+        // block, is the loop the H200 measured at 221 TFLOP/s for hd128; 208 with the one-barrier order below,
+        // other changes landing in between.)
+        if (t + 1 < t_end) {
+          load_kv(t + 1);
+          Prims::cp_async_fence();
+          Prims::template cp_async_wait<1>();
+        } else {
+          Prims::template cp_async_wait<0>();
+        }
+        Prims::sync_threads();  // stage s (and Q) written by every thread's copies
+      } else {
+        Prims::template cp_async_wait<Kt::kStages - 2>();  // this thread's copies of block t (and Q) landed
+        // Stage s (and Q) written by every thread's copies; every read of iteration t - 1 done, so its stage
+        // takes block t + kStages - 1 while this one computes.
+        Prims::sync_threads();
+        if (t + Kt::kStages - 1 < t_end) load_kv(t + Kt::kStages - 1);
+        Prims::cp_async_fence();
+      }
+      if constexpr (Kt::kFp8) {
+        // FP8 stage s (landed: the wait and barrier above) -> the Element K and V blocks, which every MMA read of
+        // block t - 1 is done with (same barrier); a barrier before the MMAs read them. FP8 stage s is then free
+        // for the loads issued after the next iteration's barrier, so no end-of-iteration barrier is needed.
+        convert_fp8_stage<Kt>(stage_k, stage_v, s, smem_k, smem_v, tid, p.kv_fp8);
+        Prims::sync_threads();
+      }
+      if (!warp_active) {
+        // the barriers every warp takes
+        if constexpr (Kt::kStaggered) staggered_k_next(t);
+        if constexpr (Kt::kStages == 2 && !Kt::kFp8) Prims::sync_threads();
+        continue;
+      }
+
+      // S = Q K^T, bounded (softcap) and masked.
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockNMma>>{});
+      clear(acc_s);
+      Tensor tSsK = smem_copy_k.get_thread_slice(mma_tid).partition_S(sK_mma(Kt::kFp8 ? 0 : s));
+      if constexpr (Kt::kQInRegs) {
+        gemm_reg_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsK, smem_copy_k, mma_tid);
+      } else {
+        gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, mma_tid);
+      }
+      Tensor scores = rowcol_view(acc_s);
+      static_assert(decltype(size<0>(scores))::value == kRows);
+      score.bound(acc_s);
+      if (mask_test.needs(n)) {
+        tile_mask.apply<kRows, kCols>(tScS, m0, n * kBlockN + key0, [&](int r, int c) { scores(r, c) = -INFINITY; });
+      }
+
+      if constexpr (Kt::kStaggered) staggered_k_next(t);
+
+      // P = exp(S - running max), O and the sums rescaled to the new max; O += P V with P in the input precision.
+      float correction[kRows];
+      softmax.rescale(scores, score.log2, correction);
+      Tensor out_rows = rowcol_view(acc_o);
+      softmax.rescale_rows(out_rows, correction);
+      Tensor rP = convert<Element>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+      Tensor tOsVt = smem_copy_v.get_thread_slice(mma_tid).partition_S(sVt_mma(Kt::kFp8 ? 0 : s));
+      gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, mma_tid);
+      // every read of stage s done before t + 2 refills it
+      if constexpr (Kt::kStages == 2 && !Kt::kFp8) Prims::sync_threads();
+    }
   }
   Prims::template cp_async_wait<0>();  // the trailing empty groups (or the Q copy, when no key block was visited)
 

@@ -21,6 +21,12 @@ struct FwdTile {
   // leave the room at the same occupancy: the 8-warp hd128 prefill tile (216 -> 239 registers, one CTA per SM
   // either way; Q was 8 of its 72 ldmatrix per key block).
   int q_regs = 0;
+  // 1: each iteration issues S = Q K^T of key block t + 1 in the same straight-line code as block t's softmax and
+  // P V (fwd_kernel.h), so a warp's MMAs overlap its own softmax instead of waiting for the other warps of its
+  // scheduler to fill the tensor pipe; K is loaded one block ahead of V, in the same two stages. For the 8-warp
+  // hd128 prefill tile, whose two warps per scheduler are held in step by the block's barriers: one more S
+  // accumulator (239 -> 246 registers on sm_80 and sm_90, no spill).
+  int s_ahead = 0;
 
   constexpr int smem_bytes() const { return (block_m + 2 * stages * block_n) * head_dim * 2; }
   constexpr bool operator==(FwdTile const&) const = default;
@@ -47,7 +53,7 @@ SINKATTN_FWD_TILE(Hd128Keys2, 128, 32, 64, 4, 3, 2);      // 104 KB: sm80, sm90
 SINKATTN_FWD_TILE(Hd128Keys2Small, 128, 32, 64, 4, 2, 2); // 72 KB
 SINKATTN_FWD_TILE(Hd128Few, 128, 64, 64, 4, 3);           // 112 KB, 64 KB in flight: sm80, sm90
 SINKATTN_FWD_TILE(Hd128FewSmall, 128, 64, 32, 4, 4);      // 80 KB, 48 KB in flight
-SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8, 2, 1, 1);  // 96 KB: fits sm86 too; Q in registers
+SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8, 2, 1, 1, 1);  // 96 KB: fits sm86 too; Q in registers, S ahead
 // Head dim 256. Rows 17-32 keep the 64-row tile: two key groups (32 of 64 keys each) would take 144 KB.
 SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per warp: sm80, sm90
 SINKATTN_FWD_TILE(Hd256Rows, 256, 64, 64, 4);             // 160 KB: sm80 only

@@ -91,6 +91,11 @@ struct FwdTraits {
   // K of block t + 1 while block t's softmax and P V do; half the shared memory of double buffering, each copy still
   // overlapping compute.
   static constexpr bool kStaggered = kStages == 1;
+  // S ahead (fwd_tiles.h FwdTile::s_ahead): each iteration computes S of the next key block beside this block's
+  // softmax and P V; K runs one block ahead of V through the same two stages.
+  static constexpr bool kSAhead = kTile.s_ahead != 0;
+  static_assert(!kSAhead || (kStages == 2 && kQInRegs && !kSplitKeys && !kFp8),
+                "S ahead: the double-buffered prefill row tiles, Q in registers");
   static_assert(kStages >= 1);
   static_assert(!kStaggered || !kSplitKeys, "staggered K/V: the prefill row tiles only");
   static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;
