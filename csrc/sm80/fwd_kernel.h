@@ -92,9 +92,7 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   auto load_kv = [&](int t) {
     load_block(range.block(t), int(unsigned(t - t_begin) % Kt::kStages), stage_k, stage_v, tid);
   };
-  auto load_k = [&](int t) { load_block.template load<true, false>(range.block(t), 0, stage_k, stage_v, tid); };
-  auto load_v = [&](int n) { load_block.template load<false, true>(n, 0, stage_k, stage_v, tid); };  // block n
-  // S ahead: K of block t, or V of block t, into stage s.
+  // K of block t, or V of block t, into stage s (the staggered tiles' one stage, S ahead's two).
   auto load_k_at = [&](int t, int s) { load_block.template load<true, false>(range.block(t), s, stage_k, stage_v, tid); };
   auto load_v_at = [&](int t, int s) { load_block.template load<false, true>(range.block(t), s, stage_k, stage_v, tid); };
   // Staggered (one K and one V buffer): after the barrier that K(t) landed behind, V(t) loads during S = Q K(t);
@@ -102,7 +100,7 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
   auto staggered_k_next = [&](int t) {
     Prims::template cp_async_wait<0>();  // V(t) landed
     Prims::sync_threads();               // ... for every thread; every read of K(t) done
-    if (t + 1 < t_end) load_k(t + 1);
+    if (t + 1 < t_end) load_k_at(t + 1, 0);
     Prims::cp_async_fence();
   };
 
@@ -119,7 +117,7 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
     if (t_begin + 1 < t_end) load_k_at(t_begin + 1, 1);
     if (t_end > t_begin) load_v_at(t_begin, 0);
   } else if (t_end > t_begin) {
-    if constexpr (Kt::kStaggered) load_k(t_begin);
+    if constexpr (Kt::kStaggered) load_k_at(t_begin, 0);
     else load_kv(t_begin);
   }
   Prims::cp_async_fence();
@@ -230,7 +228,7 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
       if constexpr (Kt::kStaggered) {
         Prims::template cp_async_wait<0>();  // K(t) (and Q) landed
         Prims::sync_threads();               // ... for every thread; every read of V(t - 1) done
-        load_v(n);
+        load_v_at(t, 0);
         Prims::cp_async_fence();
       } else if constexpr (Kt::kStages == 2) {
         // Two stages: block t + 1 goes into the other stage, freed by the barrier that ended iteration t - 1,
