@@ -229,6 +229,7 @@ py::dict fwd_tile(int headdim, int64_t rows, bool split_kv, int max_smem) {
   py::dict d = tile_dict(t.head_dim, t.block_m, t.block_n, t.stages, t.smem_bytes());
   d["warps"] = t.warps;
   d["key_groups"] = t.key_groups;
+  d["branch_free_loads"] = t.branch_free_loads;
   return d;
 }
 py::dict bwd_tile(int headdim, int max_smem) {

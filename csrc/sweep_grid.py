@@ -54,10 +54,11 @@ class Sm80Variant:
     stages: int = 2
     q_regs: int = 0  # FwdTile::q_regs: Q fragments held in registers across the key blocks
     s_ahead: int = 0  # FwdTile::s_ahead: S of the next key block computed beside this block's softmax
+    branch_free_loads: int = 0  # FwdTile::branch_free_loads: interior K/V blocks through predicated copies
 
     def tag(self) -> str:
         return (f"m{self.block_m}n{self.block_n}w{self.warps}" + (f"s{self.stages}" if self.stages != 2 else "")
-                + ("q" if self.q_regs else "") + ("a" if self.s_ahead else ""))
+                + ("q" if self.q_regs else "") + ("a" if self.s_ahead else "") + ("b" if self.branch_free_loads else ""))
 
     def smem_bytes(self) -> int:
         return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
@@ -67,7 +68,8 @@ class Sm80Variant:
 
     def cpp(self) -> str:
         return (f"sm80::FwdTile{{.head_dim = {self.head_dim}, .block_m = {self.block_m}, .block_n = {self.block_n}, "
-                f".warps = {self.warps}, .stages = {self.stages}, .q_regs = {self.q_regs}, .s_ahead = {self.s_ahead}}}")
+                f".warps = {self.warps}, .stages = {self.stages}, .q_regs = {self.q_regs}, .s_ahead = {self.s_ahead}, "
+                f".branch_free_loads = {self.branch_free_loads}}}")
 
 
 _R3 = dict(block_m=192, producer_regs=24, consumer_regs=160)  # three consumer warpgroups: 128 * (24 + 3 * 160) = 64512
@@ -113,6 +115,9 @@ SWEEP_SM80 = [
     Sm80Variant(64, 128, 64, 4, 3),  # a third K/V stage
     # hd128 (table: Hd128Rows m128 n64 w8 with Q in registers and S ahead; static: 0.56 LDSM per HMMA against FA2's
     # 0.31, peer_sass, 0.50 with Q in registers).
+    # On sm90 the table's tile loads its interior K/V blocks branch-free (Hd128RowsSm90); this is it with the loader's
+    # branches, the sm8x tile (Hd128Rows), which sm90 ran before: the change measured on one GPU.
+    Sm80Variant(128, 128, 64, 8, q_regs=1, s_ahead=1),
     Sm80Variant(128, 128, 64, 8, q_regs=1),  # the table's tile without S ahead (before s_ahead)
     Sm80Variant(128, 128, 64, 8),   # ... and reading Q from shared memory every key block (before q_regs)
     Sm80Variant(128, 128, 64, 4),   # FlashAttention-2's tile on sm80/sm90: 0.31 LDSM/HMMA (ptxas: 48 B spill on sm_90)

@@ -3,7 +3,7 @@ under host emulation, against the float64 oracle."""
 import pytest
 
 from decode_cases import DECODE_CASES, run_decode
-from sinkattn import _ext
+from sinkattn import _ext, kernels
 
 EMU = sorted({(k["headdim"], k["dtype"]) for k in _ext.registry() if k["family"] == "sm80-emulated"})
 pytestmark = pytest.mark.skipif(not any(h == 64 and d == "bf16" for h, d in EMU),
@@ -24,12 +24,30 @@ D128_CASES = [
     # 64-key pages hold whole blocks of the 64-key decode tile: interior blocks load as tiles from one page.
     ("d128-paged64-whole-blocks", dict(d=128, h=16, hk=2, capacity=384, lens=(330, 64, 129), page_size=64,
                                        causal=True)),
+    # 70 new queries per sequence: the prefill tile (128 rows, fwd_tiles.h Hd128Rows) over a cache, paged (pages of
+    # 16: row by row from their pages; of 64: whole blocks inside one page) and contiguous.
+    ("d128-prefill-rows-paged16", dict(d=128, capacity=400, lens=(250, 7, 0), sq=70, sn=70, page_size=16,
+                                       causal=True)),
+    ("d128-prefill-rows-paged64", dict(d=128, capacity=448, lens=(300, 64, 0), sq=70, sn=70, page_size=64,
+                                       causal=True, window_size=(150, 0), sink_tokens=3)),
+    ("d128-prefill-rows-contiguous", dict(d=128, capacity=448, lens=(300, 64, 0), sq=70, sn=70, causal=True)),
 ]
 
 
 @pytest.mark.skipif(not any(h == 128 and d == "bf16" for h, d in EMU), reason="no emulated hdim128 bf16 kernel")
 @pytest.mark.parametrize("name,kw", D128_CASES, ids=[c[0] for c in D128_CASES])
 def test_emulated_decode_hdim128(name, kw, rng_seed):
+    run_decode("sm80-emulated", "cpu", rng_seed, **kw)
+
+
+@pytest.mark.skipif(not any(h == 128 and d == "bf16" for h, d in EMU), reason="no emulated hdim128 bf16 kernel")
+@pytest.mark.parametrize("name,kw", [c for c in D128_CASES if "prefill-rows" in c[0]],
+                         ids=[c[0] for c in D128_CASES if "prefill-rows" in c[0]])
+def test_emulated_prefill_rows_over_a_cache_sm90_tile(name, kw, rng_seed, monkeypatch):
+    # sm90's hd128 prefill tile (227 KB per block, fwd_tiles.h Hd128RowsSm90): interior blocks of a contiguous cache
+    # through predicated copies, paged blocks through the loader's branches.
+    launch = kernels.launch_kvcache
+    monkeypatch.setattr(kernels, "launch_kvcache", lambda *a, **k: launch(*a, **{**k, "max_smem": 227 * 1024}))
     run_decode("sm80-emulated", "cpu", rng_seed, **kw)
 
 

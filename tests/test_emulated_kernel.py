@@ -57,6 +57,13 @@ def _cases():
                          ("softcap-causal", dict(seqlen_q=97, seqlen_k=64, causal=True, softcap=30.0)),
                          ("varlen", dict(varlen=[(70, 100), (3, 1), (129, 200), (0, 5)], causal=True))):
             cases.append(Case(f"d128-rows-{name}", 128, **kw))
+            # sm90's tile (227 KB per block, fwd_tiles.h Hd128RowsSm90): the same loop, interior K/V blocks through
+            # predicated copies.
+            cases.append(Case(f"d128-rows-sm90-{name}", 128, max_smem=227 * 1024, **kw))
+        # A head dim below the kernel's: no key block is whole, so sm90's tile loads every block through the loader's
+        # branches, behind the test its interior blocks skip.
+        cases.append(Case("d128-rows-sm90-hd104-loader-branches", 104, seqlen_q=130, seqlen_k=333, causal=True,
+                          window=(200, 0), sink_tokens=5, max_smem=227 * 1024))
         # Few rows (seqlen_q <= 64): the decode tiles; at head dim 128 the sm86/sm89 one (99 KB) differs.
         cases.append(Case("d128-sm86-few-rows-config", 128, seqlen_q=40, seqlen_k=300, causal=True, window=(150, 0),
                           sink_tokens=3, max_smem=99 * 1024))

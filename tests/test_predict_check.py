@@ -88,7 +88,8 @@ def test_never_fails_the_round(tmp_path, bench_out, capsys):
 def test_tile_tables_read_from_the_headers():
     # csrc/sm80/fwd_tiles.h: Hd64Rows{64, 128, 64, 4} (stages default 2), Hd64Keys4{64, 16, 128, 4, 3, 4}
     t = pp.sm80_fwd_tiles()
-    assert t["Hd64Rows"] == dict(head_dim=64, block_m=128, block_n=64, warps=4, stages=2, key_groups=1, q_regs=0, s_ahead=0)
+    assert t["Hd64Rows"] == dict(head_dim=64, block_m=128, block_n=64, warps=4, stages=2, key_groups=1, q_regs=0, s_ahead=0,
+                                 branch_free_loads=0)
     assert t["Hd64Keys4"]["stages"] == 3 and t["Hd64Keys4"]["key_groups"] == 4
     assert pp.sm80_bwd_tiles()["Hd64"] == dict(head_dim=64, block_m=64, block_n=64, warps_m=4, warps_n=1, stages=2)
     assert pp.sm90_fwd_tiles()[64] == dict(head_dim=64, block_n=128, stages=3, block_m=128)
@@ -97,6 +98,9 @@ def test_tile_tables_read_from_the_headers():
     assert pp.sm80_decode_tile(t, 64, 24, 166912) == "Hd64Keys2"
     # Hd64Keys2 takes (32 + 2 * 3 * 128) * 64 * 2 = 100 KB: over cc 8.6's 99 KB, its Small sibling there
     assert pp.sm80_decode_tile(t, 64, 24, 99 * 1024) == "Hd64Keys2Small"
+    # the hd128 prefill tile: branch-free interior loads above sm8x's 163 KB per block (sm90), the loader's branches below
+    assert pp.sm80_prefill_tile(t, 128, 227 * 1024) == "Hd128RowsSm90" and t["Hd128RowsSm90"]["branch_free_loads"] == 1
+    assert pp.sm80_prefill_tile(t, 128, 163 * 1024) == "Hd128Rows" == pp.sm80_prefill_tile(t, 128, 99 * 1024)
 
 
 def test_block_counts():

@@ -119,6 +119,10 @@ def test_fwd_tile_prefers_the_big_tile_where_it_fits():
     assert C.fwd_tile(256, 4096, False, 227 * KB) == dict(C.fwd_tile(256, 4096, False, 227 * KB), stages=1, block_n=64,
                                                           smem_bytes=96 * KB)
     assert C.fwd_tile(256, 4096, False, 163 * KB)["stages"] == 2 and C.fwd_tile(256, 4096, False, 163 * KB)["smem_bytes"] == 160 * KB
+    # hd128 prefill: the same 8-warp tile everywhere; on sm90 its interior K/V loads are branch-free (sm_90 SASS)
+    assert C.fwd_tile(128, 4096, False, 227 * KB)["branch_free_loads"] == 1
+    assert C.fwd_tile(128, 4096, False, 163 * KB)["branch_free_loads"] == 0 == C.fwd_tile(128, 4096, False, 99 * KB)["branch_free_loads"]
+    assert C.fwd_tile(128, 4096, False, 227 * KB) == dict(C.fwd_tile(128, 4096, False, 163 * KB), branch_free_loads=1)
 
 
 def test_bwd_tile_table():

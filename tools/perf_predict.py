@@ -56,8 +56,9 @@ def _macro_table(path: str, macro: str, fields: list[str], defaults: dict) -> di
 
 def sm80_fwd_tiles(repo: str = REPO) -> dict[str, dict]:
     return _macro_table(os.path.join(repo, "csrc/sm80/fwd_tiles.h"), "SINKATTN_FWD_TILE",
-                        ["head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "q_regs", "s_ahead"],
-                        {"stages": 2, "key_groups": 1, "q_regs": 0, "s_ahead": 0})
+                        ["head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "q_regs", "s_ahead",
+                         "branch_free_loads"],
+                        {"stages": 2, "key_groups": 1, "q_regs": 0, "s_ahead": 0, "branch_free_loads": 0})
 
 
 def sm80_bwd_tiles(repo: str = REPO) -> dict[str, dict]:
@@ -92,7 +93,10 @@ def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
 
 def sm80_prefill_tile(tiles: dict, hd: int, smem_cap: int) -> str:
     """The name of the tile choose_fwd_tile picks for a prefill problem: Hd{d}Rows, except at hd256 the staggered
-    tile where two of them fit the per-block limit (sm90) and the Small one where Rows does not fit (sm86/89)."""
+    tile where two of them fit the per-block limit (sm90), at hd128 the branch-free-loads tile above sm8x's 163 KB
+    (sm90), and the Small one where Rows does not fit (sm86/89)."""
+    if hd == 128 and "Hd128RowsSm90" in tiles and smem_cap > 163 * 1024:
+        return "Hd128RowsSm90"
     if hd == 256 and "Hd256Staggered" in tiles and smem_cap >= 2 * (fwd_smem(tiles["Hd256Staggered"]) + 1024):
         return "Hd256Staggered"
     name = f"Hd{hd}Rows"

@@ -118,6 +118,9 @@ struct EmuPrims {
     on_smem_read(p, sizeof(V));
     return *p;
   }
+  static void cp_async_16_if(bool pred, void const* gmem, void* smem) {
+    if (pred) cp_async_issue(gmem, smem);
+  }
   static void cp_async_fence() { emu80::cp_async_fence(); }
   template <int N>
   static void cp_async_wait() { emu80::cp_async_wait(N); }

@@ -204,8 +204,26 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
       // ... for every thread; every read of iteration t - 1 done: K(t) (read as iteration t - 1's S ahead) and
       // V(t - 1), whose stages take K(t + 2) and V(t + 1)
       Prims::sync_threads();
-      if (t + 2 < t_end) load_k_at(t + 2, s);
-      if (t + 1 < t_end) load_v_at(t + 1, s ^ 1);
+      if constexpr (Kt::kBranchFreeLoads) {
+        // Interior blocks of a contiguous cache through predicated copies, in straight-line code; any other block
+        // through the loader's branches, behind one test that interior iterations skip.
+        int const nk = range.block(t + 2), nv = range.block(t + 1);
+        bool const k_whole = t + 2 < t_end && load_block.whole_contiguous(nk);
+        bool const v_whole = t + 1 < t_end && load_block.whole_contiguous(nv);
+        if ((t + 2 < t_end && !k_whole) || (t + 1 < t_end && !v_whole)) {
+          if (t + 2 < t_end && !k_whole) {
+            load_block.template load<true, false>(nk, s, stage_k, stage_v, tid);
+          }
+          if (t + 1 < t_end && !v_whole) {
+            load_block.template load<false, true>(nv, s ^ 1, stage_k, stage_v, tid);
+          }
+        }
+        load_block.template load_whole_if<true>(k_whole, nk, s, stage_k, tid);
+        load_block.template load_whole_if<false>(v_whole, nv, s ^ 1, stage_v, tid);
+      } else {
+        if (t + 2 < t_end) load_k_at(t + 2, s);
+        if (t + 1 < t_end) load_v_at(t + 1, s ^ 1);
+      }
       Prims::cp_async_fence();
       if (!warp_active) continue;
       // No branch from here to the copy below: ptxas interleaves the MMAs of S(t + 1) with this block's softmax.

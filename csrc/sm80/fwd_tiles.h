@@ -27,6 +27,12 @@ struct FwdTile {
   // hd128 prefill tile, whose two warps per scheduler are held in step by the block's barriers: one more S
   // accumulator (239 -> 246 registers on sm_80 and sm_90, no spill).
   int s_ahead = 0;
+  // 1 (with s_ahead): the loop loads interior K/V blocks of a contiguous cache through predicated copies in
+  // straight-line code, other blocks through the loader's branches (fwd_kernel.h). For sm_90 SASS, where the SASS
+  // model puts the hd128 tile at 2957 cycles per key block instead of 3160: the branches' ~150 instructions per warp
+  // ran with no MMA in flight. Not for sm_8x SASS: ptxas takes that loop to 255 registers (246) and stops overlapping
+  // the exponentials with P V, 3362 cycles instead of 3182 (docs/internals.md).
+  int branch_free_loads = 0;
 
   constexpr int smem_bytes() const { return (block_m + 2 * stages * block_n) * head_dim * 2; }
   constexpr bool operator==(FwdTile const&) const = default;
@@ -54,6 +60,7 @@ SINKATTN_FWD_TILE(Hd128Keys2Small, 128, 32, 64, 4, 2, 2); // 72 KB
 SINKATTN_FWD_TILE(Hd128Few, 128, 64, 64, 4, 3);           // 112 KB, 64 KB in flight: sm80, sm90
 SINKATTN_FWD_TILE(Hd128FewSmall, 128, 64, 32, 4, 4);      // 80 KB, 48 KB in flight
 SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8, 2, 1, 1, 1);  // 96 KB: fits sm86 too; Q in registers, S ahead
+SINKATTN_FWD_TILE(Hd128RowsSm90, 128, 128, 64, 8, 2, 1, 1, 1, 1);  // the same, its interior loads branch-free: sm90
 // Head dim 256. Rows 17-32 keep the 64-row tile: two key groups (32 of 64 keys each) would take 144 KB.
 SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per warp: sm80, sm90
 SINKATTN_FWD_TILE(Hd256Rows, 256, 64, 64, 4);             // 160 KB: sm80 only
@@ -70,6 +77,7 @@ SINKATTN_FWD_TILE(Hd256Staggered, 256, 64, 64, 4, 1);     // 96 KB: sm90
 template <class Tile> inline constexpr bool kComputeBound = false;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128Rows> = true;
+template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128RowsSm90> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256RowsSmall> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Staggered> = true;
@@ -87,7 +95,8 @@ template <> struct FwdTilesOf<64> {
 };
 template <> struct FwdTilesOf<128> {
   using type = TileList<fwd_tiles::Hd128Keys4, fwd_tiles::Hd128Keys4Small, fwd_tiles::Hd128Keys2,
-                        fwd_tiles::Hd128Keys2Small, fwd_tiles::Hd128Few, fwd_tiles::Hd128FewSmall, fwd_tiles::Hd128Rows>;
+                        fwd_tiles::Hd128Keys2Small, fwd_tiles::Hd128Few, fwd_tiles::Hd128FewSmall, fwd_tiles::Hd128Rows,
+                        fwd_tiles::Hd128RowsSm90>;
 };
 template <> struct FwdTilesOf<256> {
   using type = TileList<fwd_tiles::Hd256Keys4, fwd_tiles::Hd256Rows, fwd_tiles::Hd256RowsSmall, fwd_tiles::Hd256Staggered>;
@@ -138,7 +147,9 @@ constexpr FwdTile choose_fwd_tile(int head_dim, FwdShape s, int max_smem) {
     if (key_groups == 4) return fit(Hd128Keys4::tile, Hd128Keys4Small::tile);
     if (key_groups == 2) return fit(Hd128Keys2::tile, Hd128Keys2Small::tile);
     if (few_rows) return fit(Hd128Few::tile, Hd128FewSmall::tile);
-    return Hd128Rows::tile;
+    // More than any sm8x allows per block (163 KB) is an sm90 (227 KB), which runs the sm_90 SASS: the tile whose
+    // interior loads are branch-free (FwdTile::branch_free_loads).
+    return max_smem > 163 * 1024 ? Hd128RowsSm90::tile : Hd128Rows::tile;
   }
   if (key_groups == 4 && max_smem >= Hd256Keys4::tile.smem_bytes()) return Hd256Keys4::tile;
   // Two staggered CTAs per SM where the per-block limit says the SM holds two of them (sm90: 227 KB per block of

@@ -96,6 +96,9 @@ struct FwdTraits {
   static constexpr bool kSAhead = kTile.s_ahead != 0;
   static_assert(!kSAhead || (kStages == 2 && kQInRegs && !kSplitKeys && !kFp8),
                 "S ahead: the double-buffered prefill row tiles, Q in registers");
+  // Interior K/V blocks through predicated copies, no branch (fwd_tiles.h FwdTile::branch_free_loads; S ahead only).
+  static constexpr bool kBranchFreeLoads = kTile.branch_free_loads != 0;
+  static_assert(!kBranchFreeLoads || kSAhead, "branch-free loads: the S-ahead loop");
   static_assert(kStages >= 1);
   static_assert(!kStaggered || !kSplitKeys, "staggered K/V: the prefill row tiles only");
   static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;

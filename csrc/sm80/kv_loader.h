@@ -64,6 +64,18 @@ struct KvLoader {
   SA_DEVICE void operator()(int n, int s, Cache* stage_k, Cache* stage_v, int tid) const {
     load<true, true>(n, s, stage_k, stage_v, tid);
   }
+  // Whether block n is an interior block of a contiguous (or packed) cache: whole, no page table.
+  SA_DEVICE bool whole_contiguous(int n) const { return !pages && n < whole_blocks; }
+  // K (kK) or V of block n into stage s, if pred, which implies whole_contiguous(n): no branch (load_tile_if).
+  template <bool kK>
+  SA_DEVICE void load_whole_if(bool pred, int n, int s, Cache* stage_kv, int tid) const {
+    typename Load::GmemTiledCopyLoad copy;
+    auto thr = copy.get_thread_slice(tid);
+    Tensor tKVcKV = thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    auto tXsX = thr.partition_D(make_tensor(make_smem_ptr(stage_kv + s * cosize_v<Stage>), Stage{}));
+    int64_t const row_stride = kK ? p.k_row_stride : p.v_row_stride;
+    load_tile_if<Load>(pred, tXsX, tKVcKV, kK ? k_seq : v_seq, n * kBlockN, row_stride);
+  }
   // K only, or V only: the staggered tiles (fwd_tiles.h, stages 1) load a block's K and V at different points of
   // the loop (fwd_kernel.h).
   template <bool kK, bool kV>

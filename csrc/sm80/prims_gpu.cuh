@@ -30,6 +30,14 @@ struct GpuPrims {
   static __device__ __forceinline__ void smem_store_vec(V* p, V const& x) { *p = x; }
   template <class V>
   static __device__ __forceinline__ V smem_load_vec(V const* p) { return *p; }
+  // One 16-byte cp.async issued under a predicate (one predicated LDGSTS, no branch), so that ptxas can schedule
+  // the copy and its address work in the caller's basic block.
+  static __device__ __forceinline__ void cp_async_16_if(bool pred, void const* gmem, void* smem) {
+    unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p cp.async.cg.shared.global [%1], [%2], 16;\n}\n" ::"r"(int(pred)),
+        "r"(s), "l"(gmem));
+  }
   static __device__ __forceinline__ void cp_async_fence() { cute::cp_async_fence(); }
   template <int N>
   static __device__ __forceinline__ void cp_async_wait() { cute::cp_async_wait<N>(); }

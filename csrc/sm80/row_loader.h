@@ -56,6 +56,24 @@ SA_DEVICE void load_tile(TS&& tXsX, TC const& tXcX, Vec const& vec, Element cons
   }
 }
 
+// load_tile under a predicate, without a branch: every copy a predicated cp.async (Prims::cp_async_16_if), so the
+// address work and the copies stay in the caller's basic block. The tile is rows row0.. of the tensor at `seq`, the
+// thread's first row folded into the block's (one 64-bit product per tile: with the tile's pointer formed first, then
+// the thread's offset, the sm90 hd128 tile took 252 registers instead of 250).
+template <class Kt, class TS, class TC, class Element>
+SA_DEVICE void load_tile_if(bool pred, TS&& tXsX, TC const& tXcX, Element const* seq, int row0, int64_t row_stride) {
+  int const r0 = get<0>(tXcX(0, 0, 0)), c0 = get<1>(tXcX(0, 0, 0));
+  int64_t const off = int64_t(row0 + r0) * row_stride + c0;
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tXsX); ++m) {
+    int64_t const row = off + int64_t(get<0>(tXcX(0, m, 0)) - r0) * row_stride;  // a constant times row_stride
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tXsX); ++k) {
+      Kt::Prims::cp_async_16_if(pred, seq + row + (get<1>(tXcX(0, m, k)) - c0), raw_pointer_cast(&tXsX(0, m, k)));
+    }
+  }
+}
+
 // The layout of one thread's 16-byte vector in a row-major global tile of (rows x d) (only its column stride
 // matters), for load_rows and the 16-byte stores of the epilogues.
 template <class Element, int kRows, int kHeadDim, class GmemThr>
