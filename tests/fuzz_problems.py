@@ -173,7 +173,11 @@ def _compare_grads(p, got, cpu, s, oracle, tag):
     atol = 1e-3 if p.dtype == "fp32" else 2e-2
     for name, a, w, b in zip(("dq", "dk", "dv", "dsinks"), got[3], results[0], results[1]):
         w = torch.zeros_like(a.double()) if w is None else w
-        tolerance_check(f"{tag} {name}", a.detach().cpu(), w, b, atol)
+        # Plus 4 units in the last place of the largest gradient: the backends round P and dS to the input dtype
+        # (as the kernels' MMAs take them), the low-precision oracle rounds elsewhere, and with large inputs (scale
+        # 4: gradients near 5 in bf16, an ulp 0.03) the two land a few ulps apart.
+        ulps = 4 * torch.finfo(dtype).eps * float(w.abs().max()) if w.numel() and p.dtype != "fp32" else 0.0
+        tolerance_check(f"{tag} {name}", a.detach().cpu(), w, b, atol + ulps)
 
 
 def _run_grad(out, lse, leaves, gen):
