@@ -202,6 +202,54 @@ def test_profile_path_follows_the_emulated_line_counts(tmp_path):
     assert perf_counts.dominant_path(loop, blocks, succ, [100, 2, 100, 100]) == [0, 2, 3]  # 2 of 100: skipped
 
 
+# The sm90 hd128 tile's loads (fwd_kernel.h, branch_free_loads): header H tests whether K(t + 2) needs the loader
+# (line 213); T, the K loader's branch, holds KvLoader's set-up (line 69, also after the loop) and the stage index
+# (line 202, also in the join J) that ptxas sank into it; U tests V the same way (line 213, and the K call's hoisted
+# line 215) before V's loader branch Vl or the bare jump S; J holds the predicated copies and the MMAs and ends the
+# iteration. The emulation ran neither loader call (lines 215, 218).
+BRANCH_FREE_FIXTURE = "\tcode for sm_90\n\t\tFunction : _Z4loopv\n" + "".join(_line(16 * i, t) for i, t in enumerate((
+    "IADD3 R1, R1, 0x1, RZ", "@P0 BRA 0x60",  # H
+    "ISETP.GE.AND P1, PT, R6, R5, PT", "UIADD3 UR4, UR4, 0x1, URZ", "@P1 BRA 0xb0",  # U
+    "BRA 0xe0",  # S
+    "IMAD R2, R2, R3, RZ", "IMAD R4, R4, R3, RZ", "ISETP.GE.AND P1, PT, R4, R5, PT", "IMAD R9, R9, R3, RZ",
+    "BRA 0xe0",  # T
+    "IMAD R7, R7, R3, RZ", "LDGSTS.E.BYPASS.128 [R10], [R12.64]", "BRA 0xe0",  # Vl
+    "@P2 LDGSTS.E.BYPASS.128 [R10], [R12.64]", "IMAD R4, R4, R3, RZ", "HMMA.16816.F32.BF16 R0, R4, R8, R0",
+    "@P3 BRA 0x0",  # J
+    "IMAD R2, R2, R3, RZ", "EXIT")))
+
+
+def test_profile_path_skips_a_never_run_branch_that_holds_sunk_code():
+    """tools/perf_counts.py block_weights with the loop: a set-up line and a line the join holds too say nothing of
+    the branch ptxas sank them into; a block whose lines all ran 0 times ranks below a bare jump no count speaks for;
+    and where no count says that either side runs, the path takes the one nearer the join."""
+    import perf_counts
+    (insns,) = sass.parse_sass(BRANCH_FREE_FIXTURE, default_arch="sm_90").values()
+    loop = sass.hot_loop(insns)
+    body = "sm80/fwd_kernel.h"
+    lines = [210, 213, 213, 215, 213, 213, 69, 202, 215, 215, 215, 69, 218, 218, 221, 202, 231, 201, 69, 69]
+    chains = {ins.addr: [(body, n)] for ins, n in zip(insns, lines)}
+    counts = {210: 64, 213: 32, 69: 2, 202: 32, 215: 0, 218: 0, 221: 32, 231: 32, 201: 34}
+    blocks, succ, weights = perf_counts.block_weights(insns, chains, counts, body, loop)
+    h, u, skip, t, vl, j = range(6)
+    assert [a for a, _ in blocks] == [0, 2, 5, 6, 11, 14, 18] and succ[h] == [t, u] and succ[u] == [vl, skip]
+    pd = perf_counts.post_dominators(succ, set(loop[1]), loop[2])
+    assert pd[h] == {h, j} and pd[u] == {u, j} and pd[t] == {t, j}  # the join runs whichever way a test goes
+    assert (weights[t], weights[u], weights[vl], weights[skip]) == (0, 0, 0, None)
+    interior = [0, 1, 2, 3, 4, 5, 14, 15, 16, 17]
+    assert perf_counts.dominant_path(loop, blocks, succ, weights) == interior
+    # without the loop, the stage index's count weighs the K loader's branch as run on every iteration
+    blocks, succ, weights = perf_counts.block_weights(insns, chains, counts, body)
+    assert weights[t] == 32
+    assert perf_counts.dominant_path(loop, blocks, succ, weights) == [0, 1, 6, 7, 8, 9, 10, 14, 15, 16, 17]
+    # a loader that ran on every iteration (a paged cache) is taken, set-up and sunk lines aside (U without the
+    # hoisted instruction: with it, U would weigh as much, and equal weights above 0 do not say which side runs)
+    chains[insns[3].addr] = [(body, 213)]
+    blocks, succ, weights = perf_counts.block_weights(insns, chains, {**counts, 215: 32}, body, loop)
+    assert weights[t] == 32 and weights[u] is None
+    assert perf_counts.dominant_path(loop, blocks, succ, weights) == [0, 1, 6, 7, 8, 9, 10, 14, 15, 16, 17]
+
+
 def test_profile_path_leaves_out_blocks_the_emulation_never_ran():
     """tools/perf_counts.py dead_blocks: an if/else inside an inlined helper, both sides inlined from one line of the
     kernel body (KvLoader's whole-tile copy against its bounds-checked one), so the body's counts cannot tell them

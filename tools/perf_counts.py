@@ -20,7 +20,9 @@ anyway), else the most executed; where no count speaks for either side, the edge
 a block the emulated kernel never ran is not taken while a successor remains that it may have run (dead_blocks: the
 kernel-body lines cannot say which way a branch inside an inlined helper went, e.g. KvLoader's whole-tile copy
 against its bounds-checked one, both inlined from one line of the body; the helpers' own lines, counted per
-instantiation, can).
+instantiation, can). A loop block holding a never-run statement is weighed without the set-up and sunk lines ptxas
+also put there (block_weights), a block whose lines all ran 0 times ranks below one no count speaks for, and where
+no count says that any side runs, the side nearer the branch's join is taken.
 """
 from __future__ import annotations
 
@@ -72,10 +74,19 @@ def gcov_counts(cov_json: str, needle: str, body: str = BODY) -> collections.Cou
     return counts
 
 
-def block_weights(insns, chains, counts, body: str = BODY):
+def block_weights(insns, chains, counts, body: str = BODY, loop=None):
     """(blocks, successors, weight per block: the largest count of its body lines, None without any). A line that a
     predecessor block holds too says nothing of this block: a statement's condition and its branch can share a line
-    (`if (pages) return ... pages[j / page_size] ...`: the count is the test's, not the division's)."""
+    (`if (pages) return ... pages[j / page_size] ...`: the count is the test's, not the division's). Given the loop
+    (sass.hot_loop's), a loop block holding a statement that never ran (a line counted 0) is weighed without two
+    kinds of line, both of which ptxas puts into blocks that never run: a set-up line (instructions outside the loop
+    too, run on fewer than half the iterations: ptxas rematerializes a tile's set-up inside the conditional blocks that
+    need it, e.g. KvLoader's base in its never-run branch, the mask's bounds in the never-run mask block); and a line
+    held by a block that runs whenever a predecessor does (that predecessor's post-dominators within the iteration:
+    ptxas sinks part of a statement every iteration runs, e.g. the stage index, into a never-run branch as well as into
+    the join after it). Only there: a block of one statement run on most iterations (`if (t + 1 < t_end)
+    load_v_at(...)`) shares its line with the join too (ptxas puts the statement's convergence there), and that
+    count is all there is to say that it runs."""
     blocks, succ, _ = sass.cfg(insns)
     lines_of = []
     for a, e in blocks:
@@ -91,11 +102,37 @@ def block_weights(insns, chains, counts, body: str = BODY):
     for b, ss in enumerate(succ):
         for t in ss:
             preds[t].add(b)
-    weights = []
-    for b, ls in enumerate(lines_of):
-        own = ls - set().union(*(lines_of[q] for q in preds[b] if q != b)) if preds[b] else ls
-        weights.append(max(counts[n] for n in own) if own else None)
-    return blocks, succ, weights
+    owns = [ls - set().union(*(lines_of[q] for q in preds[b] if q != b)) if preds[b] else ls
+            for b, ls in enumerate(lines_of)]
+    if loop is not None:
+        inside = set(loop[1])
+        outside = set().union(*(lines_of[b] for b in range(len(blocks)) if b not in inside))
+        iterations = max((counts[n] for n in lines_of[loop[2]]), default=0)  # the header's lines, the latch's too
+        setup = {n for n in outside if 0 < counts[n] < 0.5 * iterations}
+        pdom = post_dominators(succ, inside, loop[2])
+        for b in inside:
+            if any(counts[n] == 0 for n in owns[b]):  # a statement of it never ran: do the others speak for it?
+                joins = set().union(*(lines_of[x] for q in preds[b] if q in inside for x in pdom[q] if x != b))
+                owns[b] = owns[b] - setup - joins
+    return blocks, succ, [max(counts[n] for n in own) if own else None for own in owns]
+
+
+def post_dominators(succ, inside: set[int], header: int) -> dict[int, set[int]]:
+    """{block of the loop: the loop's blocks every path from it to the end of the iteration passes through, itself
+    included}. The iteration ends at an edge back to the header or out of the loop."""
+    end = -1
+    nxt = {b: [t if t in inside and t != header else end for t in succ[b]] or [end] for b in inside}
+    pd = {b: set(inside) for b in inside}
+    pd[end] = set()
+    changed = True
+    while changed:
+        changed = False
+        for b in inside:
+            new = {b} | set.intersection(*(pd[t] for t in nxt[b]))
+            if new != pd[b]:
+                pd[b], changed = new, True
+    del pd[end]
+    return pd
 
 
 def gcov_instances(cov_json: str, needle: str) -> dict[tuple[str, int], list[int]]:
@@ -157,7 +194,9 @@ def dominant_path(loop, blocks, succ, weights, dead=frozenset()) -> list[int]:
     _, body, h = loop
     inside, path, b, seen = set(body), [], h, set()
     full = weights[h] or 0
-    wt = lambda t: weights[t] if weights[t] is not None else -1.0  # noqa: E731
+    # a block whose lines all ran 0 times ranks below one no count speaks for
+    wt = lambda t: weights[t] if weights[t] else -2.0 if weights[t] == 0 else -1.0  # noqa: E731
+    pdom = post_dominators(succ, inside, h)
 
     def reach(t):  # the loop's blocks reachable from t without passing the header
         out, todo = set(), [t]
@@ -168,6 +207,19 @@ def dominant_path(loop, blocks, succ, weights, dead=frozenset()) -> list[int]:
             out.add(x)
             todo += succ[x]
         return out
+
+    def to_join(t, join):  # the fewest instructions from t to join within the iteration
+        best, todo = {t: 0}, [t]
+        while todo:
+            x = todo.pop()
+            if x == join or x not in inside or x == h:
+                continue
+            for y in succ[x]:
+                c = best[x] + blocks[x][1] - blocks[x][0] + 1
+                if c < best.get(y, 1 << 30):
+                    best[y] = c
+                    todo.append(y)
+        return best.get(join, 1 << 30)
     while True:
         seen.add(b)
         path.extend(range(blocks[b][0], blocks[b][1] + 1))
@@ -178,11 +230,16 @@ def dominant_path(loop, blocks, succ, weights, dead=frozenset()) -> list[int]:
             return path
         # run on most iterations first; then not the latch; then, where the counts say it runs, the branch into a
         # conditional block over the edge that skips it (the skipped-to block follows anyway); then the most executed;
-        # where no count speaks for either side, the edge that skips (no evidence that the block runs)
-        known = lambda t: weights[t] is not None  # noqa: E731
+        # where no count speaks for either side, the edge that skips (no evidence that the block runs); last, where no
+        # count says that any side runs, the side nearer the branch's join (its nearest post-dominator): a bare test
+        # on the way to the join rather than a helper's branches
+        known = lambda t: bool(weights[t])  # noqa: E731
+        join = max(pdom[b] - {b}, key=lambda x: len(pdom[x]), default=None)  # the nearest has the most of its own
+        unknown = join is not None and not any(known(o) for o in options)
         best = max(options, key=lambda t: (wt(t) >= 0.5 * full, h not in succ[t],
                                            known(t) and any(o in reach(t) for o in options if o != t), wt(t),
-                                           not known(t) and any(t in reach(o) for o in options if o != t)))
+                                           not known(t) and any(t in reach(o) for o in options if o != t),
+                                           -to_join(t, join) if unknown else 0))
         if h in nxt and wt(best) < 0.5 * full:
             return path
         b = best
@@ -213,7 +270,7 @@ def profile(cubin: str, fn: str, insns, loop, cov_json: str, needle: str, body: 
     in HEAD's hd64 forward, 2.3x FA2's, which the causal rows (half the iterations per CTA) felt most."""
     chains = line_chains(cubin, fn)
     counts = gcov_counts(cov_json, needle, body)
-    blocks, succ, weights = block_weights(insns, chains, counts, body)
+    blocks, succ, weights = block_weights(insns, chains, counts, body, loop)
     dead = dead_blocks(insns, blocks, chains, gcov_instances(cov_json, needle), loop, body, weights[loop[2]])
     inside = set(loop[1])
     outside = sum(e - a + 1 for b, (a, e) in enumerate(blocks) if b not in inside and b not in dead)
