@@ -141,3 +141,18 @@ def test_the_profile_rule_predicts_the_sm80_prefill_forward_and_backward_only():
     for c, fam in ((pp.case("decode", "fwd", 64, 1, 8192, 64, 8, 64, True), "sm80"),
                    (pp.case("attn", "fwd", 2, 8192, 8192, 32, 32, 64), "sm90")):
         assert "profile rule" in pp.predict_case(NoKernels(), c, fam, counts_dir="/nowhere")["error"]
+
+
+def test_line_counts_cost_only_the_device_they_were_made_for(tmp_path):
+    """tools/perf_counts.sh records the shared memory per block its tiles were chosen for; perf_predict refuses counts
+    made for another limit (an A100 on an H200's counts: its hd128 tile's lines barely ran, and a figure came out),
+    naming the command that makes the right ones."""
+    import perf_model as pm
+    a100, h200 = pm.DEVICES["a100"], pm.DEVICES["h200"]
+    assert "no smem_kb" in pp.counts_mismatch(str(tmp_path), h200)
+    (tmp_path / "smem_kb").write_text("227\n")
+    assert pp.counts_mismatch(str(tmp_path), h200) is None
+    err = pp.counts_mismatch(str(tmp_path), a100)
+    assert "227 KB" in err and "PERF_COUNTS_SMEM_KB=163" in err
+    (tmp_path / "smem_kb").write_text("163\n")
+    assert pp.counts_mismatch(str(tmp_path), a100) is None and pp.counts_mismatch(str(tmp_path), h200)

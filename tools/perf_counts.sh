@@ -14,6 +14,9 @@ CUT=${CUTLASS_INC:-$S/third_party/cutlass/include}
 [ -d "$CUT" ] || CUT=$REPO/third_party/cutlass/include
 INC="-I$S/csrc -I$CUT -I$CUDA_HOME/include"
 [ -d "$CUDA_HOME/include/cccl" ] && INC="$INC -I$CUDA_HOME/include/cccl"
+# the tiles that ran are those this shared memory per block picks: tools/perf_predict.py costs a device's kernels
+# only on counts made for its own limit
+echo "${PERF_COUNTS_SMEM_KB:-227}" > "$OUT/smem_kb"
 for hd in ${@:-64 128}; do
   W=$OUT/hd$hd; rm -rf "$W"; mkdir -p "$W"
   ( cd "$W" && { g++ -std=c++20 -O1 --coverage -fprofile-update=atomic -fno-strict-aliasing -pthread -DNDEBUG \
