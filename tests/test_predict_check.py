@@ -149,9 +149,12 @@ def test_line_counts_cost_only_the_device_they_were_made_for(tmp_path):
     naming the command that makes the right ones."""
     import perf_model as pm
     a100, h200 = pm.DEVICES["a100"], pm.DEVICES["h200"]
-    assert "no smem_kb" in pp.counts_mismatch(str(tmp_path), h200)
+    assert "smem_kb, problem" in pp.counts_mismatch(str(tmp_path), h200)
     (tmp_path / "smem_kb").write_text("227\n")
+    (tmp_path / "problem").write_text("prefill\n")
     assert pp.counts_mismatch(str(tmp_path), h200) is None
+    err = pp.counts_mismatch(str(tmp_path), h200, "decode 16")  # a prefill's counts for a decode row
+    assert "prefill problem" in err and "PERF_COUNTS_DECODE=16" in err
     err = pp.counts_mismatch(str(tmp_path), a100)
     assert "227 KB" in err and "PERF_COUNTS_SMEM_KB=163" in err
     (tmp_path / "smem_kb").write_text("163\n")

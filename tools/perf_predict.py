@@ -189,18 +189,25 @@ NOTE_PROFILE = ("the loop's path and a CTA's once-issued blocks from the emulate
                 "(tools/perf_counts.py, --path profile)")
 
 
-def counts_mismatch(counts_dir: str, dev: pm.Device) -> str | None:
-    """Why the line counts in counts_dir cannot cost dev's kernels, or None. The emulated problem ran the tile its
-    shared memory per block picks (tools/perf_counts.sh PERF_COUNTS_SMEM_KB, recorded in smem_kb): an A100 costed on an
-    H200's counts finds its tile's lines barely run (the other tile ran) and prints a figure for a path nobody ran."""
-    rec = os.path.join(counts_dir, "smem_kb")
+def counts_mismatch(counts_dir: str, dev: pm.Device, problem: str = "prefill") -> str | None:
+    """Why the line counts in counts_dir cannot cost dev's kernels on `problem` ("prefill": the prefill forward and
+    backward; "decode <page size>"), or None. The emulated problem ran the tile its shared memory per block picks
+    (tools/perf_counts.sh PERF_COUNTS_SMEM_KB, recorded in smem_kb): an A100 costed on an H200's counts finds its
+    tile's lines barely run (the other tile ran) and prints a figure for a path nobody ran. And a decode step's
+    counts say nothing of a prefill's branches (recorded in `problem`)."""
     want = dev.smem_block // 1024
-    fix = f"PERF_COUNTS_SMEM_KB={want} OUT={counts_dir} bash tools/perf_counts.sh"
-    if not os.path.exists(rec):
-        return f"line counts in {counts_dir} do not say which tiles ran (no smem_kb): {fix}"
+    page = problem.split()[1] if problem.startswith("decode") else None
+    fix = (f"PERF_COUNTS_SMEM_KB={want} " + (f"PERF_COUNTS_DECODE={page} " if page else "") +
+           f"OUT={counts_dir} bash tools/perf_counts.sh")
+    rec, kind = os.path.join(counts_dir, "smem_kb"), os.path.join(counts_dir, "problem")
+    if not os.path.exists(rec) or not os.path.exists(kind):
+        return f"line counts in {counts_dir} do not say which tiles ran on which problem (smem_kb, problem): {fix}"
     have = int(open(rec).read().strip() or 0)
     if have != want:
         return f"line counts in {counts_dir} ran the tiles of {have} KB per block, {dev.name} allows {want} KB: {fix}"
+    ran = open(kind).read().strip()
+    if ran != problem:
+        return f"line counts in {counts_dir} are of a {ran} problem, not of a {problem} one: {fix}"
     return None
 
 

@@ -9,7 +9,9 @@ each ran, found by its mangled name in the SASS given:
          cubins hold its kernels (extracted with `cuobjdump -xelf` into --fa2; tools/perf_fa2_cubins.sh)
   counts (--path profile) the line counts of 4d9dcbd's emulated forward, `SINKATTN_SRC=<4d9dcbd worktree>
          OUT=build/peer_sass/4d9dcbd/counts bash tools/perf_counts.sh 64 128`, into --counts; our forward kernels'
-         iteration is then the path they say (tools/perf_counts.py), FA2's the whole loop
+         iteration is then the path they say (tools/perf_counts.py), FA2's the whole loop; the decode rows' from a
+         decode step over each kind of cache, `PERF_COUNTS_DECODE=<0 | 256> OUT=<counts>_decode_p<page> ...
+         tools/perf_counts.sh 64 128` (decode_counts)
 
 The forward and backward rows in TFLOP/s beside FA2's, then the decode rows (DECODE) in GB/s.
 
@@ -47,14 +49,18 @@ BWD = [  # d6ddcbf's run
 ]
 FIT_POINT = ("attn/fwd/hd128/h16kv16/full", 2, "FA2")  # HMMA_SM90 is fitted here (perf_model's docstring)
 # 4d9dcbd's decode rows (gpt-oss / Llama-70B heads: 64 query heads over 8 KV heads, one query per request, a contiguous
-# cache): (case, batch, seqlen_k, head dim, measured GB/s). Its decode tiles (csrc/sm80/fwd_config.h at 4d9dcbd):
-# 64 rows x block_n keys, 4 warps, 3 stages; a request's 8 rows are warp 0's, the other three warps only load.
-# The paged rows (1577 / 1557 GB/s) are not here: the paged and contiguous loads are two branches of one kernel with
-# the same MMAs and copies, which no path rule tells apart; the batch-1 and window rows are launch-bound.
+# cache or pages of 256 rows): (case, batch, seqlen_k, head dim, page size (0: contiguous), measured GB/s). Its decode
+# tiles (csrc/sm80/fwd_config.h at 4d9dcbd): 64 rows x block_n keys, 4 warps, 3 stages; a request's 8 rows are warp
+# 0's, the other three warps only load. The paged and contiguous loads are two branches of one kernel with the same
+# MMAs and copies: only the profile rule, on the line counts of a decode step over each kind of cache
+# (tools/perf_counts.sh PERF_COUNTS_DECODE), tells them apart; the other rules cost both rows alike. The batch-1 and
+# window rows are launch-bound.
 DECODE = [
-    ("decode/fwd/hd64/h64kv8/causal/sinks", 64, 8192, 64, 2540),
-    ("decode/fwd/hd64/h64kv8/causal/sinks", 64, 32768, 64, 2672),
-    ("decode/fwd/hd128/h64kv8/causal/sinks", 64, 16384, 128, 3850),
+    ("decode/fwd/hd64/h64kv8/causal/sinks", 64, 8192, 64, 0, 2540),
+    ("decode/fwd/hd64/h64kv8/causal/sinks", 64, 32768, 64, 0, 2672),
+    ("decode/fwd/hd128/h64kv8/causal/sinks", 64, 16384, 128, 0, 3850),
+    ("decode/fwd/hd64/h64kv8/causal/sinks/paged", 64, 8192, 64, 256, 1577),
+    ("decode/fwd/hd64/h64kv8/causal/sinks/paged", 64, 32768, 64, 256, 1557),
 ]
 OURS_DECODE = {64: ("FwdTraitsILi64ELi64ELi128ELi4EN7cutlass10bfloat16_tENS0_8GpuPrimsELi3E", 64, 128),
                128: ("FwdTraitsILi128ELi64ELi64ELi4EN7cutlass10bfloat16_tENS0_8GpuPrimsELi3E", 64, 64)}
@@ -201,8 +207,25 @@ def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop", cou
         if hit:
             insns, loop, r, fn = hit
             smem = (bm + 2 * 3 * bn) * hd * 2
-            out[("decode", hd, True, "ours")] = (pm.make_kernel(fn, insns, loop, r, dev, 128, smem, path=path), bm, bn)
+            for page in sorted({row[4] for row in DECODE if row[3] == hd}):
+                idx, outside = None, None
+                if path == "profile":  # the decode step's own counts, per kind of cache: <counts>_decode_p<page>
+                    obj = next(f for f in ours_files if any(key[1] == fn for key in _CODE[f][0]))
+                    # the emulated instantiation of the same tile (4d9dcbd's emulation namespace is `emu`)
+                    emu = pre.replace("NS0_8GpuPrimsE", "NS_3emu8EmuPrimsE")
+                    prof = profile_idx(obj, fn, insns, loop, decode_counts(counts_dir, page), emu, dev)
+                    if not prof:
+                        continue
+                    idx, outside = prof
+                out[("decode", hd, page, "ours")] = (pm.make_kernel(fn, insns, loop, r, dev, 128, smem, path=path,
+                                                                    idx=idx, outside=outside), bm, bn)
     return out
+
+
+def decode_counts(counts_dir: str | None, page: int) -> str:
+    """Where the line counts of 4d9dcbd's emulated decode step over a cache of `page`-row pages (0: contiguous) are:
+    `SINKATTN_SRC=<4d9dcbd worktree> PERF_COUNTS_DECODE=<page> OUT=<counts>_decode_p<page> tools/perf_counts.sh`."""
+    return f"{counts_dir or 'build/peer_sass/4d9dcbd/counts'}_decode_p{page}"
 
 
 def table(ks, dev):
@@ -240,10 +263,10 @@ def main(a) -> int:
     print()
     print("| decode case (4d9dcbd) | batch x seqlen_k | measured GB/s | predicted (error) | bound (W) |")
     print("| --- | --- | --- | --- | --- |")
-    for case, b, sk, hd, meas in DECODE:
-        k = ks.get(("decode", hd, True, "ours"))
+    for case, b, sk, hd, page, meas in DECODE:
+        k = ks.get(("decode", hd, page, "ours"))
         if not k:
-            print(f"| {case} | {b} x {sk} | {meas} | not built | |")
+            print(f"| {case} | {b} x {sk} | {meas} | not built or no decode counts | |")
             continue
         gbs, r = predict_decode(k[0], dev, b, 8, sk, hd, k[1], k[2])
         print(f"| {case} | {b} x {sk} | {meas} | {gbs:.0f} ({gbs / meas - 1:+.0%}) | {r['bound']} ({r['w']}) |")
