@@ -128,7 +128,7 @@ gpu-check: ## on a GPU machine: build for its GPU, report, GPU tests, sanitizers
 GPU_PREBUILT_DIAGNOSTIC ?= 1
 # The head dims whose emulated forward and backward gpu-prebuilt counts lines of (gcov, one to three minutes each)
 # for bench/gpu/predict_check.py's second table: the sm80 prefill and backward rows by the model's profile rule
-# (docs/internals.md).
+# (docs/internals.md); the decode rows' counts (a decode step, hd 64 and 128) come beside them.
 PERF_COUNTS_HEADDIMS ?= 64 128 256
 KERNEL_OBJECTS = $$(sed -n 's/^build \([^:]*\):.*/\1/p' build/kernels/build.ninja) build/kernels/cutlass_version.txt
 gpu-prebuilt: install ## pack this build's kernel objects (and its diagnostic build's) into .prebuilt.tar.xz for a GPU machine
@@ -145,7 +145,12 @@ gpu-prebuilt: install ## pack this build's kernel objects (and its diagnostic bu
 	  echo "gpu-prebuilt: line counts of the emulated forward for the SASS model's profile rule (tools/perf_counts.sh $(PERF_COUNTS_HEADDIMS))"; \
 	  mkdir -p build/logs; PERF_COUNTS_BWD=1 OUT=.prebuilt/perf_counts bash tools/perf_counts.sh $(PERF_COUNTS_HEADDIMS) > build/logs/perf_counts.log 2>&1 \
 	    || echo "gpu-prebuilt: no line counts (build/logs/perf_counts.log): predict-check prints the whole-loop rule only"; \
-	  rm -rf .prebuilt/perf_counts/hd*; fi
+	  rm -rf .prebuilt/perf_counts/hd*; \
+	  echo "gpu-prebuilt: line counts of an emulated decode step (contiguous; pages of 256, the check grid's; of 16, vLLM's)"; \
+	  for pg in 0 256 16; do PERF_COUNTS_DECODE=$$pg OUT=.prebuilt/perf_counts_decode_p$$pg bash tools/perf_counts.sh \
+	    $$([ $$pg = 0 ] && echo 64 128 || echo 64) >> build/logs/perf_counts.log 2>&1 \
+	    || echo "gpu-prebuilt: no decode line counts at page $$pg (build/logs/perf_counts.log)"; \
+	    rm -rf .prebuilt/perf_counts_decode_p$$pg/hd*; done; fi
 	tar -C .prebuilt -cJf .prebuilt.tar.xz .
 	@echo "gpu-prebuilt: $$(ls .prebuilt | wc -l) files in .prebuilt/ ($$(du -sh .prebuilt | cut -f1)), packed into .prebuilt.tar.xz ($$(du -sh .prebuilt.tar.xz | cut -f1)); carry that"
 

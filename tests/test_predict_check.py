@@ -128,8 +128,8 @@ def test_counts_dir_prefers_the_packed_counts(tmp_path, monkeypatch):
 
 
 def test_the_profile_rule_predicts_the_sm80_prefill_forward_and_backward_only():
-    """With line counts, every case but the sm80 prefill forward and backward says it has no profile prediction (no
-    silent whole-loop figure in the profile table)."""
+    """With line counts, every case but the sm80 prefill forward and backward and the bf16/fp16 decode says it has no
+    profile prediction (no silent whole-loop figure in the profile table)."""
     import perf_model as pm
 
     class NoKernels:  # find() would be the next step of a case the rule costs
@@ -138,7 +138,7 @@ def test_the_profile_rule_predicts_the_sm80_prefill_forward_and_backward_only():
         def find(self, *needles):
             raise AssertionError("looked up a kernel for a case the profile rule does not cost")
 
-    for c, fam in ((pp.case("decode", "fwd", 64, 1, 8192, 64, 8, 64, True), "sm80"),
+    for c, fam in ((pp.case("decode", "fwd", 64, 1, 8192, 64, 8, 64, True, kv_dtype="fp8_e4m3"), "sm80"),
                    (pp.case("attn", "fwd", 2, 8192, 8192, 32, 32, 64), "sm90")):
         assert "profile rule" in pp.predict_case(NoKernels(), c, fam, counts_dir="/nowhere")["error"]
 
@@ -159,3 +159,25 @@ def test_line_counts_cost_only_the_device_they_were_made_for(tmp_path):
     assert "227 KB" in err and "PERF_COUNTS_SMEM_KB=163" in err
     (tmp_path / "smem_kb").write_text("163\n")
     assert pp.counts_mismatch(str(tmp_path), a100) is None and pp.counts_mismatch(str(tmp_path), h200)
+
+
+def test_a_decode_row_reads_the_counts_of_its_own_kind_of_cache(tmp_path):
+    """The decode rows' line counts sit beside the prefill's, one folder per kind of cache (gpu-prebuilt packs
+    perf_counts_decode_p0, _p256, _p16), and a folder made for another page size is refused."""
+    import perf_model as pm
+    base = str(tmp_path / "perf_counts")
+    contiguous = pp.case("decode", "fwd", 64, 1, 8192, 64, 8, 64, True, -1, 0, sinks=True)
+    paged16 = pp.case("decode", "fwd", 64, 1, 8192, 64, 8, 64, True, -1, 0, sinks=True, paged=True, page_size=16)
+    assert pp.decode_counts(base, contiguous) == base + "_decode_p0"
+    assert pp.decode_counts(base + "/", paged16) == base + "_decode_p16"
+    # a results.csv row: strings
+    row = {k: str(v) for k, v in paged16.items()}
+    assert pp.decode_counts(base, row) == base + "_decode_p16"
+    d = tmp_path / "perf_counts_decode_p16"
+    d.mkdir()
+    (d / "smem_kb").write_text("227\n")
+    (d / "problem").write_text("decode 256\n")
+    err = pp.counts_mismatch(str(d), pm.DEVICES["h200"], "decode 16")
+    assert "decode 256 problem" in err and "PERF_COUNTS_DECODE=16" in err
+    (d / "problem").write_text("decode 16\n")
+    assert pp.counts_mismatch(str(d), pm.DEVICES["h200"], "decode 16") is None

@@ -302,3 +302,41 @@ def test_profile_path_leaves_out_blocks_the_emulation_never_ran():
     inst8 = {("sm80/fwd_kernel.h", 5): [16], ("sm80/split_epilogue.h", 20): [0], ("sm80/fwd_kernel.h", 10): [100]}
     assert perf_counts.dead_blocks(insns8, [(0, 0), (1, 2)], chains8, inst8, ([0], [0], 0)) == set()
     assert perf_counts.dead_blocks(insns8, [(0, 0), (1, 1), (2, 2)], chains8, inst8, ([0], [0], 0)) == {2}
+
+
+def test_a_lambda_body_line_speaks_through_the_lambda_s_first_line(tmp_path):
+    """gcov records a multi-line lambda's body under the lambda's first line (`auto load_kv = [&](int t) {`, the
+    body on the next line has no count of its own); a frame at the body line takes that count, so the call
+    `if (t + 2 < t_end) load_kv(t + 2);`, whose test its predecessor block holds, still weighs what the load ran."""
+    import json
+    import perf_counts
+    body, t = "sm80/fwd_kernel.h", "FwdTraitsILi64E"
+    fn = "_ZN8sinkattn4sm809fwd_blockINS0_9FwdTraitsILi64E"
+    cov = tmp_path / "cov.json"
+    cov.write_text(json.dumps({"files": [{"file": "/x/csrc/" + body, "lines": [
+        {"line_number": 90, "count": 128, "function_name": fn},
+        {"line_number": 92, "count": 128, "function_name": fn},
+        {"line_number": 92, "count": 8192, "function_name": fn + "ENKUliE1_clEi"},
+        {"line_number": 269, "count": 8192, "function_name": fn}],
+        "functions": [{"name": fn, "start_line": 40, "end_line": 363, "execution_count": 128},
+                      {"name": fn + "ENKUliE1_clEi", "start_line": 92, "end_line": 92, "execution_count": 8192}]}]}))
+    counts = perf_counts.gcov_counts(str(cov), t, body)
+    assert counts[92] == 8320 and counts.lambdas == {92}
+    assert perf_counts.lambda_line(93, counts) == 92 and perf_counts.lambda_line(94, counts) == 92
+    assert perf_counts.lambda_line(91, counts) is None  # below line 90, a statement of the kernel: no lambda
+    assert perf_counts.lambda_line(270, counts) is None
+    # header 0 (the test, line 269) -> the load 1 (inlined from the lambda's body line 93, called at 269) or the
+    # join 2 -> latch 3
+    (insns,) = sass.parse_sass("\tcode for sm_90\n\t\tFunction : _Z4loopv\n" + "".join(_line(16 * i, x) for i, x in enumerate((
+        "@P0 BRA 0x20", "LDGSTS.E.BYPASS.128 [R10], [R12.64]", "HMMA.16816.F32.BF16 R0, R4, R8, R0",
+        "@P3 BRA 0x0", "EXIT"))), default_arch="sm_90").values()
+    loop = sass.hot_loop(insns)
+    chains = {0: [(body, 269)], 16: [("/x/csrc/sm80/kv_loader.h", 80), (body, 93), (body, 269)],
+              32: [(body, 297)], 48: [(body, 269)], 64: [(body, 300)]}
+    counts[297] = 8192
+    blocks, succ, weights = perf_counts.block_weights(insns, chains, counts, body, loop)
+    assert weights[1] == 8320
+    assert perf_counts.dominant_path(loop, blocks, succ, weights) == [0, 1, 2, 3]
+    counts.lambdas = set()  # without the lambda's line the load's block has no count and the path skips it
+    blocks, succ, weights = perf_counts.block_weights(insns, chains, counts, body, loop)
+    assert weights[1] is None and perf_counts.dominant_path(loop, blocks, succ, weights) == [0, 2, 3]

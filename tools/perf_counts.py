@@ -64,14 +64,28 @@ def line_chains(cubin: str, fn: str) -> dict[int, list[tuple[str, int]]]:
 
 def gcov_counts(cov_json: str, needle: str, body: str = BODY) -> collections.Counter:
     """{line of `body`: executions} summed over the instantiations whose mangled name holds `needle` (the tile's
-    traits, e.g. 'FwdTraitsILi64ELi128ELi64ELi4E')."""
+    traits, e.g. 'FwdTraitsILi64ELi128ELi64ELi4E'). `.lambdas`: the first lines of the body's lambdas (call operators
+    of those instantiations), whose line gcov records a multi-line lambda's body under (lambda_line)."""
     counts = collections.Counter()
+    counts.lambdas = set()
     for f in json.load(open(cov_json))["files"]:
         if f["file"].endswith(body):
             for ln in f["lines"]:
                 if needle in ln.get("function_name", ""):
                     counts[ln["line_number"]] += ln["count"]
+            counts.lambdas |= {fn["start_line"] for fn in f.get("functions", [])
+                               if needle in fn["name"] and "clE" in fn["name"] and "Ul" in fn["name"]}
     return counts
+
+
+def lambda_line(n: int, counts) -> int | None:
+    """The counted line that speaks for body line n when gcov has no count of n's own: the first line of the lambda
+    n lies in (`auto load_kv = [&](int t) {` for its body on the next line: gcov records the body's executions under
+    the lambda's first line), found as the nearest counted line above n when that is a lambda's first line."""
+    for m in range(n - 1, 0, -1):
+        if m in counts:
+            return m if m in getattr(counts, "lambdas", ()) else None
+    return None
 
 
 def block_weights(insns, chains, counts, body: str = BODY, loop=None):
@@ -94,7 +108,8 @@ def block_weights(insns, chains, counts, body: str = BODY, loop=None):
         for i in range(a, e + 1):
             # the innermost frame of the body that gcov counted: a lambda's line may have no count of its own
             # (gcov records it under the lambda's name only where it kept one), its call site in the body has
-            line = next((n for f, n in chains.get(insns[i].addr, []) if f.endswith(body) and n in counts), None)
+            line = next((n if n in counts else lambda_line(n, counts) for f, n in chains.get(insns[i].addr, [])
+                         if f.endswith(body) and (n in counts or lambda_line(n, counts))), None)
             if line is not None:
                 ls.add(line)
         lines_of.append(ls)

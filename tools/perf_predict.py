@@ -218,7 +218,10 @@ def profile_of(ks: Kernels, fn: str, insns, loop, counts_dir: str, hd: int, name
     cov = os.path.join(counts_dir, f"cov_hd{hd}.json")
     if not os.path.exists(cov):
         return None
-    emu = _tile_needle(f"{op}_tiles", name)[1:] + "N7cutlass10bfloat16_tENS_5emu808EmuPrimsELNS_7SoftcapE0E"
+    # the emulated instantiation of the same kernel: softcap compiled out (E0) or at run time (E1), as the GPU one
+    cap = re.search(r"7SoftcapE(\d)E", fn)
+    emu = _tile_needle(f"{op}_tiles", name)[1:] + \
+        f"N7cutlass10bfloat16_tENS_5emu808EmuPrimsELNS_7SoftcapE{cap.group(1) if cap else 0}E"
     body = f"sm80/{op}_kernel.h"
     if not perf_counts.gcov_counts(cov, emu, body):
         return None
@@ -303,8 +306,8 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
                                sink_tokens=st, mode="bwd")
         return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm80 bwd {name}",
                 "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_BWD + ("; " + NOTE_PROFILE if prof else "")}
-    if counts_dir:
-        return {"error": "the profile rule costs the sm80 prefill forward and backward only"}
+    if counts_dir and (fp8 or kind != "decode"):
+        return {"error": "the profile rule costs the sm80 prefill forward and backward and the bf16/fp16 decode only"}
     # decode / few rows: memory-bound
     rows = sq * (h // max(hk, 1))
     name = sm80_decode_tile(fwd_t, hd, rows, dev.smem_block)
@@ -316,6 +319,8 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
     a, fn, insns, loop, res = hit
     smem = (t["block_m"] * hd * 2 + 2 * t["stages"] * t["block_n"] * hd + 2 * t["block_n"] * hd * 2) if fp8 else \
         fwd_smem(t)
+    if counts_dir:  # the decode step's own counts over this kind of cache: <counts>_decode_p<page size>
+        return predict_decode_profile(ks, case, name, t, hit, smem, decode_counts(counts_dir, case))
     k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t["warps"], smem)
     eb = 1 if fp8 else 2
     by = F.decode_bytes(b, h, hk, hd, sk, elem_bytes=eb, seqlen_q=sq, causal=bool(case.get("causal")),
@@ -326,16 +331,46 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
             "bound": f"{r['inflight_per_sm'] // 1024} KB in flight/SM", "note": NOTE_DEC.format(lat=pm.LOADED_LAT)}
 
 
+def decode_counts(counts_dir: str, case: dict) -> str:
+    """Where the line counts of a decode step over the case's kind of cache are (tools/perf_counts.sh
+    PERF_COUNTS_DECODE=<page size>, 0 for a contiguous cache): beside the prefill's, `<counts>_decode_p<page>`."""
+    paged = str(case.get("paged")) in ("True", "true", "1")
+    return f"{counts_dir.rstrip('/')}_decode_p{int(case.get('page_size') or 0) if paged else 0}"
+
+
+def predict_decode_profile(ks: Kernels, case: dict, name: str, t: dict, hit, smem: int, counts: str) -> dict:
+    """A decode launch on the path its emulated step ran (perf_rows.predict_decode: the computing warps' loop against
+    the copy ceiling; no split, one CTA per request and KV head; 4d9dcbd's contiguous rows: -15% to +14%)."""
+    import perf_rows
+    dev = ks.dev
+    page = counts.rsplit("_p", 1)[1]
+    err = counts_mismatch(counts, dev, f"decode {page}")
+    if err:
+        return {"error": err}
+    a, fn, insns, loop, res = hit
+    hd, b, hk, sk = int(case["headdim"]), int(case["batch"]), int(case["nheads_k"]), int(case["seqlen_k"])
+    if int(case["seqlen_q"]) != 1 or int(case["nheads"]) != 8 * hk or case.get("window_left", -1) not in (-1, "-1"):
+        return {"error": "the decode profile costs one query per request, 8 query heads per KV head, no window"}
+    prof = profile_of(ks, fn, insns, loop, counts, hd, name)
+    if not prof:
+        return {"error": f"no decode line counts for hd{hd} in {counts}"}
+    k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t["warps"], smem, idx=prof[0], outside=prof[1])
+    gbs, r = perf_rows.predict_decode(k, dev, b, hk, sk, hd, t["block_m"], t["block_n"])
+    return {"value": gbs, "unit": "GB/s", "kernel": f"sm80 decode {name}", "bound": f"{r['bound']} (W={r['w']})",
+            "note": "the computing warps' path from the emulated decode step's line counts (--path profile) against "
+                    "the copy ceiling; launch and tail not costed"}
+
+
 # ---- the cases of the measured rows ------------------------------------------------------------------------------
 
 def case(kind, mode, b, sq, sk, h, hk, hd, causal=False, wl=-1, wr=-1, st=0, sinks=False, paged=False,
-         kv_dtype="auto") -> dict:
+         kv_dtype="auto", page_size=256) -> dict:
     c = dict(kind=kind, mode=mode, batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, headdim=hd,
              causal=causal, window_left=wl, window_right=wr, sink_tokens=st, sinks=sinks, paged=paged,
-             kv_dtype=kv_dtype)
+             kv_dtype=kv_dtype, page_size=page_size if paged else 0)
     mask = f"win{wl + 1}" if wl >= 0 else "causal" if causal else "full"
     c["variant"] = f"{kind}/{mode}/hd{hd}/h{h}kv{hk}/{mask}" + ("/sinks" if sinks else "") + \
-        ("/paged" if paged else "") + (f"/{kv_dtype}" if kv_dtype != "auto" else "")
+        (f"/paged{page_size}" if paged else "") + (f"/{kv_dtype}" if kv_dtype != "auto" else "")
     return c
 
 
@@ -359,12 +394,15 @@ HD64_CASES = [
 ]
 
 
-# The prefill and backward rows bench/RESULTS.md predicts by the profile rule (4d9dcbd's measured shapes,
-# tools/perf_rows.py FWD and BWD).
+# The prefill, backward and decode rows bench/RESULTS.md predicts by the profile rule (4d9dcbd's measured shapes,
+# tools/perf_rows.py FWD, BWD and DECODE; the paged decode at pages of 256, as measured, and of 16, vLLM's).
 PROFILE_CASES = [case("attn", "fwd", b, s, s, h, h, hd, causal)
                  for hd, h, shapes in ((64, 32, ((2, 8192),)), (128, 16, ((8, 2048), (2, 8192))), (256, 8, ((2, 8192),)))
                  for b, s in shapes for causal in (False, True)] + \
-                [case("attn", "bwd", b, s, s, 16, 16, 128, causal) for b, s in ((8, 2048), (2, 8192)) for causal in (False, True)]
+                [case("attn", "bwd", b, s, s, 16, 16, 128, causal) for b, s in ((8, 2048), (2, 8192)) for causal in (False, True)] + \
+                [case("decode", "fwd", 64, 1, sk, 64, 8, hd, True, -1, 0, sinks=True) for hd, sk in ((64, 8192), (64, 32768), (128, 16384))] + \
+                [case("decode", "fwd", 64, 1, sk, 64, 8, 64, True, -1, 0, sinks=True, paged=True, page_size=ps)
+                 for ps in (256, 16) for sk in (8192, 32768)]
 
 
 def main(argv=None) -> int:
