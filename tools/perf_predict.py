@@ -340,7 +340,7 @@ def decode_counts(counts_dir: str, case: dict) -> str:
 
 def predict_decode_profile(ks: Kernels, case: dict, name: str, t: dict, hit, smem: int, counts: str) -> dict:
     """A decode launch on the path its emulated step ran (perf_rows.predict_decode: the computing warps' loop against
-    the copy ceiling; no split, one CTA per request and KV head; 4d9dcbd's contiguous rows: -15% to +14%)."""
+    the copy ceiling; no split, one CTA per request and KV head; 4d9dcbd's contiguous rows: -21% to -1%)."""
     import perf_rows
     dev = ks.dev
     page = counts.rsplit("_p", 1)[1]

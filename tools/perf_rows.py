@@ -52,9 +52,10 @@ FIT_POINT = ("attn/fwd/hd128/h16kv16/full", 2, "FA2")  # HMMA_SM90 is fitted her
 # cache or pages of 256 rows): (case, batch, seqlen_k, head dim, page size (0: contiguous), measured GB/s). Its decode
 # tiles (csrc/sm80/fwd_config.h at 4d9dcbd): 64 rows x block_n keys, 4 warps, 3 stages; a request's 8 rows are warp
 # 0's, the other three warps only load. The paged and contiguous loads are two branches of one kernel with the same
-# MMAs and copies: only the profile rule, on the line counts of a decode step over each kind of cache
-# (tools/perf_counts.sh PERF_COUNTS_DECODE), tells them apart; the other rules cost both rows alike. The batch-1 and
-# window rows are launch-bound.
+# MMAs and copies; the profile rule reads each row's path from the line counts of a decode step over its kind of
+# cache (tools/perf_counts.sh PERF_COUNTS_DECODE), the other rules cost both rows alike. At 4d9dcbd the rule still
+# takes the contiguous path for the paged rows: a row's address there is one line that tests, looks up and returns
+# (docs/internals.md). The batch-1 and window rows are launch-bound.
 DECODE = [
     ("decode/fwd/hd64/h64kv8/causal/sinks", 64, 8192, 64, 0, 2540),
     ("decode/fwd/hd64/h64kv8/causal/sinks", 64, 32768, 64, 0, 2672),
