@@ -78,6 +78,13 @@ def gcov_counts(cov_json: str, needle: str, body: str = BODY) -> collections.Cou
     return counts
 
 
+def decode_dir(counts_dir: str, page: int) -> str:
+    """The folder of a decode step's line counts over a cache of `page`-row pages (0: contiguous), beside the
+    prefill's counts_dir: what `PERF_COUNTS_DECODE=<page> OUT=<counts_dir>_decode_p<page> perf_counts.sh` writes and
+    `make gpu-prebuilt` packs."""
+    return f"{counts_dir.rstrip('/')}_decode_p{page}"
+
+
 def lambda_line(n: int, counts) -> int | None:
     """The counted line that speaks for body line n when gcov has no count of n's own: the first line of the lambda
     n lies in (`auto load_kv = [&](int t) {` for its body on the next line: gcov records the body's executions under
@@ -108,8 +115,9 @@ def block_weights(insns, chains, counts, body: str = BODY, loop=None):
         for i in range(a, e + 1):
             # the innermost frame of the body that gcov counted: a lambda's line may have no count of its own
             # (gcov records it under the lambda's name only where it kept one), its call site in the body has
-            line = next((n if n in counts else lambda_line(n, counts) for f, n in chains.get(insns[i].addr, [])
-                         if f.endswith(body) and (n in counts or lambda_line(n, counts))), None)
+            counted = (n if n in counts else lambda_line(n, counts) for f, n in chains.get(insns[i].addr, [])
+                       if f.endswith(body))
+            line = next((n for n in counted if n is not None), None)
             if line is not None:
                 ls.add(line)
         lines_of.append(ls)

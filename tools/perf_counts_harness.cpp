@@ -65,13 +65,13 @@ int run_decode(int s, int page, int smem) {
   run_fwd_sm80_emulated<HD, E>(p, l);
   // The step the counts describe must be the step asked for: each head's output against a float softmax over the
   // cache's rows where the page table puts them.
+  auto row_of = [&](int j) { return page ? size_t(table[j / page]) * page + j % page : size_t(j); };
   for (int h = 0; h < g; ++h) {
     std::vector<float> w(s);
     float mx = -INFINITY, sum = 0.f;
     for (int j = 0; j < s; ++j) {
-      size_t const row = page ? size_t(table[j / page]) * page + j % page : size_t(j);
       float dot = 0.f;
-      for (int c = 0; c < d; ++c) dot += float(q[h * d + c]) * float(k[row * d + c]);
+      for (int c = 0; c < d; ++c) dot += float(q[h * d + c]) * float(k[row_of(j) * d + c]);
       w[j] = dot * p.softmax_scale;
       mx = std::max(mx, w[j]);
     }
@@ -79,8 +79,7 @@ int run_decode(int s, int page, int smem) {
     for (int c = 0; c < d; ++c) {
       float acc = 0.f;
       for (int j = 0; j < s; ++j) {
-        size_t const row = page ? size_t(table[j / page]) * page + j % page : size_t(j);
-        acc += w[j] * float(v[row * d + c]);
+        acc += w[j] * float(v[row_of(j) * d + c]);
       }
       if (std::fabs(acc / sum - float(o[h * d + c])) > 2e-2f) return 2;
     }

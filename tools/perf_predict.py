@@ -271,8 +271,8 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
         if not hit:
             return {"error": f"sm80 forward {name}: not in this build"}
         a, fn, insns, loop, res = hit
-        if counts_dir and counts_mismatch(counts_dir, dev):
-            return {"error": counts_mismatch(counts_dir, dev)}
+        if counts_dir and (err := counts_mismatch(counts_dir, dev)):
+            return {"error": err}
         prof = profile_of(ks, fn, insns, loop, counts_dir, hd, name) if counts_dir else None
         if counts_dir and not prof:
             return {"error": f"no line counts for hd{hd} in {counts_dir}"}
@@ -291,8 +291,8 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
         if not hit:
             return {"error": f"sm80 backward {name}: not in this build"}
         a, fn, insns, loop, res = hit
-        if counts_dir and counts_mismatch(counts_dir, dev):
-            return {"error": counts_mismatch(counts_dir, dev)}
+        if counts_dir and (err := counts_mismatch(counts_dir, dev)):
+            return {"error": err}
         prof = profile_of(ks, fn, insns, loop, counts_dir, hd, name, "bwd") if counts_dir else None
         if counts_dir and not prof:
             return {"error": f"no backward line counts for hd{hd} in {counts_dir} (PERF_COUNTS_BWD=1)"}
@@ -334,8 +334,9 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
 def decode_counts(counts_dir: str, case: dict) -> str:
     """Where the line counts of a decode step over the case's kind of cache are (tools/perf_counts.sh
     PERF_COUNTS_DECODE=<page size>, 0 for a contiguous cache): beside the prefill's, `<counts>_decode_p<page>`."""
+    import perf_counts
     paged = str(case.get("paged")) in ("True", "true", "1")
-    return f"{counts_dir.rstrip('/')}_decode_p{int(case.get('page_size') or 0) if paged else 0}"
+    return perf_counts.decode_dir(counts_dir, int(case.get("page_size") or 0) if paged else 0)
 
 
 def predict_decode_profile(ks: Kernels, case: dict, name: str, t: dict, hit, smem: int, counts: str) -> dict:

@@ -11,7 +11,7 @@ each ran, found by its mangled name in the SASS given:
          OUT=build/peer_sass/4d9dcbd/counts bash tools/perf_counts.sh 64 128`, into --counts; our forward kernels'
          iteration is then the path they say (tools/perf_counts.py), FA2's the whole loop; the decode rows' from a
          decode step over each kind of cache, `PERF_COUNTS_DECODE=<0 | 256> OUT=<counts>_decode_p<page> ...
-         tools/perf_counts.sh 64 128` (decode_counts)
+         tools/perf_counts.sh 64 128` (perf_counts.decode_dir)
 
 The forward and backward rows in TFLOP/s beside FA2's, then the decode rows (DECODE) in GB/s.
 
@@ -210,23 +210,20 @@ def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop", cou
             smem = (bm + 2 * 3 * bn) * hd * 2
             for page in sorted({row[4] for row in DECODE if row[3] == hd}):
                 idx, outside = None, None
-                if path == "profile":  # the decode step's own counts, per kind of cache: <counts>_decode_p<page>
+                if path == "profile":  # the decode step's own counts, per kind of cache (perf_counts.decode_dir)
+                    import perf_counts
                     obj = next(f for f in ours_files if any(key[1] == fn for key in _CODE[f][0]))
                     # the emulated instantiation of the same tile (4d9dcbd's emulation namespace is `emu`)
                     emu = pre.replace("NS0_8GpuPrimsE", "NS_3emu8EmuPrimsE")
-                    prof = profile_idx(obj, fn, insns, loop, decode_counts(counts_dir, page), emu, dev)
+                    prof = profile_idx(obj, fn, insns, loop,
+                                       perf_counts.decode_dir(counts_dir or "build/peer_sass/4d9dcbd/counts", page),
+                                       emu, dev)
                     if not prof:
                         continue
                     idx, outside = prof
                 out[("decode", hd, page, "ours")] = (pm.make_kernel(fn, insns, loop, r, dev, 128, smem, path=path,
                                                                     idx=idx, outside=outside), bm, bn)
     return out
-
-
-def decode_counts(counts_dir: str | None, page: int) -> str:
-    """Where the line counts of 4d9dcbd's emulated decode step over a cache of `page`-row pages (0: contiguous) are:
-    `SINKATTN_SRC=<4d9dcbd worktree> PERF_COUNTS_DECODE=<page> OUT=<counts>_decode_p<page> tools/perf_counts.sh`."""
-    return f"{counts_dir or 'build/peer_sass/4d9dcbd/counts'}_decode_p{page}"
 
 
 def table(ks, dev):
