@@ -340,3 +340,34 @@ def test_a_lambda_body_line_speaks_through_the_lambda_s_first_line(tmp_path):
     counts.lambdas = set()  # without the lambda's line the load's block has no count and the path skips it
     blocks, succ, weights = perf_counts.block_weights(insns, chains, counts, body, loop)
     assert weights[1] is None and perf_counts.dominant_path(loop, blocks, succ, weights) == [0, 2, 3]
+
+
+def _timed(addr: int, text: str, stall: int) -> str:
+    hi = (0x7f0 | stall) << 41  # yield, no scoreboard written or read, no wait; the stall count in the low 4 bits
+    return (f"        /*{addr:04x}*/                   {text} ;    /* 0x0000000000000000 */\n"
+            f"                                                  /* 0x{hi | 0x3800000:016x} */\n")
+
+
+def test_warps_of_one_cta_leave_a_cta_barrier_together():
+    """Two warps on one SMSP, each iteration 10 MMAs, then 60 integer instructions, then a barrier. Free to drift
+    apart (warps of two CTAs), they do, iteration by iteration, until one warp's integer phase hides under the
+    other's MMAs. Warps of one CTA at a __syncthreads start every iteration together, so at least one integer
+    phase falls outside the MMAs each iteration: what FA2's 8-warp backward and our 8-warp forward pay and FA2's
+    4-warp, 2-CTA forward does not. A named barrier (warp-specialized kernels) couples nothing here."""
+    import perf_model as pm
+    dev = pm.DEVICES["h200"]
+
+    def loop_with(barrier):
+        ops = ["HMMA.16816.F32.BF16 R0, R4, R8, R0"] * 10 + ["IADD3 R1, R1, 0x1, RZ"] * 60 + [barrier]
+        text = "\tcode for sm_90\n\t\tFunction : _Z4loopv\n" + "".join(_timed(16 * a, t, 1) for a, t in enumerate(ops))
+        text += _timed(16 * len(ops), "@P3 BRA 0x0", 5) + _timed(16 * len(ops) + 16, "EXIT", 5)
+        (insns,) = sass.parse_sass(text, default_arch="sm_90").values()
+        return insns, sass.hot_loop(insns)[0]
+
+    insns, idx = loop_with("BAR.SYNC.DEFER_BLOCKING 0x0")
+    tensor = 2 * 10 * pm.mma_fma(insns[0]) / dev.hmma  # both warps' MMAs: 2 x 10 x 8.8 cycles on an H200
+    free = pm.simulate(insns, idx, dev, 2, iters=16, cta_warps=1)
+    coupled = pm.simulate(insns, idx, dev, 2, iters=16, cta_warps=2)
+    assert coupled >= tensor + 60 and free <= coupled - 60
+    named, idx_named = loop_with("BAR.SYNC.DEFER_BLOCKING 0x1")
+    assert pm.simulate(named, idx_named, dev, 2, iters=16, cta_warps=2) == pytest.approx(free)

@@ -9,7 +9,9 @@ most HMMA/HGMMA) is costed per iteration on one SM sub-partition (SMSP: one warp
            copies (LDGSTS, LDG, STG, RED) per SM
   chain    one warp's own path through the loop: the stall counts of the control bits, plus, at each scoreboard
            wait, what is left of the producer's latency (the device's table) after the cycles issued since it
-  T(W)     with W warps of the loop on each SMSP: max(W x issue, W x each pipe, chain)
+  T(W)     with W warps of the loop on each SMSP: max(W x issue, W x each pipe, chain), the bound reported; the
+           time is simulate()'s, a per-warp event simulation over the same bits, a CTA's warps on one SMSP held
+           together at its __syncthreads
 
 then occupancy (registers, shared memory, warps, CTAs per SM), wave quantization and the problem's iterations give
 the kernel's time. Memory-bound kernels (decode) are bounded by bytes in flight per SM between the waits on them
@@ -66,6 +68,9 @@ HMMA_SM90 = 232.0   # FMA/clk/SMSP of mma.sync m16n8k16 bf16 on sm_90 (fitted, s
 # say the iterations take (tools/perf_counts.py; our forward kernels in --rows, FA2's keep "loop", on which
 # HMMA_SM90 was fitted). docs/internals.md has the rows under each.
 PATH_RULES = ("loop", "mma", "mma+loads", "profile")
+# Whether the simulation holds a CTA's warps together at its __syncthreads (simulate's cta_warps). PERF_CTA_BARRIERS=0
+# gives the rows without it, as before 2026-12-06 (docs/internals.md compares both).
+CTA_BARRIERS = os.environ.get("PERF_CTA_BARRIERS", "1") == "1"
 LOADED_LAT = 1300.0  # ns: NOT fitted (4d9dcbd's decode rows are not latency-bound: docstring)
 
 
@@ -263,12 +268,16 @@ def loop_cost(insns: list[sass.Insn], idx: list[int], dev: Device) -> LoopCost:
     return c
 
 
-def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters: int = 3) -> float:
+def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters: int = 3, cta_warps: int = 1) -> float:
     """Per-warp event simulation of one SMSP: w warps walk the loop's instructions; a warp issues when its previous
     instruction's stall count has passed, the scoreboards it waits on are released (producer issue + the device's
     latency of that class; HGMMA: its tensor time) and the instruction's pipe is free; one instruction per cycle,
-    the ready warp that issued least recently first. Returns the steady-state cycles of one iteration of all w warps
-    (the last iterations' mean)."""
+    the ready warp that issued least recently first. Warps k // cta_warps form one CTA: at a CTA-wide barrier
+    (BAR.SYNC 0, __syncthreads) a warp waits until its CTA's other warps here have arrived, and all leave together
+    after the barrier's latency (the other SMSPs' warps of the CTA run the same code and arrive alike). Without it,
+    an 8-warp CTA's two warps on an SMSP drift apart, one warp's softmax and copies hiding under the other's MMAs as
+    two CTAs' warps do; with it, they start every iteration together. Returns the steady-state cycles of one
+    iteration of all w warps (the last iterations' mean)."""
     loop = [insns[i] for i in idx]
     cost = []
     for ins in loop:
@@ -280,6 +289,8 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
         cost.append((p, c, lat, max(1, ins.stall), ins.wait, ins.wbar, ins.rbar, bank_conflicts(ins),
                      ins.base == "BAR"))
     n = len(loop)
+    # __syncthreads (barrier 0, every thread of the CTA), not the named barriers of warp-specialized kernels
+    cta_bar = [ins.base == "BAR" and ".SYNC" in ins.op and ins.args.strip() in ("0x0", "0") for ins in loop]
     pc = [0] * w
     ready_at = [float(k) for k in range(w)]
     sb = [[0.0] * 6 for _ in range(w)]
@@ -287,6 +298,7 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
     last = [0.0] * w
     t = 0.0
     marks = [[] for _ in range(w)]
+    arrived, arrive_at = [0] * w, [0.0] * w
     total = n * iters
     while min(pc) < total:
         best, when = None, None
@@ -303,16 +315,30 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
             if when is None or r < when or (r == when and last[k] < last[best]):
                 best, when = k, r
         k = best
+        if when == math.inf:
+            raise RuntimeError("simulate: every warp waits at a barrier")
         p, c, lat, st, wait, wb, rb, bank, bar = cost[pc[k] % n]
         if c:
             free[p] = max(free.get(p, 0.0), when) + c
-        if bar:
-            when += dev.lat["bar"]
-        if wb != 7:
-            sb[k][wb] = when + lat
-        if rb != 7:
-            sb[k][rb] = max(sb[k][rb], when + min(lat, 12))
-        ready_at[k] = when + st + bank
+        if bar and cta_warps > 1 and cta_bar[pc[k] % n]:
+            # a CTA-wide barrier: the warp waits for its CTA's other warps on this SMSP (the other SMSPs' arrive
+            # alike), then all of them leave together
+            mates = range(k // cta_warps * cta_warps, min(w, (k // cta_warps + 1) * cta_warps))
+            arrived[k] += 1
+            arrive_at[k] = when
+            ready_at[k] = math.inf
+            if all(arrived[j] >= arrived[k] for j in mates):
+                go = max(arrive_at[j] for j in mates) + dev.lat["bar"]
+                for j in mates:
+                    ready_at[j] = go
+        else:
+            if bar:
+                when += dev.lat["bar"]
+            if wb != 7:
+                sb[k][wb] = when + lat
+            if rb != 7:
+                sb[k][rb] = max(sb[k][rb], when + min(lat, 12))
+            ready_at[k] = when + st + bank
         last[k] = when
         t = when + 1
         pc[k] += 1
@@ -347,11 +373,16 @@ class Kernel:
     idx: list = dataclasses.field(default_factory=list, repr=False)
     _sim: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def iteration_cycles(self, w: int, dev: Device) -> float:
-        """Cycles of one loop iteration of w warps on one SMSP (simulate(), cached)."""
-        key = (w, dev.name, dev.hmma)
+    def iteration_cycles(self, w: int, dev: Device, cta_warps: int | None = None) -> float:
+        """Cycles of one loop iteration of w warps on one SMSP (simulate(), cached). cta_warps: how many of them
+        belong to one CTA (its __syncthreads holds them together); default, as a CTA's warps are dealt to the four
+        SMSPs in turn, a quarter of the CTA's loop warps (8: 2, whose barrier waits are the two warps' alone)."""
+        if cta_warps is None:
+            cta_warps = math.ceil(self.loop_warps / 4) if CTA_BARRIERS else 1
+        cta_warps = max(1, min(max(1, w), cta_warps))
+        key = (w, dev.name, dev.hmma, cta_warps)
         if key not in self._sim:
-            self._sim[key] = simulate(self.insns, self.idx, dev, max(1, w))
+            self._sim[key] = simulate(self.insns, self.idx, dev, max(1, w), cta_warps=cta_warps)
         return self._sim[key]
 
 

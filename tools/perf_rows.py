@@ -143,7 +143,7 @@ def predict_decode(kern, dev, b, hk, sk, hd, bm, bn):
     n_ctas = b * hk
     occ = pm.ctas_per_sm(dev, kern.regs, kern.threads, kern.smem)
     waves = -(-n_ctas // (dev.sms * occ))
-    t_it = kern.iteration_cycles(occ, dev) / (dev.ghz * 1e9)
+    t_it = kern.iteration_cycles(occ, dev, cta_warps=1) / (dev.ghz * 1e9)  # the warp 0s of occ CTAs
     by = F.decode_bytes(b, hk * 8, hk, hd, sk, elem_bytes=2, seqlen_q=1, causal=True)
     t = max(waves * -(-sk // bn) * t_it, by / (dev.dram_gbs * 1e9))
     return by / t / 1e9, {"bound": "copy" if t * dev.dram_gbs * 1e9 <= by * 1.0001 else "warp", "w": occ}
