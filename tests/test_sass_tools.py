@@ -250,6 +250,41 @@ def test_profile_path_skips_a_never_run_branch_that_holds_sunk_code():
     assert perf_counts.dominant_path(loop, blocks, succ, weights) == [0, 1, 6, 7, 8, 9, 10, 14, 15, 16, 17]
 
 
+# A loader branch T that ran never (line 215), into which ptxas sank the stage index (line 202), which it also
+# put into the MMA block M: M is not on every path of the iteration (the warp-active test J1 may skip it), so the
+# join rule cannot speak for 202, but M's own line 231 ran on every iteration.
+SUNK_OFF_JOIN_FIXTURE = "\tcode for sm_90\n\t\tFunction : _Z4loopv\n" + "".join(_line(16 * i, t) for i, t in enumerate((
+    "IADD3 R1, R1, 0x1, RZ", "@P0 BRA 0x30",  # H
+    "BRA 0x50",  # S
+    "IMAD R9, R9, R3, RZ", "LDGSTS.E.BYPASS.128 [R10], [R12.64]",  # T
+    "@P1 BRA 0x80",  # J1
+    "IMAD R4, R4, R3, RZ", "HMMA.16816.F32.BF16 R0, R4, R8, R0",  # M
+    "@P3 BRA 0x0",  # latch
+    "EXIT")))
+
+
+def test_a_line_a_block_run_every_iteration_holds_says_nothing_of_a_never_run_branch():
+    """tools/perf_counts.py block_weights: the stage index's count belongs to the MMA block that runs on every
+    iteration by a line of its own, not to the never-run loader branch ptxas also sank it into (the sm90 hd128
+    tile with its copies issued after S's first MMAs took that branch as the path, 16 copies a block for 8)."""
+    import perf_counts
+    (insns,) = sass.parse_sass(SUNK_OFF_JOIN_FIXTURE, default_arch="sm_90").values()
+    loop = sass.hot_loop(insns)
+    body = "sm80/fwd_kernel.h"
+    lines = [210, 213, 213, 202, 215, 225, 202, 231, 201, 201]
+    chains = {ins.addr: [(body, n)] for ins, n in zip(insns, lines)}
+    counts = {210: 64, 213: 32, 202: 32, 215: 0, 225: 32, 231: 32, 201: 34}
+    blocks, succ, weights = perf_counts.block_weights(insns, chains, counts, body, loop)
+    h, skip, t, j1, m = range(5)
+    assert [a for a, _ in blocks][:6] == [0, 2, 3, 5, 6, 8] and succ[h] == [t, skip] and succ[j1] == [5, m]
+    assert m not in perf_counts.post_dominators(succ, set(loop[1]), loop[2])[h]
+    assert (weights[t], weights[skip], weights[m]) == (0, None, 32)
+    assert perf_counts.dominant_path(loop, blocks, succ, weights) == [0, 1, 2, 5, 6, 7, 8]
+    # had M's own line not run on most iterations, nothing would speak against T
+    blocks, succ, weights = perf_counts.block_weights(insns, chains, {**counts, 231: 2}, body, loop)
+    assert weights[t] == 32
+
+
 def test_profile_path_leaves_out_blocks_the_emulation_never_ran():
     """tools/perf_counts.py dead_blocks: an if/else inside an inlined helper, both sides inlined from one line of the
     kernel body (KvLoader's whole-tile copy against its bounds-checked one), so the body's counts cannot tell them

@@ -21,8 +21,9 @@ a block the emulated kernel never ran is not taken while a successor remains tha
 kernel-body lines cannot say which way a branch inside an inlined helper went, e.g. KvLoader's whole-tile copy
 against its bounds-checked one, both inlined from one line of the body; the helpers' own lines, counted per
 instantiation, can). A loop block holding a never-run statement is weighed without the set-up and sunk lines ptxas
-also put there (block_weights), a block whose lines all ran 0 times ranks below one no count speaks for, and where
-no count says that any side runs, the side nearer the branch's join is taken.
+also put there, nor lines that a block run on most iterations holds too (block_weights); a block whose lines all
+ran 0 times ranks below one no count speaks for, and where no count says that any side runs, the side nearer the
+branch's join is taken.
 """
 from __future__ import annotations
 
@@ -105,7 +106,9 @@ def block_weights(insns, chains, counts, body: str = BODY, loop=None):
     need it, e.g. KvLoader's base in its never-run branch, the mask's bounds in the never-run mask block); and a line
     held by a block that runs whenever a predecessor does (that predecessor's post-dominators within the iteration:
     ptxas sinks part of a statement every iteration runs, e.g. the stage index, into a never-run branch as well as into
-    the join after it). Only there: a block of one statement run on most iterations (`if (t + 1 < t_end)
+    the join after it), or by a loop block that runs on most iterations by a line of its own and has no never-run
+    statement (the same sunk line, when the block that also holds it is not on every path: the MMA block behind the
+    warp-active test). Only there: a block of one statement run on most iterations (`if (t + 1 < t_end)
     load_v_at(...)`) shares its line with the join too (ptxas puts the statement's convergence there), and that
     count is all there is to say that it runs."""
     blocks, succ, _ = sass.cfg(insns)
@@ -133,10 +136,14 @@ def block_weights(insns, chains, counts, body: str = BODY, loop=None):
         iterations = max((counts[n] for n in lines_of[loop[2]]), default=0)  # the header's lines, the latch's too
         setup = {n for n in outside if 0 < counts[n] < 0.5 * iterations}
         pdom = post_dominators(succ, inside, loop[2])
-        for b in inside:
-            if any(counts[n] == 0 for n in owns[b]):  # a statement of it never ran: do the others speak for it?
-                joins = set().union(*(lines_of[x] for q in preds[b] if q in inside for x in pdom[q] if x != b))
-                owns[b] = owns[b] - setup - joins
+        never = {b for b in inside if any(counts[n] == 0 for n in owns[b])}
+        for b in never:  # a statement of it never ran: do the others speak for it?
+            joins = set().union(*(lines_of[x] for q in preds[b] if q in inside for x in pdom[q] if x != b))
+            # a block that runs on most iterations by a line of its own (no never-run statement in it) explains
+            # the count of any line it shares with b
+            joins |= set().union(*(lines_of[x] for x in inside - never - {b}
+                                   if any(counts[n] >= 0.5 * iterations for n in lines_of[x] - lines_of[b])))
+            owns[b] = owns[b] - setup - joins
     return blocks, succ, [max(counts[n] for n in own) if own else None for own in owns]
 
 
