@@ -44,20 +44,26 @@ SA_DEVICE RowStats<kRows> load_row_stats(BwdParams const& p, Coords const& tScS,
 // the integer code around the M-tile loop and cost the sm_90 hd128 softcap tile 4 registers (218 -> 222).
 // Without softcap the mask is TileMask::apply on the raw scores (-inf: exp2 gives P = 0 and dS = 0), as in the
 // forward, and the pass over the elements has no test in it: a visibility test per element in the pass cost ~170
-// instructions per tile on sm_90. With softcap (tanh(-inf) would be -1) each element's test stays.
+// instructions per tile on sm_90. The caller applies it (mask_raw_scores), in the kernel's body. With softcap
+// (tanh(-inf) would be -1) each element's test stays (kTestEach; `masked`: whether the tile needs the mask).
+template <class Kt>
+inline constexpr bool kTestEach = Kt::kCap != Softcap::kOff;
+
+template <class Coords, class AccS>
+SA_DEVICE void mask_raw_scores(TileMask const& tile_mask, Coords const& tScS, int i0, int j0, AccS& acc_s) {
+  constexpr int kRows = decltype(size<0>(tScS))::value, kCols = decltype(size<1>(tScS))::value;
+  Tensor scores = rowcol_view(acc_s);
+  tile_mask.apply<kRows, kCols>(tScS, i0, j0, [&](int r, int c) { scores(r, c) = -INFINITY; });
+}
+
 template <class Kt, class Coords, class AccS, class AccDp>
 SA_DEVICE void p_ds_pass(BwdParams const& p, TileMask const& tile_mask, ScoreScale<Kt::kCap> const& score,
-                         Coords const& tScS, int m_block, int n_block, int i0, int j0,
+                         Coords const& tScS, bool masked, int i0, int j0,
                          RowStats<decltype(size<0>(tScS))::value> const& st, AccS& acc_s, AccDp& acc_dp) {
   constexpr int kRows = decltype(size<0>(tScS))::value, kCols = decltype(size<1>(tScS))::value;
   float const log2e = float(M_LOG2E);
   Tensor scores = rowcol_view(acc_s);
   Tensor dps = rowcol_view(acc_dp);
-  bool const masked = tile_mask.needs_mask(m_block, n_block);
-  constexpr bool kTestEach = Kt::kCap != Softcap::kOff;
-  if (!kTestEach && masked) {
-    tile_mask.apply<kRows, kCols>(tScS, i0, j0, [&](int r, int c) { scores(r, c) = -INFINITY; });
-  }
   // ScoreScale's log2 without softcap, written from the parameter again: read from `score`, ptxas held it in a
   // register (hd64 bwd 246 -> 251 registers on sm_80, the same instructions).
   float const scale_log2 = p.softmax_scale * log2e;
@@ -69,7 +75,7 @@ SA_DEVICE void p_ds_pass(BwdParams const& p, TileMask const& tile_mask, ScoreSca
     TileMask::RowKeys const keys = tile_mask.row_keys(i, j0);
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) {
-      if constexpr (kTestEach) {
+      if constexpr (kTestEach<Kt>) {
         float dtanh;
         float const s = score.score(scores(r, c), dtanh);
         float const prob = !masked || keys.visible(get<1>(tScS(r, c))) ? exp2f(s * log2e - lse_log2) : 0.f;
