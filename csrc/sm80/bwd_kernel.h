@@ -190,17 +190,17 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
     clear(acc_s);
     clear(acc_dp);
     gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a, copy_b, tid);
+    bool const masked = tile_mask.needs_mask(m_block, n_block);
+    // Between the two products, so that no branch separates dP's MMAs from the pass (ptxas can then overlap P's
+    // exponentials with them). Here, not inside the pass, and the call on a line of its own: the model's branch
+    // weights (tools/perf_counts.py) read this body's line counts.
+    if (!kTestEach<Kt> && masked) {
+      mask_raw_scores(tile_mask, tScS, i0, j0, acc_s);
+    }
     gemm_smem_smem(tiled_mma, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a, copy_b, tid);
 
     // P and dS from S and dP (in place), staged in shared memory for the three products below.
     if constexpr (!kStatsAhead) row_stats = load_row_stats<decltype(size<0>(tScS))::value>(p, tScS, i0, seqlen_q, lse_seq);
-    bool const masked = tile_mask.needs_mask(m_block, n_block);
-    // Here, not inside the pass, and the call on a line of its own: the model's branch weights (tools/perf_counts.py)
-    // read this body's line counts, and the mask's block, reached through the pass's line (or the test's), weighed
-    // as run on every M tile.
-    if (!kTestEach<Kt> && masked) {
-      mask_raw_scores(tile_mask, tScS, i0, j0, acc_s);
-    }
     p_ds_pass<Kt>(p, tile_mask, score, tScS, masked, i0, j0, row_stats, acc_s, acc_dp);
     stage_p_ds<Element>(smem_copy_c, smem_thr_c, acc_s, acc_dp, tPsP, tPsdS);
     Prims::sync_threads();  // P and dS complete
