@@ -82,18 +82,25 @@ struct DqTurn {
   int turn;
 };
 
-// Waits (thread 0, then the whole CTA) until it is n_block's turn on M tile m_block.
-template <class Prims>
-SA_DEVICE DqTurn dq_wait_turn(BwdParams const& p, TileMask const& tile_mask, int m_block, int n_block, int bidb,
-                              int bidh, int tid) {
+// n_block's turn on M tile m_block (deterministic mode; sem null otherwise): worked out apart from the wait, so that
+// the kernel can do it while the tensor pipe is busy.
+SA_DEVICE DqTurn dq_turn(BwdParams const& p, TileMask const& tile_mask, int m_block, int n_block, int bidb,
+                         int bidh) {
   DqTurn t{nullptr, 0};
   if (p.dq_semaphore) {
     t.turn = tile_mask.range(m_block).rank(n_block);
     t.sem = p.dq_semaphore + (int64_t(bidb) * p.nheads + bidh) * p.dq_m_blocks + m_block;
+  }
+  return t;
+}
+
+// Waits (thread 0, then the whole CTA) until it is the turn.
+template <class Prims>
+SA_DEVICE void dq_wait_turn(DqTurn const& t, int tid) {
+  if (t.sem) {
     if (tid == 0) Prims::wait_until_equal(t.sem, t.turn);
     Prims::sync_threads();
   }
-  return t;
 }
 
 }  // namespace sinkattn::sm80

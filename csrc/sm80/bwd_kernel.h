@@ -189,8 +189,8 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
     Tensor acc_dp = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     clear(acc_dp);
+    bool const masked = tile_mask.needs_mask(m_block, n_block);  // before the product: its MMAs hide the test
     gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_a, copy_b, tid);
-    bool const masked = tile_mask.needs_mask(m_block, n_block);
     // Between the two products, so that no branch separates dP's MMAs from the pass (ptxas can then overlap P's
     // exponentials with them). Here, not inside the pass, and the call on a line of its own: the model's branch
     // weights (tools/perf_counts.py) read this body's line counts.
@@ -207,9 +207,10 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
 
     // dV += P^T dO and dK += dS^T Q in registers; dQ_i = dS K added to dq_accum, in n_block's turn when
     // deterministic.
+    DqTurn const turn = dq_turn(p, tile_mask, m_block, n_block, bidb, bidh);  // worked out under the MMAs below
     gemm_smem_smem(tiled_mma, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_at, copy_bt, tid);
     gemm_smem_smem(tiled_mma, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_at, copy_bt, tid);
-    DqTurn const turn = dq_wait_turn<Prims>(p, tile_mask, m_block, n_block, bidb, bidh, tid);
+    dq_wait_turn<Prims>(turn, tid);
     dq.add_tile(tiled_mma, tdQrdS, tdQsdS, sKt, copy_a, copy_bt, tid, i0, seqlen_q);
     dq.next_tile();
     if (turn.sem) Prims::thread_fence();  // this thread's adds visible before the next key block's turn
