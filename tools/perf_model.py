@@ -376,7 +376,7 @@ class Kernel:
     def iteration_cycles(self, w: int, dev: Device, cta_warps: int | None = None) -> float:
         """Cycles of one loop iteration of w warps on one SMSP (simulate(), cached). cta_warps: how many of them
         belong to one CTA (its __syncthreads holds them together); default, as a CTA's warps are dealt to the four
-        SMSPs in turn, a quarter of the CTA's loop warps (8: 2, whose barrier waits are the two warps' alone)."""
+        SMSPs in turn, a quarter of the CTA's loop warps (an 8-warp CTA puts 2 on each SMSP, a 4-warp one 1)."""
         if cta_warps is None:
             cta_warps = math.ceil(self.loop_warps / 4) if CTA_BARRIERS else 1
         cta_warps = max(1, min(max(1, w), cta_warps))
