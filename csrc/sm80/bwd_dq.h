@@ -82,16 +82,12 @@ struct DqTurn {
   int turn;
 };
 
-// n_block's turn on M tile m_block (deterministic mode; sem null otherwise): worked out apart from the wait, so that
-// the kernel can do it while the tensor pipe is busy.
+// n_block's turn on M tile m_block, in deterministic mode (p.dq_semaphore set; the caller tests it): worked out
+// apart from the wait, so that the kernel can do it while the tensor pipe is busy.
 SA_DEVICE DqTurn dq_turn(BwdParams const& p, TileMask const& tile_mask, int m_block, int n_block, int bidb,
                          int bidh) {
-  DqTurn t{nullptr, 0};
-  if (p.dq_semaphore) {
-    t.turn = tile_mask.range(m_block).rank(n_block);
-    t.sem = p.dq_semaphore + (int64_t(bidb) * p.nheads + bidh) * p.dq_m_blocks + m_block;
-  }
-  return t;
+  return DqTurn{p.dq_semaphore + (int64_t(bidb) * p.nheads + bidh) * p.dq_m_blocks + m_block,
+                tile_mask.range(m_block).rank(n_block)};
 }
 
 // Waits (thread 0, then the whole CTA) until it is the turn.

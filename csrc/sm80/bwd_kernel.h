@@ -207,7 +207,12 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
 
     // dV += P^T dO and dK += dS^T Q in registers; dQ_i = dS K added to dq_accum, in n_block's turn when
     // deterministic.
-    DqTurn const turn = dq_turn(p, tile_mask, m_block, n_block, bidb, bidh);  // worked out under the MMAs below
+    // dQ's turn in deterministic mode, worked out under the MMAs below; the test here, in the body, for the same
+    // reason as the mask's
+    DqTurn turn{nullptr, 0};
+    if (p.dq_semaphore) {
+      turn = dq_turn(p, tile_mask, m_block, n_block, bidb, bidh);
+    }
     gemm_smem_smem(tiled_mma, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_at, copy_bt, tid);
     gemm_smem_smem(tiled_mma, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_at, copy_bt, tid);
     dq_wait_turn<Prims>(turn, tid);
