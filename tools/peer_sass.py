@@ -38,7 +38,9 @@ COLD = [
     ("common/mask.h", r"SA_HOST_DEVICE bool visible\(int i, int j\)", 6, "MaskPolicy::visible"),
     ("common/mask.h", r"SA_HOST_DEVICE void visible_cols\(", 8, "TileMask::visible_cols (masked blocks only)"),
     ("common/mask.h", r"SA_HOST_DEVICE int query_of_row\(", 0, "query_of_row: r / group, branched around at group 1"),
-    ("sm80/bwd_dq.h", r"if \(p\.dq_semaphore\) \{", 5, "deterministic dQ semaphore"),
+    ("sm80/bwd_kernel.h", r"if \(p\.dq_semaphore\) \{", 2, "deterministic dQ turn: the test"),
+    ("sm80/bwd_dq.h", r"SA_DEVICE DqTurn dq_turn\(", 4, "deterministic dQ turn"),
+    ("sm80/bwd_dq.h", r"if \(t\.sem\) \{", 3, "deterministic dQ semaphore: the wait"),
     ("common/mask.h", r"SA_HOST_DEVICE int rank\(int n\)", 0, "BlockRange::rank: the deterministic dQ turn"),
     ("sm80/prims_gpu.cuh", r"void wait_until_equal\(", 6, "wait_until_equal / signal"),
 ]

@@ -206,9 +206,8 @@ SA_DEVICE void bwd_block(BwdParams const& p, char* smem, int tid, int n_block, i
     Prims::sync_threads();  // P and dS complete
 
     // dV += P^T dO and dK += dS^T Q in registers; dQ_i = dS K added to dq_accum, in n_block's turn when
-    // deterministic.
-    // dQ's turn in deterministic mode, worked out under the MMAs below; the test here, in the body, for the same
-    // reason as the mask's
+    // deterministic. The turn is worked out before the products, under their MMAs; its test stands here, in the
+    // body, for the same reason as the mask's.
     DqTurn turn{nullptr, 0};
     if (p.dq_semaphore) {
       turn = dq_turn(p, tile_mask, m_block, n_block, bidb, bidh);
