@@ -419,7 +419,7 @@ static void bwd(std::string const& backend, at::Tensor dout, at::Tensor q, at::T
   at::Tensor dq_semaphore;
   if (deterministic) {
     // The counters are per M tile of the kernel that runs (its tile table's block_m).
-    int const block_m = sm90 ? sm90_bwd_block_m(hd) : sm80::choose_bwd_tile(hd, p.max_smem_per_block).block_m;
+    int const block_m = sm90 ? sm90_bwd_block_m(hd) : sm80::choose_bwd_tile(hd, p.max_smem_per_block, p.softcap > 0.f).block_m;
     p.dq_m_blocks = std::max(1, ceil_div(p.seqlen_q, block_m));
     dq_semaphore = at::zeros({p.batch, p.nheads, p.dq_m_blocks}, q.options().dtype(at::kInt));
     p.dq_semaphore = dq_semaphore.data_ptr<int>();

@@ -232,8 +232,8 @@ py::dict fwd_tile(int headdim, int64_t rows, bool split_kv, int max_smem) {
   d["branch_free_loads"] = t.branch_free_loads;
   return d;
 }
-py::dict bwd_tile(int headdim, int max_smem) {
-  sm80::BwdTile const t = sm80::choose_bwd_tile(served_headdim(headdim), max_smem);
+py::dict bwd_tile(int headdim, int max_smem, bool softcap) {
+  sm80::BwdTile const t = sm80::choose_bwd_tile(served_headdim(headdim), max_smem, softcap);
   return tile_dict(t.head_dim, t.block_m, t.block_n, t.stages, t.smem_bytes());
 }
 
@@ -309,8 +309,8 @@ void register_host_probes(py::module_& m) {
         py::arg("blocks"), py::arg("splits"), py::arg("heads"), py::arg("batch"), py::arg("last_block_first"));
   m.def("fwd_tile", &fwd_tile, "host entry: the sm80 forward tile for a head dim, rows per head, split-KV and smem limit",
         py::arg("headdim"), py::arg("rows"), py::arg("split_kv"), py::arg("max_smem"));
-  m.def("bwd_tile", &bwd_tile, "host entry: the sm80 backward tile for a head dim and smem limit",
-        py::arg("headdim"), py::arg("max_smem"));
+  m.def("bwd_tile", &bwd_tile, "host entry: the sm80 backward tile for a head dim, smem limit and softcap",
+        py::arg("headdim"), py::arg("max_smem"), py::arg("softcap") = false);
   m.def("fp8_decode", &fp8_decode_host, "host entry: FP8 codes decoded as the FP8-cache kernels do (common/fp8.h)",
         py::arg("codes"), py::arg("format"));
   m.def("finalize_rows", &finalize_rows, "host entry: the softmax finalize with the sink");

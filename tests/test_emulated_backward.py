@@ -32,6 +32,13 @@ def _cases():
         if hd != hds[0] and dt == "bf16":
             cases.append(BwdCase(f"d{hd}-window-cuts-blocks-sinktok-gqa", hd, seqlen_q=150, seqlen_k=200, nheads=2,
                                  nheads_k=1, causal=True, window=(37, 0), sink_tokens=5))
+    if (128, "bf16") in EMU:  # head dim 128's 128-key tile over 64-row M tiles: a causal diagonal (bottom-right,
+        # fewer queries than keys) that starts inside a key block and crosses two M tiles of it, a tail block of 74
+        cases.append(BwdCase("d128-causal-diagonal-inside-wide-key-blocks", 128, seqlen_q=100, seqlen_k=330, nheads=2,
+                             nheads_k=1, causal=True))
+    if (128, "bf16") in EMU:  # softcap keeps head dim 128 on 64-key blocks (sm80/bwd_tiles.h)
+        cases.append(BwdCase("d128-softcap-window-gqa", 128, seqlen_q=150, seqlen_k=200, nheads=2, nheads_k=1,
+                             causal=True, window=(37, 0), softcap=30.0))
     if (128, "bf16") in EMU:  # the one-stage configuration of head dim 128 (sm86 / sm89: 99 KB)
         cases.append(BwdCase("d128-sm86-config", 128, seqlen_q=150, seqlen_k=140, nheads=2, nheads_k=1, causal=True,
                              window=(60, 0), sink_tokens=2, max_smem=99 * 1024))
@@ -47,8 +54,12 @@ def test_emulated_backward_matches_oracle(case, rng_seed):
     run_bwd_case(case, "sm80-emulated", "cpu", kernels.launch_bwd, seed=rng_seed)
 
 
-def test_emulated_backward_deterministic_bits(rng_seed):
-    hd, dt = EMU[0]
+@pytest.mark.parametrize("hd", [64, 128])
+def test_emulated_backward_deterministic_bits(hd, rng_seed):
+    # head dim 64's key blocks are as tall as its M tiles, 128's twice as tall: each M tile's turn counts other blocks
+    dt = next((d for h, d in EMU if h == hd), None)
+    if dt is None:
+        pytest.skip(f"no emulated hdim{hd} backward in this build")
     # M tiles visited by the sink-token key block and, apart from it, by window key blocks: the dq order per
     # M tile ranks both kinds.
     case = BwdCase("det-causal-gqa-sinktok", hd, DTYPES[dt], seqlen_q=260, seqlen_k=300, nheads=2, nheads_k=1,

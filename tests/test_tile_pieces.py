@@ -127,6 +127,12 @@ def test_fwd_tile_prefers_the_big_tile_where_it_fits():
 
 def test_bwd_tile_table():
     assert C.bwd_tile(128, 163 * KB)["stages"] == 2 and C.bwd_tile(128, 99 * KB)["stages"] == 1
+    # head dim 128: 128-key blocks where 160 KB fit, 64-key blocks with softcap (the wide tile spills with it)
+    for smem in (163 * KB, 227 * KB):
+        assert (C.bwd_tile(128, smem)["block_n"], C.bwd_tile(128, smem)["smem_bytes"]) == (128, 160 * KB)
+        assert C.bwd_tile(128, smem, softcap=True) == dict(C.bwd_tile(128, smem), block_n=64, smem_bytes=112 * KB)
+    assert C.bwd_tile(128, 159 * KB) == C.bwd_tile(128, 99 * KB) == C.bwd_tile(128, 99 * KB, softcap=True)
+    assert C.bwd_tile(128, 112 * KB, softcap=True)["stages"] == 2
     assert C.bwd_tile(256, 227 * KB)["smem_bytes"] == 144 * KB
     for hd in (64, 128, 256):
         t = C.bwd_tile(hd, 227 * KB)

@@ -2,6 +2,7 @@
 // by the GPU launcher and the host emulation, so the emulated kernel runs exactly the configurations the GPU
 // runs).
 #pragma once
+#include <stdexcept>
 #include <type_traits>
 
 #include "common/bwd_prepost.h"
@@ -33,17 +34,28 @@ inline constexpr BwdUnit bwd_unit_of = Kt::kCap == Softcap::kRunTime ? BwdUnit::
                                        : std::is_same_v<typename Kt::TileTag, bwd_tiles::Hd128Small> ? BwdUnit::kSmallSmem
                                                                                                      : BwdUnit::kMain;
 
-// Calls f.template operator()<Traits>() with the tile for this shared-memory limit; softcap 0 takes the kernel
-// with softcap compiled out.
+// Calls f.template operator()<Traits>() with the tile for this shared-memory limit and softcap; softcap 0 takes
+// the kernel with softcap compiled out. Only the (tile, softcap) pairs choose_bwd_tile can pick are instantiated.
 template <int kHeadDim, class Element, class Prims, class F>
 void with_bwd_config(int max_smem_per_block, float softcap, F&& f) {
-  with_bwd_tile<kHeadDim>(choose_bwd_tile(kHeadDim, max_smem_per_block), [&]<class Tile>() {
-    if (softcap > 0.f) {
-      f.template operator()<BwdTraits<Tile, Element, Prims, Softcap::kRunTime>>();
+  bool const capped = softcap > 0.f;
+  bool ran = false;
+  with_bwd_tile<kHeadDim>(choose_bwd_tile(kHeadDim, max_smem_per_block, capped), [&]<class Tile>() {
+    if (capped) {
+      if constexpr (bwd_tile_chosen<kHeadDim>(Tile::tile, true)) {
+        f.template operator()<BwdTraits<Tile, Element, Prims, Softcap::kRunTime>>();
+        ran = true;
+      }
     } else {
-      f.template operator()<BwdTraits<Tile, Element, Prims, Softcap::kOff>>();
+      if constexpr (bwd_tile_chosen<kHeadDim>(Tile::tile, false)) {
+        f.template operator()<BwdTraits<Tile, Element, Prims, Softcap::kOff>>();
+        ran = true;
+      }
     }
   });
+  // bwd_tile_chosen covers every answer of choose_bwd_tile by construction; a table edit that broke that would
+  // otherwise leave the gradients unwritten
+  if (!ran) throw std::logic_error("sinkattn bwd: no compiled sm80 backward kernel for this tile (sm80/bwd_tiles.h)");
 }
 
 // One CTA per (N tile, query head, sequence), N tiles from the first up (common/tile_order.h says why).
