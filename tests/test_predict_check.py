@@ -181,3 +181,22 @@ def test_a_decode_row_reads_the_counts_of_its_own_kind_of_cache(tmp_path):
     assert "decode 256 problem" in err and "PERF_COUNTS_DECODE=16" in err
     (d / "problem").write_text("decode 16\n")
     assert pp.counts_mismatch(str(d), pm.DEVICES["h200"], "decode 16") is None
+
+
+def test_fa2_figure_only_for_what_fa2_runs(tmp_path, monkeypatch):
+    """--fa2 puts FA2's predicted figure beside dense attention rows only (the rows FA2's cubins are costed on: no
+    window, sink tokens or GQA), and asks for the hd256 backward by FA2's own instance (Is_even_MN off above hd128)."""
+    import perf_rows as R
+    dev = pp.pm.DEVICES["h200"]
+    for c in (pp.case("attn", "fwd", 2, 8192, 8192, 64, 8, 64, True, 127, 0),
+              pp.case("attn", "bwd", 2, 8192, 8192, 32, 8, 64),
+              pp.case("decode", "fwd", 64, 1, 8192, 64, 8, 64, True)):
+        assert pp.fa2_figure(str(tmp_path), dev, c) is None, c["variant"]
+    asked = []
+    monkeypatch.setattr(R, "find", lambda files, dev, *needles: asked.append(needles))
+    for hd in (128, 256):
+        assert pp.fa2_figure(str(tmp_path), dev, pp.case("attn", "bwd", 2, 8192, 8192, 8, 8, hd, True)) is None
+    assert asked[0] == ("flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", R.FA2_BWD[128],
+                        "ELb0ELb1ELb0ELb0ELb1ELb1ELb0EEEv")
+    assert asked[1] == ("flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", R.FA2_BWD[256],
+                        "ELb0ELb1ELb0ELb0ELb0ELb1ELb0EEEv")

@@ -24,11 +24,13 @@ SASS is read: sm_80 -> A100, sm_90 / sm_90a -> H200 (perf_model.DEVICES).
     python3 tools/perf_predict.py /path/fwd_sm90_hdim64_bf16.cu.o --device h200 --family sm90
     python3 tools/perf_predict.py <fwd_sm80_hdim{64,128,256}_bf16 object or the .so> --device h200 --counts DIR
         (DIR: `PERF_COUNTS_BWD=1 OUT=DIR bash tools/perf_counts.sh 64 128 256` on the same checkout; the sm80
-        prefill and backward rows of bench/RESULTS.md by the profile rule; bwd_sm80_hdim128_bf16 for the backward's)
+        prefill and backward rows of bench/RESULTS.md by the profile rule; bwd_sm80_hdim{64,128,256}_bf16 for the
+        backward's); --fa2 build/peer_sass/fa2_torch adds FlashAttention-2's figure by the same model and the ratio
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import math
 import os
 import re
@@ -401,9 +403,35 @@ PROFILE_CASES = [case("attn", "fwd", b, s, s, h, h, hd, causal)
                  for hd, h, shapes in ((64, 32, ((2, 8192),)), (128, 16, ((8, 2048), (2, 8192))), (256, 8, ((2, 8192),)))
                  for b, s in shapes for causal in (False, True)] + \
                 [case("attn", "bwd", b, s, s, 16, 16, 128, causal) for b, s in ((8, 2048), (2, 8192)) for causal in (False, True)] + \
+                [case("attn", "bwd", 2, 8192, 8192, h, h, hd, causal) for hd, h in ((64, 32), (256, 8))
+                 for causal in (False, True)] + \
                 [case("decode", "fwd", 64, 1, sk, 64, 8, hd, True, -1, 0, sinks=True) for hd, sk in ((64, 8192), (64, 32768), (128, 16384))] + \
                 [case("decode", "fwd", 64, 1, sk, 64, 8, 64, True, -1, 0, sinks=True, paged=True, page_size=ps)
                  for ps in (256, 16) for sk in (8192, 32768)]
+
+
+def fa2_figure(fa2_dir: str, dev, c: dict) -> float | None:
+    """FlashAttention-2's figure for an attention case (dense, even-sized, bf16), predicted by the same model from
+    its cubins (tools/perf_fa2_cubins.sh: the FA2 inside torch, SDPA's flash backend): its kernels keep the whole
+    loop's interior path (no line counts of FA2 exist). None where no cubin holds the kernel."""
+    import perf_rows as R
+    if c["kind"] != "attn" or c["window_left"] >= 0 or c["sink_tokens"] or c["nheads"] != c["nheads_k"]:
+        return None
+    files = sorted(glob.glob(os.path.join(fa2_dir, "*.cubin")))
+    hd, causal, bwd = c["headdim"], bool(c["causal"]), c["mode"] == "bwd"
+    pre = (R.FA2_BWD if bwd else R.FA2_FWD).get(hd)  # its launch choice on an sm90
+    # FA2 compiles its even-MN instances only up to head dim 128 (Is_even_MN = IsEvenMNConst && kHeadDim <= 128)
+    bools = R.fa2_bools(causal, bwd) if hd <= 128 else R.fa2_bools(causal, bwd).replace("ELb1ELb1ELb0E", "ELb0ELb1ELb0E", 1)
+    hit = pre and R.find(files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel" if bwd else "flash_fwd_kernel",
+                         pre, bools)
+    if not hit:
+        return None
+    insns, loop, res, fn = hit
+    t = R.traits(fn)  # head dim, block_m, block_n, warps
+    smem = (3 * t[1] * t[0] + 2 * t[2] * t[0] + 2 * t[1] * t[2]) * 2 if bwd else (t[1] + 2 * t[2]) * t[0] * 2
+    k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t[3], smem, path="profile")
+    b, h, s = c["batch"], c["nheads"], c["seqlen_q"]
+    return (R.predict_bwd if bwd else R.predict_fwd)(k, dev, b, h, s, hd, causal, t[1], t[2])[0]
 
 
 def main(argv=None) -> int:
@@ -413,19 +441,26 @@ def main(argv=None) -> int:
     ap.add_argument("--family", default="sm80", choices=("sm80", "sm90"))
     ap.add_argument("--counts", help="line counts of this checkout's emulated forward (tools/perf_counts.sh): the sm80 "
                                      "prefill and backward rows (PROFILE_CASES) by the profile rule instead of the hd64 cases")
+    ap.add_argument("--fa2", help="folder of FlashAttention-2's cubins (tools/perf_fa2_cubins.sh): its figure, predicted "
+                                  "by the same model, and ours / FA2 beside each attention row")
     a = ap.parse_args(argv)
     dev = pm.DEVICES[a.device]
     ks = Kernels(a.path, dev)
-    print(f"| case | batch | seqlen_q | seqlen_k | predicted ({dev.name}) | unit | kernel | bound | rests on |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    fa2 = ("| FA2 (predicted) | ours / FA2 ", "|---|---") if a.fa2 else ("", "")
+    print(f"| case | batch | seqlen_q | seqlen_k | predicted ({dev.name}) | unit {fa2[0]}| kernel | bound | rests on |")
+    print(f"|---|---|---|---|---|---{fa2[1]}|---|---|---|")
     for c in PROFILE_CASES if a.counts else HD64_CASES:
         p = predict_case(ks, c, a.family, counts_dir=a.counts)
         if "error" in p:  # said, not skipped: a case with no figure is a question for whoever reads the table
-            print(f"| {c['variant']} | {c['batch']} | {c['seqlen_q']} | {c['seqlen_k']} | - | | | | "
-                  f"not predicted: {p['error']} |")
+            print(f"| {c['variant']} | {c['batch']} | {c['seqlen_q']} | {c['seqlen_k']} | - | {'| | ' if a.fa2 else ''}"
+                  f"| | | not predicted: {p['error']} |")
             continue
+        cols = ""
+        if a.fa2:
+            f = fa2_figure(a.fa2, dev, c)
+            cols = f"| {f:.3g} | {p['value'] / f:.2f} " if f else "| - | - "
         print(f"| {c['variant']} | {c['batch']} | {c['seqlen_q']} | {c['seqlen_k']} | {p['value']:.3g} | {p['unit']} "
-              f"| {p['kernel']} | {p['bound']} | {p['note']} |")
+              f"{cols}| {p['kernel']} | {p['bound']} | {p['note']} |")
     return 0
 
 
