@@ -200,3 +200,6 @@ def test_fa2_figure_only_for_what_fa2_runs(tmp_path, monkeypatch):
                         "ELb0ELb1ELb0ELb0ELb1ELb1ELb0EEEv")
     assert asked[1] == ("flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", R.FA2_BWD[256],
                         "ELb0ELb1ELb0ELb0ELb0ELb1ELb0EEEv")
+    # an A100's block (163 KB) runs FA2's hd256 backward without double buffering
+    pp.fa2_figure(str(tmp_path), pp.pm.DEVICES["a100"], pp.case("attn", "bwd", 2, 8192, 8192, 8, 8, 256))
+    assert asked[2][1] == R.FA2_BWD_A100[256] != R.FA2_BWD[256] and R.FA2_BWD_A100[256].endswith("ELb1E")

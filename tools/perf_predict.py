@@ -419,7 +419,7 @@ def fa2_figure(fa2_dir: str, dev, c: dict) -> float | None:
         return None
     files = sorted(glob.glob(os.path.join(fa2_dir, "*.cubin")))
     hd, causal, bwd = c["headdim"], bool(c["causal"]), c["mode"] == "bwd"
-    pre = (R.FA2_BWD if bwd else R.FA2_FWD).get(hd)  # its launch choice on an sm90
+    pre = ((R.FA2_BWD if dev.smem_block >= 176 * 1024 else R.FA2_BWD_A100) if bwd else R.FA2_FWD).get(hd)
     # FA2 compiles its even-MN instances only up to head dim 128 (Is_even_MN = IsEvenMNConst && kHeadDim <= 128)
     bools = R.fa2_bools(causal, bwd) if hd <= 128 else R.fa2_bools(causal, bwd).replace("ELb1ELb1ELb0E", "ELb0ELb1ELb0E", 1)
     hit = pre and R.find(files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel" if bwd else "flash_fwd_kernel",
@@ -428,7 +428,8 @@ def fa2_figure(fa2_dir: str, dev, c: dict) -> float | None:
         return None
     insns, loop, res, fn = hit
     t = R.traits(fn)  # head dim, block_m, block_n, warps
-    smem = (3 * t[1] * t[0] + 2 * t[2] * t[0] + 2 * t[1] * t[2]) * 2 if bwd else (t[1] + 2 * t[2]) * t[0] * 2
+    q_bufs = 1 if bwd and pre.endswith("ELb1E") else 2  # No_double_buffer: one Q buffer beside dO
+    smem = ((q_bufs + 1) * t[1] * t[0] + 2 * t[2] * t[0] + 2 * t[1] * t[2]) * 2 if bwd else (t[1] + 2 * t[2]) * t[0] * 2
     k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t[3], smem, path="profile")
     b, h, s = c["batch"], c["nheads"], c["seqlen_q"]
     return (R.predict_bwd if bwd else R.predict_fwd)(k, dev, b, h, s, hd, causal, t[1], t[2])[0]

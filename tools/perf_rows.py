@@ -70,8 +70,10 @@ OURS_DECODE = {64: ("FwdTraitsILi64ELi64ELi128ELi4EN7cutlass10bfloat16_tENS0_8Gp
 # 2.x, read, not copied): (head dim -> traits prefix of the mangled name)
 FA2_FWD = {64: "ILi64ELi128ELi128ELi4ELb0ELb0E", 128: "ILi128ELi128ELi64ELi4ELb0ELb0E",
            256: "ILi256ELi128ELi64ELi8ELb0ELb0E"}
-FA2_BWD = {64: "ILi64ELi128ELi128ELi8ELi4ELi4ELi4E", 128: "ILi128ELi64ELi128ELi8ELi2ELi4ELi2E",
-           256: "ILi256ELi64ELi64ELi8ELi4ELi2ELi2E"}
+FA2_BWD = {64: "ILi64ELi128ELi128ELi8ELi4ELi4ELi4ELb0ELb0E", 128: "ILi128ELi64ELi128ELi8ELi2ELi4ELi2ELb0ELb0E",
+           256: "ILi256ELi64ELi64ELi8ELi4ELi2ELi2ELb0ELb0E"}
+# ... and where a block has 144-176 KB (an A100), the one instance that differs: hd256 without double buffering
+FA2_BWD_A100 = {**FA2_BWD, 256: "ILi256ELi64ELi64ELi8ELi4ELi2ELi2ELb0ELb1E"}
 # 4d9dcbd's sm80 tiles on an sm90 GPU (its csrc/sm80/fwd_config.h; bwd_config.h): traits prefix, smem bytes
 OURS_FWD = {64: ("FwdTraitsILi64ELi128ELi64ELi4E", (128 + 2 * 2 * 64) * 64 * 2),
             128: ("FwdTraitsILi128ELi128ELi64ELi8E", (128 + 2 * 2 * 64) * 128 * 2),
