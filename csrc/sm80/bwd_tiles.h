@@ -43,7 +43,7 @@ constexpr int bwd_min_smem() { return min_smem(typename BwdTilesOf<kHeadDim>::ty
 // and needs 144 KB; launch_bwd_tile refuses it below that, and dispatch declines such a device first). Head dim
 // 128 without softcap takes 128-key blocks: each M tile's fixed costs (its Q and dO copies, row statistics, dQ's
 // adds, three barriers) spread over twice the MMAs of the 64-key tile (by tools/perf_model.py on the H200, 4995
-// cycles an M tile of 64 keys -> 8779 of 128, 0.86-0.89x -> 0.95-1.02x of FlashAttention-2). With softcap the
+// cycles an M tile of 64 keys -> 8779 of 128, 0.86-0.89x -> 0.96-1.02x of FlashAttention-2). With softcap the
 // same tile spills (ptxas: 16 bytes on sm_80, 4 on sm_90, reloaded in the loop), so softcap keeps 64 keys.
 constexpr BwdTile choose_bwd_tile(int head_dim, int max_smem, bool softcap) {
   using namespace bwd_tiles;
