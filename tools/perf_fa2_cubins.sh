@@ -6,7 +6,7 @@
 set -e
 ARCH=${1:-sm_90}
 PY=${PYTHON:-python3}
-OUT=${OUT:-$PWD/build/peer_sass/fa2_torch}; mkdir -p "$OUT"
+OUT=${OUT:-$PWD/build/peer_sass/fa2_torch}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the extraction cds there
 LIB=$($PY -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so"))')
 C=$($PY -c 'import sys; sys.path.insert(0, "tools"); import sass; print(sass.find_tool("cuobjdump"))')
 nice -n 19 "$C" -res-usage "$LIB" > "$OUT/res_usage.txt"

@@ -420,8 +420,7 @@ def fa2_figure(fa2_dir: str, dev, c: dict) -> float | None:
     files = sorted(glob.glob(os.path.join(fa2_dir, "*.cubin")))
     hd, causal, bwd = c["headdim"], bool(c["causal"]), c["mode"] == "bwd"
     pre = ((R.FA2_BWD if dev.smem_block >= 176 * 1024 else R.FA2_BWD_A100) if bwd else R.FA2_FWD).get(hd)
-    # FA2 compiles its even-MN instances only up to head dim 128 (Is_even_MN = IsEvenMNConst && kHeadDim <= 128)
-    bools = R.fa2_bools(causal, bwd) if hd <= 128 else R.fa2_bools(causal, bwd).replace("ELb1ELb1ELb0E", "ELb0ELb1ELb0E", 1)
+    bools = R.fa2_bools(causal, bwd, hd)
     hit = pre and R.find(files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel" if bwd else "flash_fwd_kernel",
                          pre, bools)
     if not hit:

@@ -81,12 +81,13 @@ OURS_FWD = {64: ("FwdTraitsILi64ELi128ELi64ELi4E", (128 + 2 * 2 * 64) * 64 * 2),
 OURS_BWD = {128: ("BwdTraitsILi128ELi64ELi64ELi4ELi2ELi2E", (2 * 2 * 64 * 128 + 2 * 64 * 128 + 2 * 64 * 64) * 2)}
 
 
-def fa2_bools(causal: bool, bwd: bool) -> str:
+def fa2_bools(causal: bool, bwd: bool, hd: int = 128) -> str:
     # flash_fwd_kernel<Traits, Is_dropout, Is_causal, Is_local, Has_alibi, Is_even_MN, Is_even_K, Is_softcap,
     # Return_softmax>; the backward's: <Traits, Is_dropout, Is_causal, Is_local, Has_alibi, Is_even_MN, Is_even_K,
-    # Is_softcap>: a dense, even-sized, bf16 run without dropout
-    c = int(causal)
-    return f"ELb0ELb{c}ELb0ELb0ELb1ELb1ELb0E" + ("EEv" if bwd else "Lb0EEEv")
+    # Is_softcap>: a dense, even-sized, bf16 run without dropout. FA2 compiles its even-MN instances only up to head
+    # dim 128 (Is_even_MN = IsEvenMNConst && kHeadDim <= 128).
+    c, mn = int(causal), int(hd <= 128)
+    return f"ELb0ELb{c}ELb0ELb0ELb{mn}ELb1ELb0E" + ("EEv" if bwd else "Lb0EEEv")
 
 
 _CODE: dict = {}
@@ -168,7 +169,7 @@ def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop", cou
     out = {}
     for hd in (64, 128, 256):
         for causal in (False, True):
-            hit = find(fa2_files, dev, "flash_fwd_kernel", FA2_FWD[hd], fa2_bools(causal, False))
+            hit = find(fa2_files, dev, "flash_fwd_kernel", FA2_FWD[hd], fa2_bools(causal, False, hd))
             if hit:
                 insns, loop, r, fn = hit
                 t = traits(fn)  # head dim, bm, bn, warps
