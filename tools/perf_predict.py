@@ -419,7 +419,8 @@ def fa2_figure(fa2_dir: str, dev, c: dict) -> float | None:
         return None
     files = sorted(glob.glob(os.path.join(fa2_dir, "*.cubin")))
     hd, causal, bwd = c["headdim"], bool(c["causal"]), c["mode"] == "bwd"
-    pre = ((R.FA2_BWD if dev.smem_block >= 176 * 1024 else R.FA2_BWD_A100) if bwd else R.FA2_FWD).get(hd)
+    sm90 = dev.smem_block >= 176 * 1024  # FA2 picks its hd256 tiles by shared memory (an H100 / H200 or an A100)
+    pre = ((R.FA2_BWD if sm90 else R.FA2_BWD_A100) if bwd else (R.FA2_FWD if sm90 else R.FA2_FWD_A100)).get(hd)
     bools = R.fa2_bools(causal, bwd, hd)
     hit = pre and R.find(files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel" if bwd else "flash_fwd_kernel",
                          pre, bools)

@@ -69,7 +69,8 @@ OURS_DECODE = {64: ("FwdTraitsILi64ELi64ELi128ELi4EN7cutlass10bfloat16_tENS0_8Gp
 # FA2's launch choice on an sm90 GPU (flash_fwd_launch_template.h / flash_bwd_launch_template.h of FlashAttention
 # 2.x, read, not copied): (head dim -> traits prefix of the mangled name)
 FA2_FWD = {64: "ILi64ELi128ELi128ELi4ELb0ELb0E", 128: "ILi128ELi128ELi64ELi4ELb0ELb0E",
-           256: "ILi256ELi128ELi64ELi8ELb0ELb0E"}
+           256: "ILi256ELi64ELi64ELi4ELb0ELb0E"}  # hd256: 64 x 64 where an SM holds two (>= 192 KB per SM)
+FA2_FWD_A100 = {**FA2_FWD, 256: "ILi256ELi128ELi64ELi8ELb0ELb0E"}  # an A100's SM holds one: 128 x 64, 8 warps
 FA2_BWD = {64: "ILi64ELi128ELi128ELi8ELi4ELi4ELi4ELb0ELb0E", 128: "ILi128ELi64ELi128ELi8ELi2ELi4ELi2ELb0ELb0E",
            256: "ILi256ELi64ELi64ELi8ELi4ELi2ELi2ELb0ELb0E"}
 # ... and where a block has 144-176 KB (an A100), the one instance that differs: hd256 without double buffering
