@@ -419,20 +419,12 @@ def fa2_figure(fa2_dir: str, dev, c: dict) -> float | None:
         return None
     files = sorted(glob.glob(os.path.join(fa2_dir, "*.cubin")))
     hd, causal, bwd = c["headdim"], bool(c["causal"]), c["mode"] == "bwd"
-    sm90 = dev.smem_block >= 176 * 1024  # FA2 picks its hd256 tiles by shared memory (an H100 / H200 or an A100)
-    pre = ((R.FA2_BWD if sm90 else R.FA2_BWD_A100) if bwd else (R.FA2_FWD if sm90 else R.FA2_FWD_A100)).get(hd)
-    bools = R.fa2_bools(causal, bwd, hd)
-    hit = pre and R.find(files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel" if bwd else "flash_fwd_kernel",
-                         pre, bools)
-    if not hit:
+    k = R.fa2_kernel(files, dev, hd, causal, bwd, path="profile")
+    if not k:
         return None
-    insns, loop, res, fn = hit
-    t = R.traits(fn)  # head dim, block_m, block_n, warps
-    q_bufs = 1 if bwd and pre.endswith("ELb1E") else 2  # No_double_buffer: one Q buffer beside dO
-    smem = ((q_bufs + 1) * t[1] * t[0] + 2 * t[2] * t[0] + 2 * t[1] * t[2]) * 2 if bwd else (t[1] + 2 * t[2]) * t[0] * 2
-    k = pm.make_kernel(fn, insns, loop, res, dev, 32 * t[3], smem, path="profile")
+    kern, bm, bn = k
     b, h, s = c["batch"], c["nheads"], c["seqlen_q"]
-    return (R.predict_bwd if bwd else R.predict_fwd)(k, dev, b, h, s, hd, causal, t[1], t[2])[0]
+    return (R.predict_bwd if bwd else R.predict_fwd)(kern, dev, b, h, s, hd, causal, bm, bn)[0]
 
 
 def main(argv=None) -> int:

@@ -164,19 +164,34 @@ def profile_idx(obj: str, fn: str, insns, loop, counts_dir: str, needle: str, de
     return perf_counts.profile(cubin, fn, insns, loop, cov, needle)
 
 
+def fa2_kernel(files: list[str], dev: pm.Device, hd: int, causal: bool, bwd: bool, path: str = "loop"):
+    """(kernel, block_m, block_n) of the FA2 instance FA2 launches for this head dim on dev (its hd256 tiles depend on
+    the shared memory: an sm90's >= 176 KB per block, an A100's 163), or None where no cubin holds it."""
+    sm90 = dev.smem_block >= 176 * 1024
+    pre = ((FA2_BWD if sm90 else FA2_BWD_A100) if bwd else (FA2_FWD if sm90 else FA2_FWD_A100)).get(hd)
+    hit = pre and find(files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel" if bwd else "flash_fwd_kernel", pre,
+                       fa2_bools(causal, bwd, hd))
+    if not hit:
+        return None
+    insns, loop, r, fn = hit
+    t = traits(fn)  # head dim, bm, bn, warps
+    if bwd:  # Q (two buffers, one without double buffering), dO, K, V, P, dS
+        q_bufs = 1 if pre.endswith("ELb1E") else 2
+        smem = ((q_bufs + 1) * t[1] * t[0] + 2 * t[2] * t[0] + 2 * t[1] * t[2]) * 2
+    else:  # Q, two stages of K and V
+        smem = (t[1] + 2 * t[2]) * t[0] * 2
+    return pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem, path=path), t[1], t[2]
+
+
 def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop", counts_dir: str | None = None):
     ours_files = sorted(glob.glob(os.path.join(ours_dir, "*.o")))
     fa2_files = sorted(glob.glob(os.path.join(fa2_dir, "*.cubin")))
     out = {}
     for hd in (64, 128, 256):
         for causal in (False, True):
-            hit = find(fa2_files, dev, "flash_fwd_kernel", FA2_FWD[hd], fa2_bools(causal, False, hd))
-            if hit:
-                insns, loop, r, fn = hit
-                t = traits(fn)  # head dim, bm, bn, warps
-                smem = (t[1] + 2 * t[2]) * t[0] * 2
-                k = pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem, path=path)
-                out[("fwd", hd, causal, "FA2")] = (k, t[1], t[2])
+            k = fa2_kernel(fa2_files, dev, hd, causal, False, path)
+            if k:
+                out[("fwd", hd, causal, "FA2")] = k
         pre, smem = OURS_FWD[hd]
         hit = find(ours_files, dev, "sm8010fwd_kernel", pre)
         if hit:
@@ -194,13 +209,9 @@ def kernels(ours_dir: str, fa2_dir: str, dev: pm.Device, path: str = "loop", cou
                      t[1], t[2])
                 out[("fwd", hd, False, "ours")] = out[("fwd", hd, True, "ours")] = k
     for causal in (False, True):
-        hit = find(fa2_files, dev, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", FA2_BWD[128], fa2_bools(causal, True))
-        if hit:
-            insns, loop, r, fn = hit
-            t = traits(fn)
-            smem = (3 * t[1] * t[0] + 2 * t[2] * t[0] + 2 * t[1] * t[2]) * 2
-            k = pm.make_kernel(fn, insns, loop, r, dev, 32 * t[3], smem, path=path)
-            out[("bwd", 128, causal, "FA2")] = (k, t[1], t[2])
+        k = fa2_kernel(fa2_files, dev, 128, causal, True, path)
+        if k:
+            out[("bwd", 128, causal, "FA2")] = k
     pre, smem = OURS_BWD[128]
     hit = find(ours_files, dev, "sm8010bwd_kernel", pre)
     if hit:
