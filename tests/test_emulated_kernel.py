@@ -29,9 +29,11 @@ def _cases():
         cases.append(Case("d256-sm86-config", 256, seqlen_q=70, seqlen_k=100, causal=True, window=(40, 0),
                           sink_tokens=3, max_smem=99 * 1024))
     if (256, "bf16") in EMU:
-        # The sm90 configuration (227 KB per block): one K and one V buffer loaded staggered (fwd_tiles.h
-        # Hd256Staggered). Odd lengths, a window cutting blocks, sink tokens, a last M tile of 6 rows (three warps
-        # without a row: they take both barriers and load), GQA, learnable sinks, softcap, empty and one-key rows.
+        # One K and one V buffer loaded staggered: the sm90 configuration (227 KB per block, fwd_tiles.h
+        # Hd256Staggered: 64 rows of 4 warps) and the A100's (163 KB, the default here: Hd256Rows, 128 rows of 8
+        # warps). Odd lengths, a window cutting blocks, sink tokens, a last M tile of 6 rows (sm90: three warps
+        # without a row, they take both barriers and load; A100: 70 rows leave three of eight so, 129 seven), GQA,
+        # learnable sinks, softcap, empty and one-key rows.
         for name, kw in (("causal-window-tokens", dict(seqlen_q=70, seqlen_k=333, causal=True, window=(100, 0),
                                                       sink_tokens=5)),
                          ("full-gqa-sinks", dict(seqlen_q=129, seqlen_k=191, nheads=4, nheads_k=2, sinks="random")),
@@ -40,6 +42,7 @@ def _cases():
                          ("q-longer-than-k-causal", dict(seqlen_q=90, seqlen_k=40, causal=True, sinks="random")),
                          ("varlen", dict(varlen=[(70, 100), (3, 1), (129, 200), (0, 5)], causal=True))):
             cases.append(Case(f"d256-sm90-config-{name}", 256, max_smem=227 * 1024, **kw))
+            cases.append(Case(f"d256-rows-{name}", 256, **kw))
     if (64, "bf16") in EMU:
         cases.append(Case("d64-sm86-few-rows-config", 64, seqlen_q=30, seqlen_k=300, nheads=4, nheads_k=2, causal=True,
                           window=(200, 0), sink_tokens=2, max_smem=99 * 1024))

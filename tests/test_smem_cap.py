@@ -120,7 +120,8 @@ def test_the_cap_picks_other_tiles():
     """The C++ tile choosers: at 99 KB the tables give the sm86/sm89 tiles the runs below take."""
     C = _ext.require()
     big, small = C.fwd_tile(256, 70, False, 163 * KB), C.fwd_tile(256, 70, False, SM86)
-    assert (big["smem_bytes"], big["block_n"]) == (160 * KB, 64) and (small["smem_bytes"], small["block_n"]) == (96 * KB, 32)
+    assert (big["smem_bytes"], big["block_m"], big["block_n"]) == (128 * KB, 128, 64)
+    assert (small["smem_bytes"], small["block_m"], small["block_n"]) == (96 * KB, 64, 32)
     big, small = C.fwd_tile(128, 40, False, 163 * KB), C.fwd_tile(128, 40, False, SM86)
     assert (big["block_n"], small["block_n"]) == (64, 32)
     assert (C.bwd_tile(128, 163 * KB)["stages"], C.bwd_tile(128, SM86)["stages"]) == (2, 1)
@@ -140,7 +141,7 @@ def _same_bits(a, b) -> bool:
 
 @pytest.mark.skipif((256, "fwd") not in EMU, reason="no emulated hdim256 forward in this build")
 def test_capped_forward_runs_the_99k_tile(rng_seed):
-    """Head dim 256, 70 rows: 160 KB tile (64 keys per block) on an A100 / H200, 96 KB (32 keys) under 99 KB."""
+    """Head dim 256, 70 rows: the 128 KB tile (128 rows, 64 keys per block) on an A100, 96 KB (64 x 32) under 99 KB."""
     q = torch.randn(1, 70, 2, 256, dtype=torch.bfloat16)
     k = torch.randn(1, 100, 2, 256, dtype=torch.bfloat16)
     v = torch.randn(1, 100, 2, 256, dtype=torch.bfloat16)

@@ -63,10 +63,14 @@ SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8, 2, 1, 1, 1);  // 96 KB: fits sm86 
 SINKATTN_FWD_TILE(Hd128RowsSm90, 128, 128, 64, 8, 2, 1, 1, 1, 1);  // the same, its interior loads branch-free: sm90
 // Head dim 256. Rows 17-32 keep the 64-row tile: two key groups (32 of 64 keys each) would take 144 KB.
 SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per warp: sm80, sm90
-SINKATTN_FWD_TILE(Hd256Rows, 256, 64, 64, 4);             // 160 KB: sm80 only
+// sm80: 128 rows of 8 warps, one K and one V buffer loaded staggered (FlashAttention-2's A100 hd256 tile): 128 KB,
+// one CTA per SM with two warps per scheduler. The 64-row double-buffered tile of 4 warps it replaced (160 KB, one
+// warp per scheduler) was bound by that warp's chain: by the SASS model on an A100, 2 x 8192 full / causal, 172 / 162
+// -> 199 / 186 TFLOP/s (FA2 201 / 187), now bound by ldmatrix reads (K, V and Q each key block, 16 rows a warp).
+SINKATTN_FWD_TILE(Hd256Rows, 256, 128, 64, 8, 1);         // 128 KB: sm80 only
 SINKATTN_FWD_TILE(Hd256RowsSmall, 256, 64, 32, 4);        // 96 KB: sm86 / sm89
-// One K and one V buffer, loaded staggered (FlashAttention-2's hd256 pipeline): 96 KB, so two CTAs share an sm90 SM
-// (228 KB), where Hd256Rows (160 KB) leaves one warp per scheduler and the model puts it bound by that warp's chain.
+// One K and one V buffer, loaded staggered, 64 rows of 4 warps: 96 KB, so two CTAs share an sm90 SM (228 KB): two
+// warps per scheduler that drift apart, not two of one CTA held together at its barriers.
 SINKATTN_FWD_TILE(Hd256Staggered, 256, 64, 64, 4, 1);     // 96 KB: sm90
 #undef SINKATTN_FWD_TILE
 }  // namespace fwd_tiles
