@@ -24,8 +24,9 @@ D128_CASES = [
     # 64-key pages hold whole blocks of the 64-key decode tile: interior blocks load as tiles from one page.
     ("d128-paged64-whole-blocks", dict(d=128, h=16, hk=2, capacity=384, lens=(330, 64, 129), page_size=64,
                                        causal=True)),
-    # 70 new queries per sequence: the prefill tile (128 rows, fwd_tiles.h Hd128Rows) over a cache, paged (pages of
-    # 16: row by row from their pages; of 64: whole blocks inside one page) and contiguous.
+    # 70 new queries per sequence: the prefill tile (at 163 KB per block fwd_tiles.h Hd128RowsSm80, 64 rows: two M
+    # tiles, the second of 6 rows) over a cache, paged (pages of 16: row by row from their pages; of 64: whole blocks
+    # inside one page) and contiguous.
     ("d128-prefill-rows-paged16", dict(d=128, capacity=400, lens=(250, 7, 0), sq=70, sn=70, page_size=16,
                                        causal=True)),
     ("d128-prefill-rows-paged64", dict(d=128, capacity=448, lens=(300, 64, 0), sq=70, sn=70, page_size=64,
@@ -43,11 +44,13 @@ def test_emulated_decode_hdim128(name, kw, rng_seed):
 @pytest.mark.skipif(not any(h == 128 and d == "bf16" for h, d in EMU), reason="no emulated hdim128 bf16 kernel")
 @pytest.mark.parametrize("name,kw", [c for c in D128_CASES if "prefill-rows" in c[0]],
                          ids=[c[0] for c in D128_CASES if "prefill-rows" in c[0]])
-def test_emulated_prefill_rows_over_a_cache_sm90_tile(name, kw, rng_seed, monkeypatch):
-    # sm90's hd128 prefill tile (227 KB per block, fwd_tiles.h Hd128RowsSm90): interior blocks of a contiguous cache
-    # through predicated copies, paged blocks through the loader's branches.
+@pytest.mark.parametrize("kb", [227, 99], ids=["sm90-tile", "sm86-tile"])
+def test_emulated_prefill_rows_over_a_cache_other_tiles(name, kw, kb, rng_seed, monkeypatch):
+    # The hd128 prefill tiles of other devices over the same caches. sm90's (227 KB per block, fwd_tiles.h
+    # Hd128RowsSm90): interior blocks of a contiguous cache through predicated copies, paged blocks through the
+    # loader's branches. sm86's (99 KB, Hd128Rows): 128 rows of 8 warps, the loader's branches.
     launch = kernels.launch_kvcache
-    monkeypatch.setattr(kernels, "launch_kvcache", lambda *a, **k: launch(*a, **{**k, "max_smem": 227 * 1024}))
+    monkeypatch.setattr(kernels, "launch_kvcache", lambda *a, **k: launch(*a, **{**k, "max_smem": kb * 1024}))
     run_decode("sm80-emulated", "cpu", rng_seed, **kw)
 
 

@@ -25,6 +25,10 @@ def _cases():
     dts = [DTYPES[d] for d in sorted({d for _, d in EMU})]
     cases = [c for c in kernel_cases(hds, dts) if (kernel_headdim(c.headdim), {torch.bfloat16: "bf16", torch.float16: "fp16"}[c.dtype]) in EMU]
     if (256, "bf16") in EMU:
+        # Few rows at head dim 256 on sm80 (163 KB): the double-buffered 64-row tile (fwd_tiles.h Hd256Few), not the
+        # 128-row prefill tile; two warps of four without a row.
+        cases.append(Case("d256-few-rows-config", 256, seqlen_q=40, seqlen_k=300, causal=True, window=(150, 0),
+                          sink_tokens=3, sinks="random"))
         # The sm86/sm89 configuration (99 KB of shared memory) differs from sm80's only at head dim 256.
         cases.append(Case("d256-sm86-config", 256, seqlen_q=70, seqlen_k=100, causal=True, window=(40, 0),
                           sink_tokens=3, max_smem=99 * 1024))
@@ -47,10 +51,11 @@ def _cases():
         cases.append(Case("d64-sm86-few-rows-config", 64, seqlen_q=30, seqlen_k=300, nheads=4, nheads_k=2, causal=True,
                           window=(200, 0), sink_tokens=2, max_smem=99 * 1024))
     if (128, "bf16") in EMU:
-        # The hd128 prefill tile (fwd_tiles.h Hd128Rows: S of the next key block computed beside this one's softmax,
-        # K one block ahead of V): one, two and three key blocks (the last iteration's S ahead reads its own stage),
-        # a last M tile of 2 or 5 rows (warps without a row take the barriers and load), blocks out of order (window
-        # blocks, then sink-token blocks), rows that see no key, GQA, softcap, varlen.
+        # The hd128 prefill tiles (fwd_tiles.h Hd128RowsSm80 at 163 KB per block, the default here: 64 rows of 4
+        # warps; S of the next key block computed beside this one's softmax, K one block ahead of V): one, two and
+        # three key blocks (the last iteration's S ahead reads its own stage), a last M tile of 2 or 5 rows (warps
+        # without a row take the barriers and load), blocks out of order (window blocks, then sink-token blocks),
+        # rows that see no key, GQA, softcap, varlen.
         for name, kw in (("one-block", dict(seqlen_q=130, seqlen_k=50, sinks="random")),
                          ("two-blocks-causal", dict(seqlen_q=100, seqlen_k=128, causal=True)),
                          ("three-blocks-gqa", dict(seqlen_q=129, seqlen_k=191, nheads=4, nheads_k=2, sinks="random")),
@@ -63,6 +68,8 @@ def _cases():
             # sm90's tile (227 KB per block, fwd_tiles.h Hd128RowsSm90): the same loop, interior K/V blocks through
             # predicated copies.
             cases.append(Case(f"d128-rows-sm90-{name}", 128, max_smem=227 * 1024, **kw))
+            # sm86's (99 KB, Hd128Rows): the same loop over 128 rows of 8 warps.
+            cases.append(Case(f"d128-rows-sm86-{name}", 128, max_smem=99 * 1024, **kw))
         # A head dim below the kernel's: no key block is whole, so sm90's tile loads every block through the loader's
         # branches, behind the test its interior blocks skip.
         cases.append(Case("d128-rows-sm90-hd104-loader-branches", 104, seqlen_q=130, seqlen_k=333, causal=True,

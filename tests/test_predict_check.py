@@ -98,9 +98,11 @@ def test_tile_tables_read_from_the_headers():
     assert pp.sm80_decode_tile(t, 64, 24, 166912) == "Hd64Keys2"
     # Hd64Keys2 takes (32 + 2 * 3 * 128) * 64 * 2 = 100 KB: over cc 8.6's 99 KB, its Small sibling there
     assert pp.sm80_decode_tile(t, 64, 24, 99 * 1024) == "Hd64Keys2Small"
-    # the hd128 prefill tile: branch-free interior loads above sm8x's 163 KB per block (sm90), the loader's branches below
+    # the hd128 prefill tile: branch-free interior loads above sm8x's 163 KB per block (sm90); below, the loader's
+    # branches: 64 rows of 4 warps where two CTAs fit (sm80), 128 rows of 8 where one does (sm86 / sm89)
     assert pp.sm80_prefill_tile(t, 128, 227 * 1024) == "Hd128RowsSm90" and t["Hd128RowsSm90"]["branch_free_loads"] == 1
-    assert pp.sm80_prefill_tile(t, 128, 163 * 1024) == "Hd128Rows" == pp.sm80_prefill_tile(t, 128, 99 * 1024)
+    assert pp.sm80_prefill_tile(t, 128, 163 * 1024) == "Hd128RowsSm80" and t["Hd128RowsSm80"]["block_m"] == 64
+    assert pp.sm80_prefill_tile(t, 128, 99 * 1024) == "Hd128Rows"
 
 
 def test_block_counts():

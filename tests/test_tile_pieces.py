@@ -115,14 +115,22 @@ def test_fwd_tile_prefers_the_big_tile_where_it_fits():
     assert C.fwd_tile(128, 40, True, 99 * KB)["block_n"] == 32  # the 80 KB 4-stage tile of sm86 / sm89
     assert C.fwd_tile(256, 4096, False, 163 * KB)["block_n"] == 64
     assert C.fwd_tile(256, 4096, False, 99 * KB)["block_n"] == 32
-    # sm90 (227 KB per block): one K and one V buffer, 96 KB, two CTAs per SM; sm80 keeps the double-buffered 160 KB
-    assert C.fwd_tile(256, 4096, False, 227 * KB) == dict(C.fwd_tile(256, 4096, False, 227 * KB), stages=1, block_n=64,
-                                                          smem_bytes=96 * KB)
-    assert C.fwd_tile(256, 4096, False, 163 * KB)["stages"] == 2 and C.fwd_tile(256, 4096, False, 163 * KB)["smem_bytes"] == 160 * KB
-    # hd128 prefill: the same 8-warp tile everywhere; on sm90 its interior K/V loads are branch-free (sm_90 SASS)
-    assert C.fwd_tile(128, 4096, False, 227 * KB)["branch_free_loads"] == 1
-    assert C.fwd_tile(128, 4096, False, 163 * KB)["branch_free_loads"] == 0 == C.fwd_tile(128, 4096, False, 99 * KB)["branch_free_loads"]
-    assert C.fwd_tile(128, 4096, False, 227 * KB) == dict(C.fwd_tile(128, 4096, False, 163 * KB), branch_free_loads=1)
+    # hd256, one K and one V buffer: sm90 (227 KB per block) 64 rows of 4 warps, 96 KB, two CTAs per SM; sm80 128 rows
+    # of 8 warps, 128 KB; few rows on sm80 the double-buffered 64-row tile (160 KB)
+    big = dict(stages=1, block_n=64, key_groups=1)
+    assert C.fwd_tile(256, 4096, False, 227 * KB) == dict(C.fwd_tile(256, 4096, False, 227 * KB), **big, block_m=64,
+                                                          warps=4, smem_bytes=96 * KB)
+    assert C.fwd_tile(256, 4096, False, 163 * KB) == dict(C.fwd_tile(256, 4096, False, 163 * KB), **big, block_m=128,
+                                                          warps=8, smem_bytes=128 * KB)
+    for rows, split in ((48, False), (100, True)):
+        t = C.fwd_tile(256, rows, split, 163 * KB)
+        assert (t["block_m"], t["stages"], t["smem_bytes"]) == (64, 2, 160 * KB)
+    # hd128 prefill: 8 warps of 16 rows, on sm90 with branch-free interior K/V loads (sm_90 SASS); on sm80 the same loop
+    # over 64 rows of 4 warps (80 KB: two CTAs per SM)
+    assert C.fwd_tile(128, 4096, False, 227 * KB) == dict(C.fwd_tile(128, 4096, False, 99 * KB), branch_free_loads=1)
+    assert C.fwd_tile(128, 4096, False, 99 * KB)["warps"] == 8 and C.fwd_tile(128, 4096, False, 99 * KB)["block_m"] == 128
+    assert C.fwd_tile(128, 4096, False, 163 * KB) == dict(C.fwd_tile(128, 4096, False, 99 * KB), block_m=64, warps=4,
+                                                          smem_bytes=80 * KB)
 
 
 def test_bwd_tile_table():

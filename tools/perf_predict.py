@@ -96,9 +96,11 @@ def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
 def sm80_prefill_tile(tiles: dict, hd: int, smem_cap: int) -> str:
     """The name of the tile choose_fwd_tile picks for a prefill problem: Hd{d}Rows, except at hd256 the staggered
     tile where two of them fit the per-block limit (sm90), at hd128 the branch-free-loads tile above sm8x's 163 KB
-    (sm90), and the Small one where Rows does not fit (sm86/89)."""
+    (sm90) and the 64-row tile where two of it fit (sm80), and the Small one where Rows does not fit (sm86/89)."""
     if hd == 128 and "Hd128RowsSm90" in tiles and smem_cap > 163 * 1024:
         return "Hd128RowsSm90"
+    if hd == 128 and "Hd128RowsSm80" in tiles and smem_cap >= 2 * (fwd_smem(tiles["Hd128RowsSm80"]) + 1024):
+        return "Hd128RowsSm80"
     if hd == 256 and "Hd256Staggered" in tiles and smem_cap >= 2 * (fwd_smem(tiles["Hd256Staggered"]) + 1024):
         return "Hd256Staggered"
     name = f"Hd{hd}Rows"

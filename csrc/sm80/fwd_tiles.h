@@ -61,6 +61,11 @@ SINKATTN_FWD_TILE(Hd128Few, 128, 64, 64, 4, 3);           // 112 KB, 64 KB in fl
 SINKATTN_FWD_TILE(Hd128FewSmall, 128, 64, 32, 4, 4);      // 80 KB, 48 KB in flight
 SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8, 2, 1, 1, 1);  // 96 KB: fits sm86 too; Q in registers, S ahead
 SINKATTN_FWD_TILE(Hd128RowsSm90, 128, 128, 64, 8, 2, 1, 1, 1, 1);  // the same, its interior loads branch-free: sm90
+// The same loop over 64 rows of 4 warps: 80 KB, so two CTAs share an SM where a block may take 163 KB (cc 8.0). An
+// SMSP's two warps then belong to two CTAs and drift apart, one's softmax under the other's MMAs, where the 8-warp
+// tile's two start every key block together at its barrier. By the SASS model on an A100 (sm_80, 248 registers, no
+// spill): 3410 -> 3236 cycles per key block of two warps, 0.89-0.94x -> 0.94-1.00x of FlashAttention-2.
+SINKATTN_FWD_TILE(Hd128RowsSm80, 128, 64, 64, 4, 2, 1, 1, 1);  // 80 KB: sm80
 // Head dim 256. Rows 17-32 keep the 64-row tile: two key groups (32 of 64 keys each) would take 144 KB.
 SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per warp: sm80, sm90
 // sm80: 128 rows of 8 warps, one K and one V buffer loaded staggered (FlashAttention-2's A100 hd256 tile): 128 KB,
@@ -68,6 +73,8 @@ SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per
 // warp per scheduler) was bound by that warp's chain: by the SASS model on an A100, 2 x 8192 full / causal, 172 / 162
 // -> 199 / 186 TFLOP/s (FA2 201 / 187), now bound by ldmatrix reads (K, V and Q each key block, 16 rows a warp).
 SINKATTN_FWD_TILE(Hd256Rows, 256, 128, 64, 8, 1);         // 128 KB: sm80 only
+// Few rows (17-64, or split-KV) on sm80: 64 rows, double-buffered, where the 128-row tile would be mostly padding.
+SINKATTN_FWD_TILE(Hd256Few, 256, 64, 64, 4);              // 160 KB: sm80 only
 SINKATTN_FWD_TILE(Hd256RowsSmall, 256, 64, 32, 4);        // 96 KB: sm86 / sm89
 // One K and one V buffer, loaded staggered, 64 rows of 4 warps: 96 KB, so two CTAs share an sm90 SM (228 KB): two
 // warps per scheduler that drift apart, not two of one CTA held together at its barriers.
@@ -82,6 +89,7 @@ template <class Tile> inline constexpr bool kComputeBound = false;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128RowsSm90> = true;
+template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128RowsSm80> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256RowsSmall> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Staggered> = true;
@@ -100,10 +108,11 @@ template <> struct FwdTilesOf<64> {
 template <> struct FwdTilesOf<128> {
   using type = TileList<fwd_tiles::Hd128Keys4, fwd_tiles::Hd128Keys4Small, fwd_tiles::Hd128Keys2,
                         fwd_tiles::Hd128Keys2Small, fwd_tiles::Hd128Few, fwd_tiles::Hd128FewSmall, fwd_tiles::Hd128Rows,
-                        fwd_tiles::Hd128RowsSm90>;
+                        fwd_tiles::Hd128RowsSm90, fwd_tiles::Hd128RowsSm80>;
 };
 template <> struct FwdTilesOf<256> {
-  using type = TileList<fwd_tiles::Hd256Keys4, fwd_tiles::Hd256Rows, fwd_tiles::Hd256RowsSmall, fwd_tiles::Hd256Staggered>;
+  using type = TileList<fwd_tiles::Hd256Keys4, fwd_tiles::Hd256Rows, fwd_tiles::Hd256Few, fwd_tiles::Hd256RowsSmall,
+                        fwd_tiles::Hd256Staggered>;
 };
 
 // The smallest shared memory any tile of the head dim needs (the registry records it: below it nothing runs).
@@ -152,13 +161,16 @@ constexpr FwdTile choose_fwd_tile(int head_dim, FwdShape s, int max_smem) {
     if (key_groups == 2) return fit(Hd128Keys2::tile, Hd128Keys2Small::tile);
     if (few_rows) return fit(Hd128Few::tile, Hd128FewSmall::tile);
     // More than any sm8x allows per block (163 KB) is an sm90 (227 KB), which runs the sm_90 SASS: the tile whose
-    // interior loads are branch-free (FwdTile::branch_free_loads).
-    return max_smem > 163 * 1024 ? Hd128RowsSm90::tile : Hd128Rows::tile;
+    // interior loads are branch-free (FwdTile::branch_free_loads). Where two 64-row tiles fit (cc 8.0), those.
+    if (max_smem > 163 * 1024) return Hd128RowsSm90::tile;
+    if (max_smem >= 2 * (Hd128RowsSm80::tile.smem_bytes() + 1024)) return Hd128RowsSm80::tile;
+    return Hd128Rows::tile;
   }
   if (key_groups == 4 && max_smem >= Hd256Keys4::tile.smem_bytes()) return Hd256Keys4::tile;
   // Two staggered CTAs per SM where the per-block limit says the SM holds two of them (sm90: 227 KB per block of
   // 228 per SM; sm80's 163 of 164 holds one, where the double-buffered tile is the better one).
   if (max_smem >= 2 * (Hd256Staggered::tile.smem_bytes() + 1024)) return Hd256Staggered::tile;
+  if (few_rows) return fit(Hd256Few::tile, Hd256RowsSmall::tile);
   return fit(Hd256Rows::tile, Hd256RowsSmall::tile);
 }
 
