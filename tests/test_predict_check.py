@@ -98,6 +98,11 @@ def test_tile_tables_read_from_the_headers():
     assert pp.sm80_decode_tile(t, 64, 24, 166912) == "Hd64Keys2"
     # Hd64Keys2 takes (32 + 2 * 3 * 128) * 64 * 2 = 100 KB: over cc 8.6's 99 KB, its Small sibling there
     assert pp.sm80_decode_tile(t, 64, 24, 99 * 1024) == "Hd64Keys2Small"
+    # hd256 has no two-group tile: 17-64 rows take a 64-row tile (sm80 Hd256Few, sm86 Hd256RowsSmall, sm90 staggered)
+    assert [pp.sm80_decode_tile(t, 256, 24, kb * 1024) for kb in (163, 99, 227)] == \
+        ["Hd256Few", "Hd256RowsSmall", "Hd256Staggered"]
+    assert pp.sm80_decode_tile(t, 256, 8, 163 * 1024) == "Hd256Keys4"
+    assert pp.sm80_decode_tile(t, 256, 8, 99 * 1024) == "Hd256RowsSmall"
     # the hd128 prefill tile: branch-free interior loads above sm8x's 163 KB per block (sm90); below, the loader's
     # branches: 64 rows of 4 warps where two CTAs fit (sm80), 128 rows of 8 where one does (sm86 / sm89)
     assert pp.sm80_prefill_tile(t, 128, 227 * 1024) == "Hd128RowsSm90" and t["Hd128RowsSm90"]["branch_free_loads"] == 1

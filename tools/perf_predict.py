@@ -86,6 +86,11 @@ def fwd_smem(t: dict) -> int:
 def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
     """The name of the tile choose_fwd_tile (csrc/sm80/fwd_tiles.h) picks for a few-row (decode) problem."""
     kg = 4 if rows <= 16 else 2 if rows <= 32 else 1
+    if hd == 256 and (kg != 4 or fwd_smem(tiles["Hd256Keys4"]) > smem_cap):
+        # no two-group tile at hd256: 64 rows, staggered where two CTAs fit (sm90), else double-buffered
+        if smem_cap >= 2 * (fwd_smem(tiles["Hd256Staggered"]) + 1024):
+            return "Hd256Staggered"
+        return "Hd256Few" if fwd_smem(tiles["Hd256Few"]) <= smem_cap else "Hd256RowsSmall"
     base = {4: "Keys4", 2: "Keys2", 1: "Few"}[kg]
     name = f"Hd{hd}{base}"
     if name in tiles and fwd_smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:

@@ -168,7 +168,7 @@ constexpr FwdTile choose_fwd_tile(int head_dim, FwdShape s, int max_smem) {
   }
   if (key_groups == 4 && max_smem >= Hd256Keys4::tile.smem_bytes()) return Hd256Keys4::tile;
   // Two staggered CTAs per SM where the per-block limit says the SM holds two of them (sm90: 227 KB per block of
-  // 228 per SM; sm80's 163 of 164 holds one, where the double-buffered tile is the better one).
+  // 228 per SM). sm80's 163 of 164 holds one: the 128-row tile for prefill, the 64-row one for few rows.
   if (max_smem >= 2 * (Hd256Staggered::tile.smem_bytes() + 1024)) return Hd256Staggered::tile;
   if (few_rows) return fit(Hd256Few::tile, Hd256RowsSmall::tile);
   return fit(Hd256Rows::tile, Hd256RowsSmall::tile);
