@@ -114,8 +114,8 @@ SWEEP_SM80 = [
     Sm80Variant(64, 128, 64, 8),    # 8 warps x 16 rows
     Sm80Variant(64, 128, 64, 4, 3),  # a third K/V stage
     # hd128 (table: Hd128Rows m128 n64 w8 with Q in registers and S ahead, sm86 / sm89; on sm80 the same over m64 w4,
-    # on sm90 with branch-free loads; static: 0.56 LDSM per HMMA against FA2's
-    # 0.31, peer_sass, 0.50 with Q in registers).
+    # on sm90 with branch-free loads; static: 0.56 LDSM per HMMA against FA2's 0.31, peer_sass, 0.50 with Q in
+    # registers).
     # On sm90 the table's tile loads its interior K/V blocks branch-free (Hd128RowsSm90); this is it with the loader's
     # branches, the sm8x tile (Hd128Rows), which sm90 ran before: the change measured on one GPU.
     Sm80Variant(128, 128, 64, 8, q_regs=1, s_ahead=1),
