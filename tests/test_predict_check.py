@@ -210,3 +210,19 @@ def test_fa2_figure_only_for_what_fa2_runs(tmp_path, monkeypatch):
     # an A100's block (163 KB) runs FA2's hd256 backward without double buffering
     pp.fa2_figure(str(tmp_path), pp.pm.DEVICES["a100"], pp.case("attn", "bwd", 2, 8192, 8192, 8, 8, 256))
     assert asked[2][1] == R.FA2_BWD_A100[256] != R.FA2_BWD[256] and R.FA2_BWD_A100[256].endswith("ELb1E")
+
+
+@pytest.mark.needs_ext
+def test_the_tool_picks_the_tiles_the_kernels_pick():
+    """perf_predict's copy of choose_fwd_tile (it reads no extension) against the C++ rule, on every head dim, row
+    count and per-block limit the predictions and the tile tests use."""
+    from sinkattn import _ext
+    C = _ext.require()
+    t = pp.sm80_fwd_tiles()
+    fields = ("head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "branch_free_loads")
+    for kb in (99, 163, 227):
+        for hd in (64, 128, 256):
+            for rows in (1, 8, 16, 24, 32, 48, 64, 100, 4096):
+                name = pp.sm80_decode_tile(t, hd, rows, kb * 1024) if rows <= 64 else pp.sm80_prefill_tile(t, hd, kb * 1024)
+                want = C.fwd_tile(hd, rows, False, kb * 1024)
+                assert {f: t[name][f] for f in fields} == {f: want[f] for f in fields}, (hd, rows, kb, name)

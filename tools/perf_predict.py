@@ -83,12 +83,18 @@ def fwd_smem(t: dict) -> int:
     return (t["block_m"] + 2 * t["stages"] * t["block_n"]) * t["head_dim"] * 2
 
 
+def two_per_sm(t: dict, smem_cap: int) -> bool:
+    """Whether the per-block limit says an SM holds two CTAs of this tile (1 KB reserved per CTA): choose_fwd_tile's
+    test for the tiles that want two CTAs per SM (sm90's hd256 staggered tile, sm80's 64-row hd128 tile)."""
+    return smem_cap >= 2 * (fwd_smem(t) + 1024)
+
+
 def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
     """The name of the tile choose_fwd_tile (csrc/sm80/fwd_tiles.h) picks for a few-row (decode) problem."""
     kg = 4 if rows <= 16 else 2 if rows <= 32 else 1
     if hd == 256 and (kg != 4 or fwd_smem(tiles["Hd256Keys4"]) > smem_cap):
         # no two-group tile at hd256: 64 rows, staggered where two CTAs fit (sm90), else double-buffered
-        if smem_cap >= 2 * (fwd_smem(tiles["Hd256Staggered"]) + 1024):
+        if two_per_sm(tiles["Hd256Staggered"], smem_cap):
             return "Hd256Staggered"
         return "Hd256Few" if fwd_smem(tiles["Hd256Few"]) <= smem_cap else "Hd256RowsSmall"
     base = {4: "Keys4", 2: "Keys2", 1: "Few"}[kg]
@@ -104,9 +110,9 @@ def sm80_prefill_tile(tiles: dict, hd: int, smem_cap: int) -> str:
     (sm90) and the 64-row tile where two of it fit (sm80), and the Small one where Rows does not fit (sm86/89)."""
     if hd == 128 and "Hd128RowsSm90" in tiles and smem_cap > 163 * 1024:
         return "Hd128RowsSm90"
-    if hd == 128 and "Hd128RowsSm80" in tiles and smem_cap >= 2 * (fwd_smem(tiles["Hd128RowsSm80"]) + 1024):
+    if hd == 128 and "Hd128RowsSm80" in tiles and two_per_sm(tiles["Hd128RowsSm80"], smem_cap):
         return "Hd128RowsSm80"
-    if hd == 256 and "Hd256Staggered" in tiles and smem_cap >= 2 * (fwd_smem(tiles["Hd256Staggered"]) + 1024):
+    if hd == 256 and "Hd256Staggered" in tiles and two_per_sm(tiles["Hd256Staggered"], smem_cap):
         return "Hd256Staggered"
     name = f"Hd{hd}Rows"
     if name in tiles and fwd_smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:
