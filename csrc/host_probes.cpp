@@ -230,6 +230,7 @@ py::dict fwd_tile(int headdim, int64_t rows, bool split_kv, int max_smem) {
   d["warps"] = t.warps;
   d["key_groups"] = t.key_groups;
   d["branch_free_loads"] = t.branch_free_loads;
+  d["ctas_per_sm"] = t.ctas_per_sm;
   return d;
 }
 py::dict bwd_tile(int headdim, int max_smem, bool softcap) {

@@ -55,10 +55,12 @@ class Sm80Variant:
     q_regs: int = 0  # FwdTile::q_regs: Q fragments held in registers across the key blocks
     s_ahead: int = 0  # FwdTile::s_ahead: S of the next key block computed beside this block's softmax
     branch_free_loads: int = 0  # FwdTile::branch_free_loads: interior K/V blocks through predicated copies
+    ctas_per_sm: int = 0  # FwdTile::ctas_per_sm: the CTAs per SM the launch bounds ask for (a register cap)
 
     def tag(self) -> str:
         return (f"m{self.block_m}n{self.block_n}w{self.warps}" + (f"s{self.stages}" if self.stages != 2 else "")
-                + ("q" if self.q_regs else "") + ("a" if self.s_ahead else "") + ("b" if self.branch_free_loads else ""))
+                + ("q" if self.q_regs else "") + ("a" if self.s_ahead else "") + ("b" if self.branch_free_loads else "")
+                + (f"c{self.ctas_per_sm}" if self.ctas_per_sm else ""))
 
     def smem_bytes(self) -> int:
         return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
@@ -69,7 +71,7 @@ class Sm80Variant:
     def cpp(self) -> str:
         return (f"sm80::FwdTile{{.head_dim = {self.head_dim}, .block_m = {self.block_m}, .block_n = {self.block_n}, "
                 f".warps = {self.warps}, .stages = {self.stages}, .q_regs = {self.q_regs}, .s_ahead = {self.s_ahead}, "
-                f".branch_free_loads = {self.branch_free_loads}}}")
+                f".branch_free_loads = {self.branch_free_loads}, .ctas_per_sm = {self.ctas_per_sm}}}")
 
 
 _R3 = dict(block_m=192, producer_regs=24, consumer_regs=160)  # three consumer warpgroups: 128 * (24 + 3 * 160) = 64512
@@ -109,7 +111,8 @@ SWEEP_SM90 = [
 ]
 
 SWEEP_SM80 = [
-    # hd64 (table: Hd64Rows m128 n64 w4).
+    # hd64 (table: Hd64Rows m128 n64 w4; on sm80 Hd64RowsSm80, 64 rows of 4 warps, Q in registers, three CTAs per SM).
+    Sm80Variant(64, 64, 64, 4, q_regs=1, ctas_per_sm=3),  # sm80's table tile, where the GPU is an sm90 (sm_90 SASS)
     Sm80Variant(64, 128, 128, 4),   # FlashAttention-2's hd64 tile (S 128 registers per thread; ptxas: 164 B spill)
     Sm80Variant(64, 128, 64, 8),    # 8 warps x 16 rows
     Sm80Variant(64, 128, 64, 4, 3),  # a third K/V stage

@@ -20,6 +20,20 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 pytestmark = pytest.mark.skipif(not EMU, reason="no emulated kernels in this build (SINKATTN_EMULATION=0 or no extension)")
 
 
+# The row tiles' cases: one, two and three key blocks (S ahead's last iteration reads its own stage), a last M tile
+# of a few rows (warps without a row take the barriers and load), blocks out of order (window blocks, then
+# sink-token blocks), rows that see no key, GQA, softcap, varlen.
+ROW_TILE_CASES = (
+    ("one-block", dict(seqlen_q=130, seqlen_k=50, sinks="random")),
+    ("two-blocks-causal", dict(seqlen_q=100, seqlen_k=128, causal=True)),
+    ("three-blocks-gqa", dict(seqlen_q=129, seqlen_k=191, nheads=4, nheads_k=2, sinks="random")),
+    ("window-tokens", dict(seqlen_q=200, seqlen_k=333, causal=True, window=(100, 0), sink_tokens=5)),
+    ("q-longer-than-k-causal", dict(seqlen_q=150, seqlen_k=40, causal=True, sinks="random")),
+    ("softcap-causal", dict(seqlen_q=97, seqlen_k=64, causal=True, softcap=30.0)),
+    ("varlen", dict(varlen=[(70, 100), (3, 1), (129, 200), (0, 5)], causal=True)),
+)
+
+
 def _cases():
     hds = sorted({h for h, _ in EMU})
     dts = [DTYPES[d] for d in sorted({d for _, d in EMU})]
@@ -48,22 +62,17 @@ def _cases():
             cases.append(Case(f"d256-sm90-config-{name}", 256, max_smem=227 * 1024, **kw))
             cases.append(Case(f"d256-rows-{name}", 256, **kw))
     if (64, "bf16") in EMU:
+        # The hd64 prefill tiles: at 163 KB per block (the default here) fwd_tiles.h Hd64RowsSm80, 64 rows of 4 warps
+        # with Q in registers; at 99 KB (sm86; sm90's 227 KB takes the same) Hd64Rows, 128 rows of 4 warps of 32.
+        for name, kw in ROW_TILE_CASES:
+            cases.append(Case(f"d64-rows-{name}", 64, **kw))
+            cases.append(Case(f"d64-rows-sm86-{name}", 64, max_smem=99 * 1024, **kw))
         cases.append(Case("d64-sm86-few-rows-config", 64, seqlen_q=30, seqlen_k=300, nheads=4, nheads_k=2, causal=True,
                           window=(200, 0), sink_tokens=2, max_smem=99 * 1024))
     if (128, "bf16") in EMU:
         # The hd128 prefill tiles (fwd_tiles.h Hd128RowsSm80 at 163 KB per block, the default here: 64 rows of 4
-        # warps; S of the next key block computed beside this one's softmax, K one block ahead of V): one, two and
-        # three key blocks (the last iteration's S ahead reads its own stage), a last M tile of 2 or 5 rows (warps
-        # without a row take the barriers and load), blocks out of order (window blocks, then sink-token blocks),
-        # rows that see no key, GQA, softcap, varlen.
-        for name, kw in (("one-block", dict(seqlen_q=130, seqlen_k=50, sinks="random")),
-                         ("two-blocks-causal", dict(seqlen_q=100, seqlen_k=128, causal=True)),
-                         ("three-blocks-gqa", dict(seqlen_q=129, seqlen_k=191, nheads=4, nheads_k=2, sinks="random")),
-                         ("window-tokens", dict(seqlen_q=200, seqlen_k=333, causal=True, window=(100, 0),
-                                                sink_tokens=5)),
-                         ("q-longer-than-k-causal", dict(seqlen_q=150, seqlen_k=40, causal=True, sinks="random")),
-                         ("softcap-causal", dict(seqlen_q=97, seqlen_k=64, causal=True, softcap=30.0)),
-                         ("varlen", dict(varlen=[(70, 100), (3, 1), (129, 200), (0, 5)], causal=True))):
+        # warps; S of the next key block computed beside this one's softmax, K one block ahead of V).
+        for name, kw in ROW_TILE_CASES:
             cases.append(Case(f"d128-rows-{name}", 128, **kw))
             # sm90's tile (227 KB per block, fwd_tiles.h Hd128RowsSm90): the same loop, interior K/V blocks through
             # predicated copies.

@@ -89,7 +89,7 @@ def test_tile_tables_read_from_the_headers():
     # csrc/sm80/fwd_tiles.h: Hd64Rows{64, 128, 64, 4} (stages default 2), Hd64Keys4{64, 16, 128, 4, 3, 4}
     t = pp.sm80_fwd_tiles()
     assert t["Hd64Rows"] == dict(head_dim=64, block_m=128, block_n=64, warps=4, stages=2, key_groups=1, q_regs=0, s_ahead=0,
-                                 branch_free_loads=0)
+                                 branch_free_loads=0, ctas_per_sm=0)
     assert t["Hd64Keys4"]["stages"] == 3 and t["Hd64Keys4"]["key_groups"] == 4
     assert pp.sm80_bwd_tiles()["Hd64"] == dict(head_dim=64, block_m=64, block_n=64, warps_m=4, warps_n=1, stages=2)
     assert pp.sm90_fwd_tiles()[64] == dict(head_dim=64, block_n=128, stages=3, block_m=128)
@@ -108,6 +108,9 @@ def test_tile_tables_read_from_the_headers():
     assert pp.sm80_prefill_tile(t, 128, 227 * 1024) == "Hd128RowsSm90" and t["Hd128RowsSm90"]["branch_free_loads"] == 1
     assert pp.sm80_prefill_tile(t, 128, 163 * 1024) == "Hd128RowsSm80" and t["Hd128RowsSm80"]["block_m"] == 64
     assert pp.sm80_prefill_tile(t, 128, 99 * 1024) == "Hd128Rows"
+    # the hd64 prefill tile: 64 rows asking for three CTAs per SM where three fit an sm8x SM (sm80), else Hd64Rows
+    assert pp.sm80_prefill_tile(t, 64, 163 * 1024) == "Hd64RowsSm80" and t["Hd64RowsSm80"]["ctas_per_sm"] == 3
+    assert pp.sm80_prefill_tile(t, 64, 99 * 1024) == pp.sm80_prefill_tile(t, 64, 227 * 1024) == "Hd64Rows"
 
 
 def test_block_counts():
@@ -219,7 +222,7 @@ def test_the_tool_picks_the_tiles_the_kernels_pick():
     from sinkattn import _ext
     C = _ext.require()
     t = pp.sm80_fwd_tiles()
-    fields = ("head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "branch_free_loads")
+    fields = ("head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "branch_free_loads", "ctas_per_sm")
     for kb in (99, 163, 227):
         for hd in (64, 128, 256):
             for rows in (1, 8, 16, 24, 32, 48, 64, 100, 4096):

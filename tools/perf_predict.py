@@ -59,8 +59,9 @@ def _macro_table(path: str, macro: str, fields: list[str], defaults: dict) -> di
 def sm80_fwd_tiles(repo: str = REPO) -> dict[str, dict]:
     return _macro_table(os.path.join(repo, "csrc/sm80/fwd_tiles.h"), "SINKATTN_FWD_TILE",
                         ["head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "q_regs", "s_ahead",
-                         "branch_free_loads"],
-                        {"stages": 2, "key_groups": 1, "q_regs": 0, "s_ahead": 0, "branch_free_loads": 0})
+                         "branch_free_loads", "ctas_per_sm"],
+                        {"stages": 2, "key_groups": 1, "q_regs": 0, "s_ahead": 0, "branch_free_loads": 0,
+                         "ctas_per_sm": 0})
 
 
 def sm80_bwd_tiles(repo: str = REPO) -> dict[str, dict]:
@@ -83,10 +84,11 @@ def fwd_smem(t: dict) -> int:
     return (t["block_m"] + 2 * t["stages"] * t["block_n"]) * t["head_dim"] * 2
 
 
-def two_per_sm(t: dict, smem_cap: int) -> bool:
-    """Whether the per-block limit says an SM holds two CTAs of this tile (1 KB reserved per CTA): choose_fwd_tile's
-    test for the tiles that want two CTAs per SM (sm90's hd256 staggered tile, sm80's 64-row hd128 tile)."""
-    return smem_cap >= 2 * (fwd_smem(t) + 1024)
+def fit_per_sm(t: dict, smem_cap: int, ctas: int = 2) -> bool:
+    """Whether the per-block limit says an SM holds `ctas` CTAs of this tile (1 KB reserved per CTA): choose_fwd_tile's
+    test for the tiles that want two CTAs per SM (sm90's hd256 staggered tile, sm80's 64-row hd128 tile) or three
+    (sm80's 64-row hd64 tile)."""
+    return smem_cap >= ctas * (fwd_smem(t) + 1024)
 
 
 def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
@@ -94,7 +96,7 @@ def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
     kg = 4 if rows <= 16 else 2 if rows <= 32 else 1
     if hd == 256 and (kg != 4 or fwd_smem(tiles["Hd256Keys4"]) > smem_cap):
         # no two-group tile at hd256: 64 rows, staggered where two CTAs fit (sm90), else double-buffered
-        if two_per_sm(tiles["Hd256Staggered"], smem_cap):
+        if fit_per_sm(tiles["Hd256Staggered"], smem_cap):
             return "Hd256Staggered"
         return "Hd256Few" if fwd_smem(tiles["Hd256Few"]) <= smem_cap else "Hd256RowsSmall"
     base = {4: "Keys4", 2: "Keys2", 1: "Few"}[kg]
@@ -107,12 +109,16 @@ def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
 def sm80_prefill_tile(tiles: dict, hd: int, smem_cap: int) -> str:
     """The name of the tile choose_fwd_tile picks for a prefill problem: Hd{d}Rows, except at hd256 the staggered
     tile where two of them fit the per-block limit (sm90), at hd128 the branch-free-loads tile above sm8x's 163 KB
-    (sm90) and the 64-row tile where two of it fit (sm80), and the Small one where Rows does not fit (sm86/89)."""
+    (sm90) and the 64-row tile where two of it fit (sm80), at hd64 the 64-row tile where three of it fit an sm8x
+    (sm80), and the Small one where Rows does not fit (sm86/89)."""
+    if (hd == 64 and "Hd64RowsSm80" in tiles and fit_per_sm(tiles["Hd64RowsSm80"], smem_cap, 3)
+            and smem_cap <= 163 * 1024):
+        return "Hd64RowsSm80"
     if hd == 128 and "Hd128RowsSm90" in tiles and smem_cap > 163 * 1024:
         return "Hd128RowsSm90"
-    if hd == 128 and "Hd128RowsSm80" in tiles and two_per_sm(tiles["Hd128RowsSm80"], smem_cap):
+    if hd == 128 and "Hd128RowsSm80" in tiles and fit_per_sm(tiles["Hd128RowsSm80"], smem_cap):
         return "Hd128RowsSm80"
-    if hd == 256 and "Hd256Staggered" in tiles and two_per_sm(tiles["Hd256Staggered"], smem_cap):
+    if hd == 256 and "Hd256Staggered" in tiles and fit_per_sm(tiles["Hd256Staggered"], smem_cap):
         return "Hd256Staggered"
     name = f"Hd{hd}Rows"
     if name in tiles and fwd_smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:

@@ -24,10 +24,9 @@ namespace sinkattn {
 
 namespace sm80 {
 
-// Key-group (decode) tiles declare at least one CTA per SM: without it ptxas held their 128 threads to 168
-// registers and spilled 16-40 bytes; their shared memory, not registers, bounds how many CTAs share an SM.
+// The launch bounds: FwdTraits::kMinCtasPerSm.
 template <class Kt>
-__global__ void __launch_bounds__(Kt::kNThreads, Kt::kSplitKeys ? 1 : 0) fwd_kernel(__grid_constant__ const FwdParams p, FwdTileOrder const grid) {
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinCtasPerSm) fwd_kernel(__grid_constant__ const FwdParams p, FwdTileOrder const grid) {
   extern __shared__ __align__(128) char smem[];
   int m_block, split, head, batch;
   grid.decode(blockIdx.x, m_block, split, head, batch);
@@ -36,7 +35,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kSplitKeys ? 1 : 0) fwd_ker
 // The decode tiles over FP8 caches (sm80/fp8_kv.h), with their own params (a kernel of its own, so the kernels above
 // keep their names and parameter block).
 template <class Kt>
-__global__ void __launch_bounds__(Kt::kNThreads, Kt::kSplitKeys ? 1 : 0) fwd_fp8_kernel(__grid_constant__ const FwdFp8Params p, FwdTileOrder const grid) {
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinCtasPerSm) fwd_fp8_kernel(__grid_constant__ const FwdFp8Params p, FwdTileOrder const grid) {
   extern __shared__ __align__(128) char smem[];
   int m_block, split, head, batch;
   grid.decode(blockIdx.x, m_block, split, head, batch);

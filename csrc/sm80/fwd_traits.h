@@ -34,6 +34,10 @@ struct FwdTraits {
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kNWarps = kTile.warps;
   static constexpr int kNThreads = kNWarps * 32;
+  // CTAs per SM the kernel's launch bounds ask for (fwd_tiles.h FwdTile::ctas_per_sm; fwd_launch.cuh). The key-group
+  // (decode) tiles ask for one: without it ptxas held their 128 threads to 168 registers and spilled 16-40 bytes;
+  // their shared memory, not registers, bounds how many share an SM.
+  static constexpr int kMinCtasPerSm = kTile.ctas_per_sm ? kTile.ctas_per_sm : kTile.key_groups > 1 ? 1 : 0;
   static_assert(kHeadDim % 64 == 0, "compiled head dims are multiples of 64");
 
   // How the warps share the work. By rows (one key group, the default): each warp owns 16-row slices of Q, S
