@@ -148,6 +148,11 @@ inline FwdShape fwd_shape(FwdParams const& p) {
   return FwdShape{int64_t(p.seqlen_q) * group, p.num_splits > 1};
 }
 
+// Whether the per-block limit says an SM holds `ctas` CTAs of tile t: 1 KB of each CTA's shared memory is the
+// system's. The limit stands for the SM's size (per block / per SM: 99 / 100 KB on cc 8.6 and 8.9, 163 / 164 on 8.0,
+// 227 / 228 on 9.0).
+constexpr bool fits_per_sm(FwdTile t, int max_smem, int ctas) { return max_smem >= ctas * (t.smem_bytes() + 1024); }
+
 // The tile for a head dim (64, 128, 256), problem and shared-memory limit per block.
 // - Few rows (decode, GQA-packed seqlen_q * group <= 64, or split-KV): such a tile is mostly padding rows,
 //   whose warps skip the MMAs (fwd_kernel.h), so the kernel is bound by the bytes of K and V it keeps in
@@ -167,7 +172,7 @@ constexpr FwdTile choose_fwd_tile(int head_dim, FwdShape s, int max_smem) {
     if (key_groups == 2) return fit(Hd64Keys2::tile, Hd64Keys2Small::tile);
     if (few_rows) return fit(Hd64Few::tile, Hd64FewSmall::tile);
     // Three 64-row CTAs where an sm8x SM holds them (cc 8.0; cc 8.6 / 8.9 hold two of them, half Hd64Rows' rows).
-    if (max_smem <= 163 * 1024 && max_smem >= 3 * (Hd64RowsSm80::tile.smem_bytes() + 1024)) return Hd64RowsSm80::tile;
+    if (max_smem <= 163 * 1024 && fits_per_sm(Hd64RowsSm80::tile, max_smem, 3)) return Hd64RowsSm80::tile;
     return Hd64Rows::tile;
   }
   if (head_dim == 128) {
@@ -177,13 +182,13 @@ constexpr FwdTile choose_fwd_tile(int head_dim, FwdShape s, int max_smem) {
     // More than any sm8x allows per block (163 KB) is an sm90 (227 KB), which runs the sm_90 SASS: the tile whose
     // interior loads are branch-free (FwdTile::branch_free_loads). Where two 64-row tiles fit (cc 8.0), those.
     if (max_smem > 163 * 1024) return Hd128RowsSm90::tile;
-    if (max_smem >= 2 * (Hd128RowsSm80::tile.smem_bytes() + 1024)) return Hd128RowsSm80::tile;
+    if (fits_per_sm(Hd128RowsSm80::tile, max_smem, 2)) return Hd128RowsSm80::tile;
     return Hd128Rows::tile;
   }
   if (key_groups == 4 && max_smem >= Hd256Keys4::tile.smem_bytes()) return Hd256Keys4::tile;
   // Two staggered CTAs per SM where the per-block limit says the SM holds two of them (sm90: 227 KB per block of
   // 228 per SM). sm80's 163 of 164 holds one: the 128-row tile for prefill, the 64-row one for few rows.
-  if (max_smem >= 2 * (Hd256Staggered::tile.smem_bytes() + 1024)) return Hd256Staggered::tile;
+  if (fits_per_sm(Hd256Staggered::tile, max_smem, 2)) return Hd256Staggered::tile;
   if (few_rows) return fit(Hd256Few::tile, Hd256RowsSmall::tile);
   return fit(Hd256Rows::tile, Hd256RowsSmall::tile);
 }
