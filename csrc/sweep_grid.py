@@ -111,8 +111,8 @@ SWEEP_SM90 = [
 ]
 
 SWEEP_SM80 = [
-    # hd64 (table: Hd64Rows m128 n64 w4; on sm80 Hd64RowsSm80, 64 rows of 4 warps, Q in registers, three CTAs per SM).
-    Sm80Variant(64, 64, 64, 4, q_regs=1, ctas_per_sm=3),  # sm80's table tile, where the GPU is an sm90 (sm_90 SASS)
+    # hd64 (table: Hd64RowsThreeCtas m64 n64 w4, Q in registers, three CTAs per SM, on sm80 and sm90; Hd64Rows on sm86).
+    Sm80Variant(64, 128, 64, 4),    # Hd64Rows (sm86 / sm89's; sm80's and sm90's before): the change measured on one GPU
     Sm80Variant(64, 128, 128, 4),   # FlashAttention-2's hd64 tile (S 128 registers per thread; ptxas: 164 B spill)
     Sm80Variant(64, 128, 64, 8),    # 8 warps x 16 rows
     Sm80Variant(64, 128, 64, 4, 3),  # a third K/V stage

@@ -528,4 +528,4 @@ def test_sweep_variants_fit_the_machine():
     # the defaults are not repeated as variants (the sweep times the default kernels beside them)
     assert gen.Sm90Variant(128, 128, 2) not in gen.SWEEP_SM90 and gen.Sm90Variant(64, 128, 3) not in gen.SWEEP_SM90
     # (the sm8x hd128 tile is one, on purpose: the control of sm90's, which loads its interior blocks branch-free)
-    assert gen.Sm80Variant(128, 128, 64, 8, q_regs=1, s_ahead=1, branch_free_loads=1) not in gen.SWEEP_SM80 and gen.Sm80Variant(64, 128, 64, 4) not in gen.SWEEP_SM80
+    assert gen.Sm80Variant(128, 128, 64, 8, q_regs=1, s_ahead=1, branch_free_loads=1) not in gen.SWEEP_SM80 and gen.Sm80Variant(64, 64, 64, 4, q_regs=1, ctas_per_sm=3) not in gen.SWEEP_SM80

@@ -62,8 +62,8 @@ def _cases():
             cases.append(Case(f"d256-sm90-config-{name}", 256, max_smem=227 * 1024, **kw))
             cases.append(Case(f"d256-rows-{name}", 256, **kw))
     if (64, "bf16") in EMU:
-        # The hd64 prefill tiles: at 163 KB per block (the default here) fwd_tiles.h Hd64RowsSm80, 64 rows of 4 warps
-        # with Q in registers; at 99 KB (sm86; sm90's 227 KB takes the same) Hd64Rows, 128 rows of 4 warps of 32.
+        # The hd64 prefill tiles: at 163 KB per block (the default here) fwd_tiles.h Hd64RowsThreeCtas, 64 rows of 4 warps
+        # with Q in registers (sm90's 227 KB takes the same); at 99 KB (sm86) Hd64Rows, 128 rows of 4 warps of 32.
         for name, kw in ROW_TILE_CASES:
             cases.append(Case(f"d64-rows-{name}", 64, **kw))
             cases.append(Case(f"d64-rows-sm86-{name}", 64, max_smem=99 * 1024, **kw))

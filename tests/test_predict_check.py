@@ -108,9 +108,9 @@ def test_tile_tables_read_from_the_headers():
     assert pp.sm80_prefill_tile(t, 128, 227 * 1024) == "Hd128RowsSm90" and t["Hd128RowsSm90"]["branch_free_loads"] == 1
     assert pp.sm80_prefill_tile(t, 128, 163 * 1024) == "Hd128RowsSm80" and t["Hd128RowsSm80"]["block_m"] == 64
     assert pp.sm80_prefill_tile(t, 128, 99 * 1024) == "Hd128Rows"
-    # the hd64 prefill tile: 64 rows asking for three CTAs per SM where three fit an sm8x SM (sm80), else Hd64Rows
-    assert pp.sm80_prefill_tile(t, 64, 163 * 1024) == "Hd64RowsSm80" and t["Hd64RowsSm80"]["ctas_per_sm"] == 3
-    assert pp.sm80_prefill_tile(t, 64, 99 * 1024) == pp.sm80_prefill_tile(t, 64, 227 * 1024) == "Hd64Rows"
+    # the hd64 prefill tile: 64 rows asking for three CTAs per SM where three fit an SM (sm80, sm90), else Hd64Rows
+    assert pp.sm80_prefill_tile(t, 64, 163 * 1024) == pp.sm80_prefill_tile(t, 64, 227 * 1024) == "Hd64RowsThreeCtas"
+    assert t["Hd64RowsThreeCtas"]["ctas_per_sm"] == 3 and pp.sm80_prefill_tile(t, 64, 99 * 1024) == "Hd64Rows"
 
 
 def test_block_counts():

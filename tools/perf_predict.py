@@ -109,11 +109,10 @@ def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
 def sm80_prefill_tile(tiles: dict, hd: int, smem_cap: int) -> str:
     """The name of the tile choose_fwd_tile picks for a prefill problem: Hd{d}Rows, except at hd256 the staggered
     tile where two of them fit the per-block limit (sm90), at hd128 the branch-free-loads tile above sm8x's 163 KB
-    (sm90) and the 64-row tile where two of it fit (sm80), at hd64 the 64-row tile where three of it fit an sm8x
-    (sm80), and the Small one where Rows does not fit (sm86/89)."""
-    if (hd == 64 and "Hd64RowsSm80" in tiles and fit_per_sm(tiles["Hd64RowsSm80"], smem_cap, 3)
-            and smem_cap <= 163 * 1024):
-        return "Hd64RowsSm80"
+    (sm90) and the 64-row tile where two of it fit (sm80), at hd64 the 64-row tile where three of it fit (sm80,
+    sm90), and the Small one where Rows does not fit (sm86/89)."""
+    if hd == 64 and "Hd64RowsThreeCtas" in tiles and fit_per_sm(tiles["Hd64RowsThreeCtas"], smem_cap, 3):
+        return "Hd64RowsThreeCtas"
     if hd == 128 and "Hd128RowsSm90" in tiles and smem_cap > 163 * 1024:
         return "Hd128RowsSm90"
     if hd == 128 and "Hd128RowsSm80" in tiles and fit_per_sm(tiles["Hd128RowsSm80"], smem_cap):

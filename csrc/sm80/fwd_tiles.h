@@ -35,8 +35,8 @@ struct FwdTile {
   int branch_free_loads = 0;
   // > 0: the kernel's __launch_bounds__ asks for this many CTAs per SM, so ptxas holds each thread to 64K registers /
   // (threads x ctas_per_sm) and spills past that; 0 asks nothing (a prefill tile then takes up to 255). For the
-  // 64-row hd64 tile on cc 8.0: three CTAs of 4 warps (168 registers, 120 KB of 163) put three warps on each
-  // scheduler where two 255-register CTAs put two (fwd_tiles::Hd64RowsSm80).
+  // 64-row hd64 tile: three CTAs of 4 warps (168 registers, 120 KB of 163) put three warps on each
+  // scheduler where two 255-register CTAs put two (fwd_tiles::Hd64RowsThreeCtas).
   int ctas_per_sm = 0;
 
   constexpr int smem_bytes() const { return (block_m + 2 * stages * block_n) * head_dim * 2; }
@@ -57,12 +57,12 @@ SINKATTN_FWD_TILE(Hd64FewSmall, 64, 64, 128, 4, 2);       // 72 KB, 32 KB in fli
 // ldmatrix traffic per FLOP of 8 warps of 16 rows). 255 registers, no spill since the element mask compares
 // against per-row bounds (TileMask::apply); before, it spilled 24-32 bytes on sm_90.
 SINKATTN_FWD_TILE(Hd64Rows, 64, 128, 64, 4);              // 48 KB
-// 64 rows of 4 warps, Q in registers, three CTAs per SM (40 KB each; 168 registers): where a block may take 163 KB
-// (cc 8.0). Each scheduler then runs three warps of three CTAs, one's exponentials under another's MMAs, where
-// Hd64Rows' two warps (two CTAs) leave the tensor pipe idle through each one's softmax. By the SASS model on an
-// A100 (sm_80: 167 registers, no spill), 2 x 8192 full / causal: 166 / 154 -> 173 / 164 TFLOP/s (FA2 183 / 155), now
-// bound by ldmatrix reads (16 rows a warp). Not on sm90: its sm_90 SASS spills 20 bytes at this cap (outside the loop).
-SINKATTN_FWD_TILE(Hd64RowsSm80, 64, 64, 64, 4, 2, 1, 1, 0, 0, 3);  // 40 KB: sm80
+// 64 rows of 4 warps, Q in registers, three CTAs per SM (40 KB each; 168 registers): where an SM holds three (cc 8.0
+// and 9.0). Each scheduler then runs three warps of three CTAs, one's exponentials under another's MMAs, where
+// Hd64Rows' two warps (two CTAs) leave the tensor pipe idle through each one's softmax. By the SASS model, 2 x 8192
+// full / causal: on an A100 (sm_80, 164 registers, no spill) 166 / 154 -> 178 / 169 TFLOP/s (FA2 183 / 155), bound by
+// ldmatrix reads (16 rows a warp); on an H200 (sm_90, 168, no spill) 290 / 274 -> 297 / 280 (FA2 284 / 286).
+SINKATTN_FWD_TILE(Hd64RowsThreeCtas, 64, 64, 64, 4, 2, 1, 1, 0, 0, 3);  // 40 KB: sm80, sm90
 // Head dim 128. Key groups: 16 (32) keys per warp per block. Big: two CTAs fit an sm90 SM (228 KB).
 SINKATTN_FWD_TILE(Hd128Keys4, 128, 16, 64, 4, 3, 4);      // 100 KB: sm80, sm90
 SINKATTN_FWD_TILE(Hd128Keys4Small, 128, 16, 64, 4, 2, 4); // 68 KB
@@ -98,7 +98,7 @@ SINKATTN_FWD_TILE(Hd256Staggered, 256, 64, 64, 4, 1);     // 96 KB: sm90
 // others (decode) once, softcap a run-time flag (fwd_config.h).
 template <class Tile> inline constexpr bool kComputeBound = false;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64Rows> = true;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64RowsSm80> = true;
+template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64RowsThreeCtas> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128RowsSm90> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128RowsSm80> = true;
@@ -115,7 +115,7 @@ struct TileList {};
 template <int kHeadDim> struct FwdTilesOf;
 template <> struct FwdTilesOf<64> {
   using type = TileList<fwd_tiles::Hd64Keys4, fwd_tiles::Hd64Keys2, fwd_tiles::Hd64Keys2Small, fwd_tiles::Hd64Few,
-                        fwd_tiles::Hd64FewSmall, fwd_tiles::Hd64Rows, fwd_tiles::Hd64RowsSm80>;
+                        fwd_tiles::Hd64FewSmall, fwd_tiles::Hd64Rows, fwd_tiles::Hd64RowsThreeCtas>;
 };
 template <> struct FwdTilesOf<128> {
   using type = TileList<fwd_tiles::Hd128Keys4, fwd_tiles::Hd128Keys4Small, fwd_tiles::Hd128Keys2,
@@ -171,8 +171,8 @@ constexpr FwdTile choose_fwd_tile(int head_dim, FwdShape s, int max_smem) {
     if (key_groups == 4) return Hd64Keys4::tile;
     if (key_groups == 2) return fit(Hd64Keys2::tile, Hd64Keys2Small::tile);
     if (few_rows) return fit(Hd64Few::tile, Hd64FewSmall::tile);
-    // Three 64-row CTAs where an sm8x SM holds them (cc 8.0; cc 8.6 / 8.9 hold two of them, half Hd64Rows' rows).
-    if (max_smem <= 163 * 1024 && fits_per_sm(Hd64RowsSm80::tile, max_smem, 3)) return Hd64RowsSm80::tile;
+    // Three 64-row CTAs where an SM holds them (cc 8.0, 9.0; cc 8.6 / 8.9 hold two of them, half Hd64Rows' rows).
+    if (fits_per_sm(Hd64RowsThreeCtas::tile, max_smem, 3)) return Hd64RowsThreeCtas::tile;
     return Hd64Rows::tile;
   }
   if (head_dim == 128) {
