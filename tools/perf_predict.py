@@ -84,10 +84,10 @@ def fwd_smem(t: dict) -> int:
     return (t["block_m"] + 2 * t["stages"] * t["block_n"]) * t["head_dim"] * 2
 
 
-def fit_per_sm(t: dict, smem_cap: int, ctas: int = 2) -> bool:
+def fits_per_sm(t: dict, smem_cap: int, ctas: int) -> bool:
     """Whether the per-block limit says an SM holds `ctas` CTAs of this tile (1 KB reserved per CTA): choose_fwd_tile's
-    test for the tiles that want two CTAs per SM (sm90's hd256 staggered tile, sm80's 64-row hd128 tile) or three
-    (sm80's 64-row hd64 tile)."""
+    fits_per_sm, for the tiles that want two CTAs per SM (sm90's hd256 staggered tile, sm80's 64-row hd128 tile) or
+    three (the 64-row hd64 tile, sm80 and sm90)."""
     return smem_cap >= ctas * (fwd_smem(t) + 1024)
 
 
@@ -96,7 +96,7 @@ def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
     kg = 4 if rows <= 16 else 2 if rows <= 32 else 1
     if hd == 256 and (kg != 4 or fwd_smem(tiles["Hd256Keys4"]) > smem_cap):
         # no two-group tile at hd256: 64 rows, staggered where two CTAs fit (sm90), else double-buffered
-        if fit_per_sm(tiles["Hd256Staggered"], smem_cap):
+        if fits_per_sm(tiles["Hd256Staggered"], smem_cap, 2):
             return "Hd256Staggered"
         return "Hd256Few" if fwd_smem(tiles["Hd256Few"]) <= smem_cap else "Hd256RowsSmall"
     base = {4: "Keys4", 2: "Keys2", 1: "Few"}[kg]
@@ -111,13 +111,13 @@ def sm80_prefill_tile(tiles: dict, hd: int, smem_cap: int) -> str:
     tile where two of them fit the per-block limit (sm90), at hd128 the branch-free-loads tile above sm8x's 163 KB
     (sm90) and the 64-row tile where two of it fit (sm80), at hd64 the 64-row tile where three of it fit (sm80,
     sm90), and the Small one where Rows does not fit (sm86/89)."""
-    if hd == 64 and "Hd64RowsThreeCtas" in tiles and fit_per_sm(tiles["Hd64RowsThreeCtas"], smem_cap, 3):
+    if hd == 64 and "Hd64RowsThreeCtas" in tiles and fits_per_sm(tiles["Hd64RowsThreeCtas"], smem_cap, 3):
         return "Hd64RowsThreeCtas"
     if hd == 128 and "Hd128RowsSm90" in tiles and smem_cap > 163 * 1024:
         return "Hd128RowsSm90"
-    if hd == 128 and "Hd128RowsSm80" in tiles and fit_per_sm(tiles["Hd128RowsSm80"], smem_cap):
+    if hd == 128 and "Hd128RowsSm80" in tiles and fits_per_sm(tiles["Hd128RowsSm80"], smem_cap, 2):
         return "Hd128RowsSm80"
-    if hd == 256 and "Hd256Staggered" in tiles and fit_per_sm(tiles["Hd256Staggered"], smem_cap):
+    if hd == 256 and "Hd256Staggered" in tiles and fits_per_sm(tiles["Hd256Staggered"], smem_cap, 2):
         return "Hd256Staggered"
     name = f"Hd{hd}Rows"
     if name in tiles and fwd_smem(tiles[name]) > smem_cap and f"{name}Small" in tiles:
