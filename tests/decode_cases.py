@@ -61,6 +61,9 @@ DECODE_CASES = [
                                  capacity=200, lens=(150, 37, 0))),
     ("gqa8-paged16-split2", dict(h=8, hk=1, sq=1, sn=1, causal=True, page_size=16, capacity=320, lens=(300, 3, 129),
                                  num_splits=2)),
+    # Pages of 48 rows (not a power of two) under the decode tile's 128-key blocks: interior blocks row by row from
+    # their pages, each row's page and slot by division (KvLoader::load_paged_rows).
+    ("gqa8-paged48-divisions", dict(h=8, hk=1, sq=1, sn=1, causal=True, page_size=48, capacity=336, lens=(300, 129, 2))),
     # Speculative decoding's shape: 3 queries x 8 heads = 24 rows (two key groups of two warps).
     ("gqa8-3queries-paged16-split2", dict(h=8, hk=1, sq=3, sn=3, causal=True, page_size=16, capacity=200,
                                           lens=(150, 5, 0), num_splits=2)),

@@ -47,18 +47,21 @@ struct KvLoader {
         block_in_page(!pages || p_.page_size % kBlockN == 0) {}
 
   // Key j's offset from *_seq: in a paged cache slot j % page_size of page pages[j / page_size] (shifts for the
-  // usual power-of-two page sizes).
+  // usual power-of-two page sizes). The contiguous return has a line of its own, apart from the test every call runs:
+  // the line counts tools/perf_counts.py weighs SASS blocks by then tell the two sides apart.
   SA_DEVICE int64_t offset(int64_t page_stride, int64_t row_stride, int j) const {
-    if (!pages) return int64_t(j) * row_stride;
-    int const page = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
-    int const slot = p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size;
-    return int64_t(pages[page]) * page_stride + int64_t(slot) * row_stride;
+    if (pages) {
+      int const page = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
+      int const slot = p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size;
+      return int64_t(pages[page]) * page_stride + int64_t(slot) * row_stride;
+    }
+    return int64_t(j) * row_stride;
   }
 
   // Key block n into stage s of the K stages at stage_k and the V stages at stage_v, by thread tid. Interior
   // blocks in a contiguous cache or inside one page load as whole tiles (load_tile): a block offset and
   // unpredicated copies. Decode tiles over pages smaller than a block load them row by row from their pages,
-  // still without bounds or zero-fill (load_rows<kWhole>; in the 255-register prefill tiles this third path made
+  // still without bounds or zero-fill (load_paged_rows; in the 255-register prefill tiles this third path made
   // ptxas spill, so they take the checked load_rows there). The last block and a head dim below the kernel's go
   // through load_rows, row by row with bounds and zero-fill.
   SA_DEVICE void operator()(int n, int s, Cache* stage_k, Cache* stage_v, int tid) const {
@@ -75,6 +78,36 @@ struct KvLoader {
     auto tXsX = thr.partition_D(make_tensor(make_smem_ptr(stage_kv + s * cosize_v<Stage>), Stage{}));
     int64_t const row_stride = kK ? p.k_row_stride : p.v_row_stride;
     load_tile_if<Load>(pred, tXsX, tKVcKV, kK ? k_seq : v_seq, n * kBlockN, row_stride);
+  }
+  // Interior block n (first key j0) of a paged cache whose pages are smaller than a block (decode tiles; a
+  // contiguous cache's interior blocks load as whole tiles): every row valid, each in a slot of its own page. A
+  // thread's rows are a pass of kNThreads / (threads per row) rows apart, so at pages of 16 each is in another page.
+  // Their page numbers are read first, all of them, then K's and V's copies use them: one block-table latency per
+  // block, where a lookup per row and tensor (offset()) put each row's copy behind its own load of the block table,
+  // 16 of them in a row at hd64 (a branch between each: ptxas could not hoist them).
+  template <bool kK, bool kV, class TK, class TV, class TC, class Vec>
+  SA_DEVICE void load_paged_rows(int j0, TK&& tKsK, TV&& tVsV, TC const& tKVcKV, Vec const& vec) const {
+    typename Load::GmemTiledCopyLoad copy_atom;
+    constexpr int kRows = decltype(size<1>(tKVcKV))::value;
+    int page[kRows], slot[kRows];
+    CUTE_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+      int const j = j0 + get<0>(tKVcKV(0, m, 0));
+      page[m] = pages[p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size];
+      slot[m] = p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size;
+    }
+    auto rows = [&](auto&& tXsX, Cache const* seq, int64_t page_stride, int64_t row_stride) {
+      CUTE_UNROLL
+      for (int m = 0; m < kRows; ++m) {
+        Cache const* row = seq + int64_t(page[m]) * page_stride + int64_t(slot[m]) * row_stride;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tXsX); ++k) {
+          copy(copy_atom, make_tensor(make_gmem_ptr(row + get<1>(tKVcKV(0, m, k))), vec), tXsX(_, m, k));
+        }
+      }
+    };
+    if constexpr (kK) rows(tKsK, k_seq, p.k_batch_stride, p.k_row_stride);
+    if constexpr (kV) rows(tVsV, v_seq, p.v_batch_stride, p.v_row_stride);
   }
   // K only, or V only: the staggered tiles (fwd_tiles.h, stages 1) load a block's K and V at different points of
   // the loop (fwd_kernel.h).
@@ -93,8 +126,7 @@ struct KvLoader {
       if constexpr (kK) load_tile<Load>(tKsK, tKVcKV, vec, k_row(0), p.k_row_stride);
       if constexpr (kV) load_tile<Load>(tVsV, tKVcKV, vec, v_row(0), p.v_row_stride);
     } else if (!kComputeBound<typename Kt::TileTag> && n < whole_blocks) {
-      if constexpr (kK) load_rows<Load, true>(tKsK, tKVcKV, vec, kBlockN, kHeadDim, k_row);
-      if constexpr (kV) load_rows<Load, true>(tVsV, tKVcKV, vec, kBlockN, kHeadDim, v_row);
+      load_paged_rows<kK, kV>(j0, tKsK, tVsV, tKVcKV, vec);
     } else {
       if constexpr (kK) load_rows<Load>(tKsK, tKVcKV, vec, seqlen_k - j0, p.headdim, k_row);
       if constexpr (kV) load_rows<Load>(tVsV, tKVcKV, vec, seqlen_k - j0, p.headdim, v_row);

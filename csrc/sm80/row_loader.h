@@ -12,20 +12,19 @@ using namespace cute;
 // may sit anywhere (pages of a paged cache, query heads of a GQA-packed tile). Vectors outside the valid rows
 // or beyond the real head dim are zero-filled in shared memory: K/V tails then give finite scores (masked
 // later) and zero contributions, whatever lies past the end of the tensors. vec is the layout of one
-// 16-byte vector (contiguous columns). kWhole: the caller knows every row is valid and every column within the
-// head dim (interior blocks over pages smaller than a block), so no test and no zero-fill is compiled.
-template <class Kt, bool kWhole = false, class TS, class TC, class Vec, class RowPtr>
+// 16-byte vector (contiguous columns).
+template <class Kt, class TS, class TC, class Vec, class RowPtr>
 SA_DEVICE void load_rows(TS&& tXsX, TC const& tXcX, Vec const& vec, int valid_rows, int headdim, RowPtr const& row_ptr) {
   typename Kt::GmemTiledCopyLoad tiled_copy;
   CUTE_UNROLL
   for (int m = 0; m < size<1>(tXsX); ++m) {
     int const r = get<0>(tXcX(0, m, 0));
-    bool const row_ok = kWhole || r < valid_rows;
+    bool const row_ok = r < valid_rows;
     auto const* src = row_ok ? row_ptr(r) : nullptr;
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tXsX); ++k) {
       int const c = get<1>(tXcX(0, m, k));
-      if (kWhole || (row_ok && c < headdim)) {
+      if (row_ok && c < headdim) {
         copy(tiled_copy, make_tensor(make_gmem_ptr(src + c), vec), tXsX(_, m, k));
       } else {
         Kt::Prims::zero_fill(tXsX(_, m, k));
