@@ -233,6 +233,10 @@ def test_grids_are_well_formed():
     assert {c.sink_tokens for c in st} == {4, 16} and {c.window_left + 1 for c in st} == {128, 1024, 4096}
     dec = grids.get("decode")
     assert {c.paged for c in dec} == {True, False}
+    # the check grid times vLLM's page size too, under a name of its own
+    check_paged = {c.page_size: c.variant for c in grids.get("check") if c.kind == "decode" and c.paged}
+    assert check_paged == {256: "decode/fwd/hd64/h64kv8/causal/sinks/paged",
+                           16: "decode/fwd/hd64/h64kv8/causal/sinks/paged16"}
     assert all(2 * c.batch * c.seqlen_k * c.nheads_k * c.headdim * 2 <= grids.DECODE_KV_BYTES for c in dec)
     with pytest.raises(ValueError, match="unknown grid"):
         grids.get("nope")

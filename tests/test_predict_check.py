@@ -193,6 +193,22 @@ def test_a_decode_row_reads_the_counts_of_its_own_kind_of_cache(tmp_path):
     assert pp.counts_mismatch(str(d), pm.DEVICES["h200"], "decode 16") is None
 
 
+def test_a_measured_paged_row_is_costed_on_its_own_page_size(tmp_path):
+    """A paged decode row of results.csv keeps its page size: the check grid's page-16 row reads a page-16 step's
+    counts, its page-256 row a page-256 step's (before, both were costed as a contiguous cache)."""
+    rows = []
+    for ps, name in ((16, "paged16"), (256, "paged")):
+        r = _row("sinkattn", "sm80", gbps="3000", kind="decode", variant=f"decode/fwd/hd64/h64kv8/causal/sinks/{name}")
+        rows.append({**r, "paged": "True", "page_size": ps})
+    with open(tmp_path / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS + ["paged", "page_size"])
+        w.writeheader()
+        w.writerows(rows)
+    base = str(tmp_path / "perf_counts")
+    got = [pp.decode_counts(base, r["case"]) for r in pc.measured_rows(str(tmp_path / "results.csv"))]
+    assert got == [base + "_decode_p16", base + "_decode_p256"]
+
+
 def test_fa2_figure_only_for_what_fa2_runs(tmp_path, monkeypatch):
     """--fa2 puts FA2's predicted figure beside dense attention rows only (the rows FA2's cubins are costed on: no
     window, sink tokens or GQA), and asks for the hd256 backward by FA2's own instance (Is_even_MN off above hd128)."""

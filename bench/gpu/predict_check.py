@@ -47,7 +47,8 @@ def measured_rows(csv_path: str) -> list[dict]:
             except (TypeError, ValueError):
                 continue
             case = {k: r.get(k) for k in ("kind", "mode", "batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k",
-                                          "headdim", "window_left", "window_right", "sink_tokens", "variant", "id")}
+                                          "headdim", "window_left", "window_right", "sink_tokens", "paged",
+                                          "page_size", "variant", "id")}
             case["causal"] = str(r.get("causal")).lower() in ("true", "1")
             case["kv_dtype"] = "fp8" if "fp8" in (r.get("variant") or "") else "auto"
             if r.get("dtype") not in (None, "", "bf16"):

@@ -83,7 +83,8 @@ class Case:
         """What the plot lines of one panel share: everything but the sequence length and batch."""
         s = f"{self.kind}/{self.mode}/hd{self.headdim}/h{self.nheads}kv{self.nheads_k}/{self.mask_name}"
         s += "/sinks" if self.sinks else ""
-        s += "/paged" if self.paged else ""
+        # pages of 256, the grids' default, keep the bare name of the rows measured so far; other sizes say theirs
+        s += ("/paged" if self.page_size == 256 else f"/paged{self.page_size}") if self.paged else ""
         s += "/det" if self.deterministic else ""
         s += f"/{self.kv_dtype}" if self.kv_dtype != "auto" else ""
         return s
@@ -191,6 +192,10 @@ def check() -> list[Case]:
         for b, sk in ((1, 8192), (64, 8192), (64, 32768)):
             cases.append(Case(g, "decode", "fwd", b, 1, sk, 64, 8, 64, "bf16", causal=True, window_right=0,
                               sinks=True, paged=paged, page_size=256, skip=noflex))
+    # vLLM's page size (its FlashAttention backends' 16): each 128-key block of the sm80 decode tile spans 8 pages
+    for sk in (8192, 32768):
+        cases.append(Case(g, "decode", "fwd", 64, 1, sk, 64, 8, 64, "bf16", causal=True, window_right=0, sinks=True,
+                          paged=True, page_size=16, skip=noflex))
     for mode in ("fwd", "bwd"):
         for causal in (False, True):
             for s in (2048, 8192):
