@@ -27,7 +27,8 @@ COLD = [
     # Interior tiles (key blocks of the forward, Q/dO tiles of the backward) load through load_tile; load_rows
     # and its zero-fill serve the tail tile, small pages and padded head dims only.
     ("sm80/row_loader.h", r"SA_DEVICE void load_rows\(", 15, "load_rows: tail tiles, small pages, padded head dims"),
-    ("sm80/kv_loader.h", r"if \(pages\) \{", 5, "KvLoader::offset: the row loader's per-row offsets, paged K/V"),
+    ("sm80/kv_loader.h", r"if \(pages\) \{", 4, "KvLoader::offset: the row loader's per-row offsets, paged K/V"),
+    ("sm80/kv_loader.h", r"SA_DEVICE int page_of\(int j\)", 1, "KvLoader::page_of / slot_of: paged K/V"),
     ("sm80/fwd_kernel.h", r"if \(!warp_active\) \{", 3, "warps without real rows"),
     ("common/online_softmax.h", r"acc\(i\) = cap \* tanhf", 0, "softcap (forward)"),
     ("common/online_softmax.h", r"float const t = tanhf\(x \* tanh_in\)", 3, "softcap (backward)"),

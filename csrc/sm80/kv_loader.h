@@ -51,12 +51,14 @@ struct KvLoader {
   // the line counts tools/perf_counts.py weighs SASS blocks by then tell the two sides apart.
   SA_DEVICE int64_t offset(int64_t page_stride, int64_t row_stride, int j) const {
     if (pages) {
-      int const page = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
-      int const slot = p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size;
-      return int64_t(pages[page]) * page_stride + int64_t(slot) * row_stride;
+      int const page = page_of(j);
+      return int64_t(pages[page]) * page_stride + int64_t(slot_of(j)) * row_stride;
     }
     return int64_t(j) * row_stride;
   }
+  // Key j's page in the sequence's row of the block table, and its slot in that page.
+  SA_DEVICE int page_of(int j) const { return p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size; }
+  SA_DEVICE int slot_of(int j) const { return p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size; }
 
   // Key block n into stage s of the K stages at stage_k and the V stages at stage_v, by thread tid. Interior
   // blocks in a contiguous cache or inside one page load as whole tiles (load_tile): a block offset and
@@ -93,8 +95,8 @@ struct KvLoader {
     CUTE_UNROLL
     for (int m = 0; m < kRows; ++m) {
       int const j = j0 + get<0>(tKVcKV(0, m, 0));
-      page[m] = pages[p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size];
-      slot[m] = p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size;
+      page[m] = pages[page_of(j)];
+      slot[m] = slot_of(j);
     }
     auto rows = [&](auto&& tXsX, Cache const* seq, int64_t page_stride, int64_t row_stride) {
       CUTE_UNROLL
