@@ -406,3 +406,24 @@ def test_warps_of_one_cta_leave_a_cta_barrier_together():
     assert coupled >= tensor + 60 and free <= coupled - 60
     named, idx_named = loop_with("BAR.SYNC.DEFER_BLOCKING 0x1")
     assert pm.simulate(named, idx_named, dev, 2, iters=16, cta_warps=2) == pytest.approx(free)
+
+
+def test_phased_cycles_average_two_ctas_starts_and_leave_one_cta_alone(monkeypatch):
+    """PERF_PHASES: warps of two CTAs, started apart, keep apart; phased_cycles is the mean of those starts' runs.
+    One CTA's warps start together whatever PHASES says; PHASES=0 is the in-phase run alone."""
+    import perf_model as pm
+    dev = pm.DEVICES["h200"]
+    ops = ["HMMA.16816.F32.BF16 R0, R4, R8, R0"] * 10 + ["IADD3 R1, R1, 0x1, RZ"] * 60
+    text = "\tcode for sm_90\n\t\tFunction : _Z4loopv\n" + "".join(_timed(16 * a, t, 1) for a, t in enumerate(ops))
+    text += _timed(16 * len(ops), "@P3 BRA 0x0", 5) + _timed(16 * len(ops) + 16, "EXIT", 5)
+    (insns,) = sass.parse_sass(text, default_arch="sm_90").values()
+    idx = sass.hot_loop(insns)[0]
+    t0 = pm.simulate(insns, idx, dev, 2, cta_warps=1)
+    apart = pm.simulate(insns, idx, dev, 2, cta_warps=1, start=[0.0, t0 / 2])
+    assert apart < t0  # one warp's integer phase under the other's MMAs
+    monkeypatch.setattr(pm, "PHASES", 0)
+    assert pm.phased_cycles(insns, idx, dev, 2, 1) == t0
+    monkeypatch.setattr(pm, "PHASES", 2)
+    runs = [pm.simulate(insns, idx, dev, 2, cta_warps=1, start=[0.0, 1 + t0 * f]) for f in (0.25, 0.75)]
+    assert pm.phased_cycles(insns, idx, dev, 2, 1) == pytest.approx(sum(runs) / 2)
+    assert pm.phased_cycles(insns, idx, dev, 2, 2) == pm.simulate(insns, idx, dev, 2, cta_warps=2)

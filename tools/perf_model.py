@@ -268,7 +268,8 @@ def loop_cost(insns: list[sass.Insn], idx: list[int], dev: Device) -> LoopCost:
     return c
 
 
-def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters: int = 3, cta_warps: int = 1) -> float:
+def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters: int = 3, cta_warps: int = 1,
+             start: list[float] | None = None) -> float:
     """Per-warp event simulation of one SMSP: w warps walk the loop's instructions; a warp issues when its previous
     instruction's stall count has passed, the scoreboards it waits on are released (producer issue + the device's
     latency of that class; HGMMA: its tensor time) and the instruction's pipe is free; one instruction per cycle,
@@ -277,7 +278,8 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
     after the barrier's latency (the other SMSPs' warps of the CTA run the same code and arrive alike). Without it,
     an 8-warp CTA's two warps on an SMSP drift apart, one warp's softmax and copies hiding under the other's MMAs as
     two CTAs' warps do; with it, they start every iteration together. Returns the steady-state cycles of one
-    iteration of all w warps (the last iterations' mean)."""
+    iteration of all w warps (the last iterations' mean). start: the cycle each warp issues its first instruction
+    (default: warp k at cycle k, all in phase)."""
     loop = [insns[i] for i in idx]
     cost = []
     for ins in loop:
@@ -292,7 +294,7 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
     # __syncthreads (barrier 0, every thread of the CTA), not the named barriers of warp-specialized kernels
     cta_bar = [ins.base == "BAR" and ".SYNC" in ins.op and ins.args.strip() in ("0x0", "0") for ins in loop]
     pc = [0] * w
-    ready_at = [float(k) for k in range(w)]
+    ready_at = [float(x) for x in start] if start else [float(k) for k in range(w)]
     sb = [[0.0] * 6 for _ in range(w)]
     free = {}
     last = [0.0] * w
@@ -382,8 +384,32 @@ class Kernel:
         cta_warps = max(1, min(max(1, w), cta_warps))
         key = (w, dev.name, dev.hmma, cta_warps)
         if key not in self._sim:
-            self._sim[key] = simulate(self.insns, self.idx, dev, max(1, w), cta_warps=cta_warps)
+            self._sim[key] = phased_cycles(self.insns, self.idx, dev, max(1, w), cta_warps)
         return self._sim[key]
+
+
+# Warps of different CTAs on one SMSP share no barrier, so nothing sets their relative phase: the simulation keeps
+# whichever it starts with. HEAD's hd128 sm80 forward at two CTAs per SM (A100) takes 3236 cycles per key block started
+# in phase, 2929 / 2952 / 2680 started 300 / 800 / 1500 cycles apart, the same after 3, 6 or 12 iterations; FA2's
+# 128 x 64 loop 6170 against 5474-5946. PERF_PHASES=N (N > 0) averages a kernel's time over N starts, CTA g's warps
+# offset by (g x (s + 1/2) / N mod 1) of the in-phase iteration, where an SMSP holds warps of more than one CTA.
+# Off by default: on 4d9dcbd's rows (docs/internals.md) it takes the hd128 ratios' errors from +6..+12% to +0..+6% but
+# the hd64 ones from +7..+15% to +16..+22% and hd256 from -8..-13% to -14..-16%, so the phase the warps keep on a GPU
+# is not known from these points. It is the spread to read beside a two-CTA kernel's figure.
+PHASES = int(os.environ.get("PERF_PHASES", "0"))
+
+
+def phased_cycles(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, cta_warps: int) -> float:
+    """simulate()'s cycles per iteration of w warps on one SMSP, cta_warps of them per CTA, averaged over the CTAs'
+    relative phases (PHASES, above)."""
+    t0 = simulate(insns, idx, dev, w, cta_warps=cta_warps)
+    ctas = math.ceil(w / cta_warps)
+    if ctas < 2 or PHASES < 1:
+        return t0
+    runs = [simulate(insns, idx, dev, w, cta_warps=cta_warps,
+                     start=[k + t0 * ((k // cta_warps) * (s + 0.5) / PHASES % 1.0) for k in range(w)])
+            for s in range(PHASES)]
+    return sum(runs) / len(runs)
 
 
 def iteration_time_s(k: Kernel, dev: Device, ctas: int) -> tuple[float, str, float]:

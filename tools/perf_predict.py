@@ -178,10 +178,13 @@ class Kernels:
 
     def cubin_with(self, fn: str) -> str:
         """The cubin of this file (for the device's arch) that holds kernel fn: nvdisasm -gi reads cubins only."""
+        import atexit
+        import shutil
         import tempfile
         import perf_counts
         if not hasattr(self, "_cubins"):
             self._dir = tempfile.mkdtemp(prefix="sinkattn-cubins-")
+            atexit.register(shutil.rmtree, self._dir, ignore_errors=True)  # one per object read; each run left them
             perf_counts.cubin_of(self.path, self.dev.arch, self._dir)  # extracts every cubin of the file
             self._cubins = sorted(os.path.join(self._dir, f) for f in os.listdir(self._dir)
                                   if f.endswith(f".{self.dev.arch.rstrip('a')}.cubin"))
