@@ -245,3 +245,21 @@ def test_the_tool_picks_the_tiles_the_kernels_pick():
                 name = pp.sm80_decode_tile(t, hd, rows, kb * 1024) if rows <= 64 else pp.sm80_prefill_tile(t, hd, kb * 1024)
                 want = C.fwd_tile(hd, rows, False, kb * 1024)
                 assert {f: t[name][f] for f in fields} == {f: want[f] for f in fields}, (hd, rows, kb, name)
+
+
+def test_a_third_table_averages_the_ctas_phases_and_restores_the_default(tmp_path, bench_out, monkeypatch, capsys):
+    """With line counts, run() prints the profile rows twice: as the model's default (in phase) and with
+    perf_model.PHASES = 4, which it sets back afterwards."""
+    import perf_model as pm
+    so = tmp_path / "_C.so"
+    so.write_bytes(b"")
+    monkeypatch.setattr(pm, "PHASES", 0)
+    monkeypatch.setattr(pp, "Kernels", lambda path, dev: None)
+    monkeypatch.setattr(pc, "counts_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(pp, "predict_case", lambda ks, case, fam, counts_dir=None: {
+        "value": 100.0 + (pm.PHASES if counts_dir else 50), "note": "fake"})
+    pc.run(str(bench_out), str(so), "a100")
+    out = capsys.readouterr().out
+    first, profile, phased = out.split("prediction vs measurement")[1:]
+    assert "| 150 |" in first and "| 100 |" in profile and "| 104 |" in phased and "PERF_PHASES=4" in profile
+    assert pm.PHASES == 0

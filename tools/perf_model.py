@@ -382,7 +382,7 @@ class Kernel:
         if cta_warps is None:
             cta_warps = math.ceil(self.loop_warps / 4) if CTA_BARRIERS else 1
         cta_warps = max(1, min(max(1, w), cta_warps))
-        key = (w, dev.name, dev.hmma, cta_warps)
+        key = (w, dev.name, dev.hmma, cta_warps, PHASES)
         if key not in self._sim:
             self._sim[key] = phased_cycles(self.insns, self.idx, dev, max(1, w), cta_warps)
         return self._sim[key]

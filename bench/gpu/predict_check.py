@@ -7,7 +7,8 @@ through tools/perf_predict.py on the installed extension's SASS (cuobjdump from 
 per measured sinkattn row it can predict: predicted | measured | ratio (measured / predicted). Rows: the
 `sinkattn-sm80` comparator (the sm80 kernels) and the `sinkattn` comparator on the family its `backend` column names.
 With line counts of the emulated kernels (counts_dir: `make gpu-prebuilt` packs them) a second table costs the sm80
-prefill and backward rows by the `profile` rule, the one bench/RESULTS.md's sm80 predictions use.
+prefill and backward rows by the `profile` rule, the one bench/RESULTS.md's sm80 predictions use, and a third the
+same rows with the relative phases of two CTAs' warps averaged (perf_model.PHASES), which the GPU's figures decide.
 
 It never fails the round: on any error it prints why and exits 0 (the GPU's time is for the measurements; the model
 is checked by reading this table).
@@ -140,6 +141,15 @@ def run(out_dir: str, so: str | None, device: str | None) -> None:
         print(f"\nthe same rows by the emulated kernel's line counts ({counts}; --path profile):")
         print(render(table(rows, lambda case, fam: pp.predict_case(ks, case, fam, counts_dir=counts)),
                      model_commit(), dev.name))
+        # The model keeps two CTAs' warps in the phase it starts them in; which one a GPU keeps is open
+        # (docs/internals.md, "The warps' phase"): the same rows with the phases averaged, to read beside the above.
+        print("\nthe same, the phases of two CTAs' warps on a scheduler averaged (PERF_PHASES=4):")
+        saved, pm.PHASES = pm.PHASES, 4
+        try:
+            print(render(table(rows, lambda case, fam: pp.predict_case(ks, case, fam, counts_dir=counts)),
+                         model_commit(), dev.name))
+        finally:
+            pm.PHASES = saved
 
 
 def main(argv=None) -> int:
