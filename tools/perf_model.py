@@ -11,7 +11,8 @@ most HMMA/HGMMA) is costed per iteration on one SM sub-partition (SMSP: one warp
            wait, what is left of the producer's latency (the device's table) after the cycles issued since it
   T(W)     with W warps of the loop on each SMSP: max(W x issue, W x each pipe, chain), the bound reported; the
            time is simulate()'s, a per-warp event simulation over the same bits, a CTA's warps on one SMSP held
-           together at its __syncthreads
+           together at its __syncthreads; different CTAs' warps started in phase (PERF_PHASES=N averages N starts
+           spread over an iteration: phased_cycles)
 
 then occupancy (registers, shared memory, warps, CTAs per SM), wave quantization and the problem's iterations give
 the kernel's time. Memory-bound kernels (decode) are bounded by bytes in flight per SM between the waits on them

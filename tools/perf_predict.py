@@ -184,7 +184,7 @@ class Kernels:
         import perf_counts
         if not hasattr(self, "_cubins"):
             self._dir = tempfile.mkdtemp(prefix="sinkattn-cubins-")
-            atexit.register(shutil.rmtree, self._dir, ignore_errors=True)  # one per object read; each run left them
+            atexit.register(shutil.rmtree, self._dir, ignore_errors=True)  # extracted per object read: removed at exit
             perf_counts.cubin_of(self.path, self.dev.arch, self._dir)  # extracts every cubin of the file
             self._cubins = sorted(os.path.join(self._dir, f) for f in os.listdir(self._dir)
                                   if f.endswith(f".{self.dev.arch.rstrip('a')}.cubin"))
