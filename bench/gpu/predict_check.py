@@ -134,23 +134,25 @@ def run(out_dir: str, so: str | None, device: str | None) -> None:
     import perf_predict as pp
     dev = pm.DEVICES[device or device_of(out_dir)]
     ks = pp.Kernels(so, dev)
-    lines = table(rows, lambda case, fam: pp.predict_case(ks, case, fam))
-    print(render(lines, model_commit(), dev.name))
+    commit = model_commit()
+
+    def print_table(counts_dir=None):
+        print(render(table(rows, lambda case, fam: pp.predict_case(ks, case, fam, counts_dir=counts_dir)),
+                     commit, dev.name))
+
+    print_table()
     counts = counts_dir()
     if counts:  # the same rows by the profile rule (the sm80 prefill forward and backward), as bench/RESULTS.md
         print(f"\nthe same rows by the emulated kernel's line counts ({counts}; --path profile):")
-        print(render(table(rows, lambda case, fam: pp.predict_case(ks, case, fam, counts_dir=counts)),
-                     model_commit(), dev.name))
+        print_table(counts)
         # The model keeps two CTAs' warps in the phase it starts them in; which one a GPU keeps is open
         # (docs/internals.md, "The warps' phase"): the same rows with the phases averaged, to read beside the above.
         print("\nthe same, the phases of two CTAs' warps on a scheduler averaged (PERF_PHASES=4):")
         saved, pm.PHASES = pm.PHASES, 4
         try:
-            print(render(table(rows, lambda case, fam: pp.predict_case(ks, case, fam, counts_dir=counts)),
-                         model_commit(), dev.name))
+            print_table(counts)
         finally:
             pm.PHASES = saved
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
