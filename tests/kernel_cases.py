@@ -35,6 +35,10 @@ class Case:
     softcap: float = 0.0
     varlen: list | None = None   # [(seqlen_q, seqlen_k), ...] per sequence
     max_smem: int = 0            # 0 = the device's / sm80's limit; 99 KB picks the sm86 configuration
+    # > 0: key j scaled by 1 + key_gain * (seqlen_k - 1 - j) / 64. The kernels visit key blocks from the last
+    # down (common/mask.h), so each row's max rises from block to block as they go (the forward's lazy rebase,
+    # common/online_softmax.h: rises under and over its 2^8 bound). Not with varlen.
+    key_gain: float = 0.0
     tags: list = field(default_factory=list)
 
     def __str__(self):
@@ -68,6 +72,9 @@ def run_case(case: Case, backend: str, device: str, forward, seed: int | None = 
     if case.varlen is None:
         q = torch.randn(case.batch, case.seqlen_q, h, d, device=device, dtype=case.dtype)
         k = torch.randn(case.batch, case.seqlen_k, hk, d, device=device, dtype=case.dtype)
+        if case.key_gain:
+            gain = 1 + case.key_gain * torch.arange(case.seqlen_k - 1, -1, -1, device=device, dtype=torch.float32) / 64
+            k = (k.float() * gain[None, :, None, None]).to(case.dtype)
         v = torch.randn(case.batch, case.seqlen_k, hk, d, device=device, dtype=case.dtype)
         out, guard = _guarded_like(q)
         lse = torch.full((case.batch, h, case.seqlen_q), NAN, device=device)
@@ -76,6 +83,7 @@ def run_case(case: Case, backend: str, device: str, forward, seed: int | None = 
         base_out, base_lse = attention_oracle(q.cpu(), k.cpu(), v.cpu(), None if sinks is None else sinks.cpu(),
                                               compute_dtype=case.dtype, **kw)
     else:
+        assert not case.key_gain, "key_gain: not with varlen"
         lq = [a for a, _ in case.varlen]
         lk = [b for _, b in case.varlen]
         cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device=device)

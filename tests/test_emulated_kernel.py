@@ -32,6 +32,13 @@ ROW_TILE_CASES = (
     ("softcap-causal", dict(seqlen_q=97, seqlen_k=64, causal=True, softcap=30.0)),
     ("varlen", dict(varlen=[(70, 100), (3, 1), (129, 200), (0, 5)], causal=True)),
 )
+# Rows whose max rises from key block to key block: the tiles without S ahead move the running max lazily
+# (common/online_softmax.h rescale_lazy). Gently, most blocks' rises stay under its 2^8 bound, so P runs above 1
+# against a stale max and some warps rebase; steeply, every block rebases and a missed one overflows exp2.
+RISING_MAX_CASES = (
+    ("rising-max", dict(seqlen_q=100, seqlen_k=300, key_gain=2.0, sinks="random")),
+    ("rising-max-steep-causal", dict(seqlen_q=70, seqlen_k=260, key_gain=12.0, causal=True)),
+)
 
 
 def _cases():
@@ -58,13 +65,14 @@ def _cases():
                          ("softcap-causal", dict(seqlen_q=65, seqlen_k=64, causal=True, softcap=30.0)),
                          ("one-key", dict(seqlen_q=3, seqlen_k=1)),
                          ("q-longer-than-k-causal", dict(seqlen_q=90, seqlen_k=40, causal=True, sinks="random")),
-                         ("varlen", dict(varlen=[(70, 100), (3, 1), (129, 200), (0, 5)], causal=True))):
+                         ("varlen", dict(varlen=[(70, 100), (3, 1), (129, 200), (0, 5)], causal=True)),
+                         *RISING_MAX_CASES):
             cases.append(Case(f"d256-sm90-config-{name}", 256, max_smem=227 * 1024, **kw))
             cases.append(Case(f"d256-rows-{name}", 256, **kw))
     if (64, "bf16") in EMU:
         # The hd64 prefill tiles: at 163 KB per block (the default here) fwd_tiles.h Hd64RowsThreeCtas, 64 rows of 4 warps
         # with Q in registers (sm90's 227 KB takes the same); at 99 KB (sm86) Hd64Rows, 128 rows of 4 warps of 32.
-        for name, kw in ROW_TILE_CASES:
+        for name, kw in ROW_TILE_CASES + RISING_MAX_CASES:
             cases.append(Case(f"d64-rows-{name}", 64, **kw))
             cases.append(Case(f"d64-rows-sm86-{name}", 64, max_smem=99 * 1024, **kw))
         cases.append(Case("d64-sm86-few-rows-config", 64, seqlen_q=30, seqlen_k=300, nheads=4, nheads_k=2, causal=True,
@@ -72,6 +80,8 @@ def _cases():
     if (128, "bf16") in EMU:
         # The hd128 prefill tiles (fwd_tiles.h Hd128RowsSm80 at 163 KB per block, the default here: 64 rows of 4
         # warps; S of the next key block computed beside this one's softmax, K one block ahead of V).
+        for name, kw in RISING_MAX_CASES:  # the S-ahead loop rescales every block: a check of its range alone
+            cases.append(Case(f"d128-rows-{name}", 128, **kw))
         for name, kw in ROW_TILE_CASES:
             cases.append(Case(f"d128-rows-{name}", 128, **kw))
             # sm90's tile (227 KB per block, fwd_tiles.h Hd128RowsSm90): the same loop, interior K/V blocks through

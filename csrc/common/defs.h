@@ -14,8 +14,10 @@
 // compiler, as CuTe's CUTE_UNROLL does).
 #if defined(__CUDA_ARCH__)
 #define SA_UNROLL _Pragma("unroll")
+#define SA_NO_UNROLL _Pragma("unroll 1")
 #else
 #define SA_UNROLL
+#define SA_NO_UNROLL
 #endif
 
 namespace sinkattn {

@@ -3,12 +3,14 @@
 // - ScoreScale: what turns a raw dot product q.k into a score: softmax_scale, or with softcap
 //   s = softcap * tanh(softmax_scale * qk / softcap), then unscaled.
 // - OnlineSoftmax: per accumulator row, the running max of the scores seen (raw units: scale_log2 folds the
-//   scale into the exp2) and the running sum of exp(s - max); rescale() takes one key block's scores, finalize()
-//   adds the learnable sink once per row and gives the output scale and the LSE.
+//   scale into the exp2) and the running sum of exp(s - max); rescale() takes one key block's scores (rescale_lazy()
+//   too, moving the max only when it rises by more than 2^8), finalize() adds the learnable sink once per row and
+//   gives the output scale and the LSE.
 // - finalize_row: that last step on plain numbers (host tests call it through the extension).
 // The row reductions across the 4 lanes of a quad go through Shfl::shfl_xor, so the same code runs on the GPU
 // and under host emulation (emu/sm80_prims.h).
 #pragma once
+#include <cfloat>
 #include <cmath>
 #include "common/defs.h"
 
@@ -134,6 +136,61 @@ struct OnlineSoftmax {
       correction[r] = exp2f(row_max[r] * log2 - m_scaled);
       row_max[r] = m;
       row_sum[r] *= correction[r];
+      SA_UNROLL
+      for (int c = 0; c < int(size<1>(scores)); ++c) {
+        float const e = exp2f(scores(r, c) * log2 - m_scaled);
+        scores(r, c) = e;
+        row_sum[r] += e;
+      }
+    }
+  }
+
+  // How far (log2 units) a block's max may rise above the running max before rescale_lazy moves it: the block's
+  // exponentials are then at most 2^8, exact in fp32 sums and in bf16 / fp16 P (a relative precision that does
+  // not depend on magnitude; 256 is far from fp16's 65504).
+  static constexpr float kLazyRebaseLog2 = 8.f;
+
+  // rescale() that moves the running max only when some row of the warp needs it: when no row's block max rises
+  // more than kLazyRebaseLog2 above its running max, the block's exponentials are taken against the old max
+  // (p <= 2^8) and neither the sums nor O are rescaled, so the warp skips on_rebase (O's rescale: 128 FMULs a
+  // thread at hd256, 32 at hd64) on most key blocks past the first. Otherwise every row rebases as in rescale()
+  // and on_rebase(correction) rescales O. The math is the same: out and the LSE are a function of (max, sum)
+  // pairs that need any common reference, not the true max (docs/DESIGN.md section 1). Warp-uniform (a vote), so
+  // that skipping is a uniform branch; every lane of the warp must call it.
+  template <class Scores, class OnRebase>
+  SA_DEVICE void rescale_lazy(Scores& scores, float log2, OnRebase&& on_rebase) {
+    float m[kRows];
+    // The largest rise of a row's max over the block, raw units. A row without a key yet rises from the lowest
+    // finite float: the first visible key always moves its max, a block with none leaves it (-inf), no NaN.
+    float rise = -INFINITY;
+    SA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      m[r] = row_max[r];
+      SA_UNROLL
+      for (int c = 0; c < int(size<1>(scores)); ++c) m[r] = fmaxf(m[r], scores(r, c));
+      m[r] = quad_max<Shfl>(m[r]);
+      rise = fmaxf(rise, m[r] - (row_max[r] == -INFINITY ? -FLT_MAX : row_max[r]));
+    }
+    // A loop of 0 or 1 trips, not an `if`: ptxas if-converted the `if` into predicated instructions that every
+    // block issues (the 32 / 128 FMULs of O's rescale under @P0 in the hd64 / hd256 tiles' SASS, no branch), the
+    // work this is here to skip; it does not if-convert a loop. The trip count passes through Shfl::opaque so that
+    // the front end cannot bound it by 1 and turn the loop back into an `if`.
+    int rebases = Shfl::opaque(Shfl::any(rise * log2 > kLazyRebaseLog2) ? 1 : 0);
+    SA_NO_UNROLL
+    for (; rebases > 0; --rebases) {
+      float correction[kRows];
+      SA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float const m_scaled = m[r] == -INFINITY ? 0.f : m[r] * log2;
+        correction[r] = exp2f(row_max[r] * log2 - m_scaled);
+        row_max[r] = m[r];
+        row_sum[r] *= correction[r];
+      }
+      on_rebase(correction);
+    }
+    SA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float const m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * log2;
       SA_UNROLL
       for (int c = 0; c < int(size<1>(scores)); ++c) {
         float const e = exp2f(scores(r, c) * log2 - m_scaled);

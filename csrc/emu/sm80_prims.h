@@ -100,6 +100,8 @@ struct EmuPrims {
 
   static void sync_threads() { emu80::sync_threads(); }
   static float shfl_xor(float x, int lane_mask) { return emu80::shfl_xor(x, lane_mask); }
+  static bool any(bool x) { return emu80::any_sync(x); }
+  static int opaque(int x) { return x; }
   static void smem_store(float* p, float x) {
     on_smem_write(p, sizeof(float));
     *p = x;

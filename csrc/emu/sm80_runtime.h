@@ -170,6 +170,17 @@ inline float shfl_xor(float x, int lane_mask) {
   return buf[lane_id() ^ lane_mask];
 }
 
+// __any_sync over the whole warp: whether any lane's x is true.
+inline bool any_sync(bool x) {
+  float* buf = warp_slot();
+  buf[lane_id()] = x ? 1.f : 0.f;
+  sync_warp();
+  for (int lane = 0; lane < 32; ++lane) {
+    if (buf[lane] != 0.f) return true;
+  }
+  return false;
+}
+
 // Runs body(block_index, thread_index, smem) for every block of a 1-D grid with nthreads threads per block.
 inline void launch(int64_t nblocks, int nthreads, int smem_bytes,
                    std::function<void(int64_t, int, char*)> const& body) {

@@ -300,11 +300,17 @@ SA_DEVICE void fwd_block(typename Kt::Params const& p, char* smem, int tid, int 
 
       if constexpr (Kt::kStaggered) staggered_k_next(t);
 
-      // P = exp(S - running max), O and the sums rescaled to the new max; O += P V with P in the input precision.
-      float correction[kRows];
-      softmax.rescale(scores, score.log2, correction);
+      // P = exp(S - running max), O and the sums rescaled to the new max (with kLazyRebase only when it rises by more
+      // than 2^8); O += P V with P in the input precision.
       Tensor out_rows = rowcol_view(acc_o);
-      softmax.rescale_rows(out_rows, correction);
+      if constexpr (Kt::kLazyRebase) {
+        softmax.rescale_lazy(scores, score.log2,
+                             [&](auto const& correction) { softmax.rescale_rows(out_rows, correction); });
+      } else {
+        float correction[kRows];
+        softmax.rescale(scores, score.log2, correction);
+        softmax.rescale_rows(out_rows, correction);
+      }
       Tensor rP = convert<Element>(acc_s);
       Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
       Tensor tOsVt = smem_copy_v.get_thread_slice(mma_tid).partition_S(sVt_mma(Kt::kFp8 ? 0 : s));

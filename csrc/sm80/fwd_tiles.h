@@ -61,7 +61,8 @@ SINKATTN_FWD_TILE(Hd64Rows, 64, 128, 64, 4);              // 48 KB
 // and 9.0). Each scheduler then runs three warps of three CTAs, one's exponentials under another's MMAs, where
 // Hd64Rows' two warps (two CTAs) leave the tensor pipe idle through each one's softmax. By the SASS model, 2 x 8192
 // full / causal: on an A100 (sm_80, 164 registers, no spill) 166 / 154 -> 178 / 169 TFLOP/s (FA2 183 / 155), bound by
-// ldmatrix reads (16 rows a warp); on an H200 (sm_90, 168, no spill) 290 / 274 -> 297 / 280 (FA2 284 / 286).
+// ldmatrix reads (16 rows a warp); on an H200 (sm_90, 168, no spill) 290 / 274 -> 297 / 280 (FA2 284 / 286); with the
+// lazy rebase (FwdTraits::kLazyRebase) 181 / 172 and 314 / 296.
 SINKATTN_FWD_TILE(Hd64RowsThreeCtas, 64, 64, 64, 4, 2, 1, 1, 0, 0, 3);  // 40 KB: sm80, sm90
 // Head dim 128. Key groups: 16 (32) keys per warp per block. Big: two CTAs fit an sm90 SM (228 KB).
 SINKATTN_FWD_TILE(Hd128Keys4, 128, 16, 64, 4, 3, 4);      // 100 KB: sm80, sm90

@@ -100,6 +100,10 @@ struct FwdTraits {
   static constexpr bool kSAhead = kTile.s_ahead != 0;
   static_assert(!kSAhead || (kStages == 2 && kQInRegs && !kSplitKeys && !kFp8),
                 "S ahead: the double-buffered prefill row tiles, Q in registers");
+  // The prefill tiles without S ahead move the running max lazily (common/online_softmax.h rescale_lazy): O's
+  // rescale becomes a branch most key blocks skip. Not with S ahead, whose softmax shares one basic block with the
+  // next block's MMAs (a branch there would end that overlap), nor in the memory-bound decode tiles.
+  static constexpr bool kLazyRebase = kComputeBound<Tile_> && !kSAhead;
   // Interior K/V blocks through predicated copies, no branch (fwd_tiles.h FwdTile::branch_free_loads; S ahead only).
   static constexpr bool kBranchFreeLoads = kTile.branch_free_loads != 0;
   static_assert(!kBranchFreeLoads || kSAhead, "branch-free loads: the S-ahead loop");

@@ -22,6 +22,14 @@ struct GpuPrims {
   static __device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
     return __shfl_xor_sync(0xffffffffu, x, lane_mask);
   }
+  // Whether x holds on any lane of the warp (every lane must call it).
+  static __device__ __forceinline__ bool any(bool x) { return __any_sync(0xffffffffu, x); }
+  // x, through an instruction the front end cannot see into (no SASS beyond a register move, if any).
+  static __device__ __forceinline__ int opaque(int x) {
+    int y;
+    asm("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+  }
   // Scalar shared-memory traffic outside the tiled copies (the split-keys merge of fwd_kernel.h).
   static __device__ __forceinline__ void smem_store(float* p, float x) { *p = x; }
   static __device__ __forceinline__ float smem_load(float const* p) { return *p; }
