@@ -29,6 +29,11 @@ def _cases():
                    causal=True, window=(300, 0), sink_tokens=4) for h, d in COMPILED]
     if (256, "bf16") in COMPILED:
         cases.append(Case("d256-sm86-config", 256, seqlen_q=300, seqlen_k=333, causal=True, max_smem=99 * 1024))
+    # Maxima rising as the key blocks are visited: the prefill tiles' lazy rebase, a warp vote and a branch here
+    # (test_emulated_kernel.py RISING_MAX_CASES has why).
+    for h in sorted({h for h, _ in COMPILED}):
+        cases += [Case(f"d{h}-rising-max", h, seqlen_q=300, seqlen_k=700, key_gain=2.0, sinks="random"),
+                  Case(f"d{h}-rising-max-steep-causal", h, seqlen_q=200, seqlen_k=500, key_gain=12.0, causal=True)]
     return cases
 
 
