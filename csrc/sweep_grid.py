@@ -111,14 +111,14 @@ SWEEP_SM90 = [
 ]
 
 SWEEP_SM80 = [
-    # hd64 (table: Hd64RowsThreeCtas m64 n64 w4, Q in registers, three CTAs per SM, on sm80 and sm90; Hd64Rows on sm86).
-    Sm80Variant(64, 128, 64, 4),    # Hd64Rows (sm86 / sm89's; sm80's and sm90's before): the change measured on one GPU
+    # hd64 (table: Hd64RowsTwoCtas m128 n64 w4 s3, two CTAs per SM, on sm80 and sm90; Hd64Rows, two stages, on sm86).
+    Sm80Variant(64, 128, 64, 4),    # Hd64Rows (sm86 / sm89's): the third stage measured on one GPU
+    Sm80Variant(64, 64, 64, 4, q_regs=1, ctas_per_sm=3),  # sm80's and sm90's table tile before Hd64RowsTwoCtas
     Sm80Variant(64, 128, 128, 4),   # FlashAttention-2's hd64 tile (S 128 registers per thread; ptxas: 164 B spill)
     Sm80Variant(64, 128, 64, 8),    # 8 warps x 16 rows
-    Sm80Variant(64, 128, 64, 4, 3),  # a third K/V stage
-    # hd128 (table: Hd128Rows m128 n64 w8 with Q in registers and S ahead, sm86 / sm89; on sm80 the same over m64 w4,
-    # on sm90 with branch-free loads; static: 0.56 LDSM per HMMA against FA2's 0.31, peer_sass, 0.50 with Q in
-    # registers).
+    # hd128 (table: Hd128Rows m128 n64 w8 with Q in registers and S ahead, sm86 / sm89; on sm90 the same with
+    # branch-free loads; on sm80 Hd128RowsTwoCtas m128 n32 w4 s3, two CTAs per SM; static: 0.56 LDSM per HMMA against
+    # FA2's 0.31, peer_sass, 0.50 with Q in registers).
     # On sm90 the table's tile loads its interior K/V blocks branch-free (Hd128RowsSm90); this is it with the loader's
     # branches, the sm8x tile (Hd128Rows), which sm90 ran before: the change measured on one GPU.
     Sm80Variant(128, 128, 64, 8, q_regs=1, s_ahead=1),
@@ -127,7 +127,7 @@ SWEEP_SM80 = [
     Sm80Variant(128, 128, 64, 4),   # FlashAttention-2's tile on sm80/sm90: 0.31 LDSM/HMMA (ptxas: 48 B spill on sm_90)
     Sm80Variant(128, 128, 32, 4),   # 4 x 32 rows with half the S registers (255 registers, no spill on sm_90)
     Sm80Variant(128, 128, 128, 8),  # 160 KB: longer key blocks, fewer rescale rounds
-    Sm80Variant(128, 64, 64, 4, q_regs=1, s_ahead=1),  # sm80's table tile (Hd128RowsSm80: 64 rows, two CTAs per SM)
+    Sm80Variant(128, 64, 64, 4, q_regs=1, s_ahead=1),  # sm80's table tile before Hd128RowsTwoCtas (64 rows, two CTAs)
     Sm80Variant(128, 128, 64, 8, 3),  # a third stage (128 KB)
     # hd256 (table: one K and one V buffer loaded staggered, Hd256Staggered m64 n64 w4 where two CTAs fit (sm90),
     # Hd256Rows m128 n64 w8 on sm80).

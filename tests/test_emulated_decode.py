@@ -24,8 +24,8 @@ D128_CASES = [
     # 64-key pages hold whole blocks of the 64-key decode tile: interior blocks load as tiles from one page.
     ("d128-paged64-whole-blocks", dict(d=128, h=16, hk=2, capacity=384, lens=(330, 64, 129), page_size=64,
                                        causal=True)),
-    # 70 new queries per sequence: the prefill tile (at 163 KB per block fwd_tiles.h Hd128RowsSm80, 64 rows: two M
-    # tiles, the second of 6 rows) over a cache, paged (pages of 16: row by row from their pages; of 64: whole blocks
+    # 70 new queries per sequence: the prefill tile (at 163 KB per block fwd_tiles.h Hd128RowsTwoCtas, 128 rows: one M
+    # tile, two of its four warps without a row) over a cache, paged (pages of 16: row by row from their pages; of 64: whole blocks
     # inside one page) and contiguous.
     ("d128-prefill-rows-paged16", dict(d=128, capacity=400, lens=(250, 7, 0), sq=70, sn=70, page_size=16,
                                        causal=True)),

@@ -70,24 +70,24 @@ def _cases():
             cases.append(Case(f"d256-sm90-config-{name}", 256, max_smem=227 * 1024, **kw))
             cases.append(Case(f"d256-rows-{name}", 256, **kw))
     if (64, "bf16") in EMU:
-        # The hd64 prefill tiles: at 163 KB per block (the default here) fwd_tiles.h Hd64RowsThreeCtas, 64 rows of 4 warps
-        # with Q in registers (sm90's 227 KB takes the same); at 99 KB (sm86) Hd64Rows, 128 rows of 4 warps of 32.
+        # The hd64 prefill tiles: at 163 KB per block (the default here) fwd_tiles.h Hd64RowsTwoCtas, 128 rows of 4
+        # warps of 32 over three K/V stages (sm90's 227 KB takes the same); at 99 KB (sm86) Hd64Rows, the same over two.
         for name, kw in ROW_TILE_CASES + RISING_MAX_CASES:
             cases.append(Case(f"d64-rows-{name}", 64, **kw))
             cases.append(Case(f"d64-rows-sm86-{name}", 64, max_smem=99 * 1024, **kw))
         cases.append(Case("d64-sm86-few-rows-config", 64, seqlen_q=30, seqlen_k=300, nheads=4, nheads_k=2, causal=True,
                           window=(200, 0), sink_tokens=2, max_smem=99 * 1024))
     if (128, "bf16") in EMU:
-        # The hd128 prefill tiles (fwd_tiles.h Hd128RowsSm80 at 163 KB per block, the default here: 64 rows of 4
-        # warps; S of the next key block computed beside this one's softmax, K one block ahead of V).
-        for name, kw in RISING_MAX_CASES:  # the S-ahead loop rescales every block: a check of its range alone
+        # The hd128 prefill tiles (fwd_tiles.h Hd128RowsTwoCtas at 163 KB per block, the default here: 128 rows of 4
+        # warps of 32 over 32-key blocks in three stages, the running max moved lazily).
+        for name, kw in RISING_MAX_CASES:
             cases.append(Case(f"d128-rows-{name}", 128, **kw))
         for name, kw in ROW_TILE_CASES:
             cases.append(Case(f"d128-rows-{name}", 128, **kw))
-            # sm90's tile (227 KB per block, fwd_tiles.h Hd128RowsSm90): the same loop, interior K/V blocks through
-            # predicated copies.
+            # sm90's tile (227 KB per block, fwd_tiles.h Hd128RowsSm90): 128 rows of 8 warps, S of the next key block
+            # computed beside this one's softmax, K one block ahead of V, interior K/V blocks through predicated copies.
             cases.append(Case(f"d128-rows-sm90-{name}", 128, max_smem=227 * 1024, **kw))
-            # sm86's (99 KB, Hd128Rows): the same loop over 128 rows of 8 warps.
+            # sm86's (99 KB, Hd128Rows): the same loop, every K/V block through the loader's branches.
             cases.append(Case(f"d128-rows-sm86-{name}", 128, max_smem=99 * 1024, **kw))
         # A head dim below the kernel's: no key block is whole, so sm90's tile loads every block through the loader's
         # branches, behind the test its interior blocks skip.

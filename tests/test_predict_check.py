@@ -104,13 +104,15 @@ def test_tile_tables_read_from_the_headers():
     assert pp.sm80_decode_tile(t, 256, 8, 163 * 1024) == "Hd256Keys4"
     assert pp.sm80_decode_tile(t, 256, 8, 99 * 1024) == "Hd256RowsSmall"
     # the hd128 prefill tile: branch-free interior loads above sm8x's 163 KB per block (sm90); below, the loader's
-    # branches: 64 rows of 4 warps where two CTAs fit (sm80), 128 rows of 8 where one does (sm86 / sm89)
+    # branches: 128 rows of 4 warps over 32-key blocks where two CTAs fit (sm80), 128 rows of 8 where one does (sm86 /
+    # sm89)
     assert pp.sm80_prefill_tile(t, 128, 227 * 1024) == "Hd128RowsSm90" and t["Hd128RowsSm90"]["branch_free_loads"] == 1
-    assert pp.sm80_prefill_tile(t, 128, 163 * 1024) == "Hd128RowsSm80" and t["Hd128RowsSm80"]["block_m"] == 64
+    assert pp.sm80_prefill_tile(t, 128, 163 * 1024) == "Hd128RowsTwoCtas"
+    assert (t["Hd128RowsTwoCtas"]["block_n"], t["Hd128RowsTwoCtas"]["stages"]) == (32, 3)
     assert pp.sm80_prefill_tile(t, 128, 99 * 1024) == "Hd128Rows"
-    # the hd64 prefill tile: 64 rows asking for three CTAs per SM where three fit an SM (sm80, sm90), else Hd64Rows
-    assert pp.sm80_prefill_tile(t, 64, 163 * 1024) == pp.sm80_prefill_tile(t, 64, 227 * 1024) == "Hd64RowsThreeCtas"
-    assert t["Hd64RowsThreeCtas"]["ctas_per_sm"] == 3 and pp.sm80_prefill_tile(t, 64, 99 * 1024) == "Hd64Rows"
+    # the hd64 prefill tile: three stages asking for two CTAs per SM where two fit an SM (sm80, sm90), else Hd64Rows
+    assert pp.sm80_prefill_tile(t, 64, 163 * 1024) == pp.sm80_prefill_tile(t, 64, 227 * 1024) == "Hd64RowsTwoCtas"
+    assert t["Hd64RowsTwoCtas"]["ctas_per_sm"] == 2 and pp.sm80_prefill_tile(t, 64, 99 * 1024) == "Hd64Rows"
 
 
 def test_block_counts():

@@ -125,18 +125,19 @@ def test_fwd_tile_prefers_the_big_tile_where_it_fits():
     for rows, split in ((48, False), (100, True)):
         t = C.fwd_tile(256, rows, split, 163 * KB)
         assert (t["block_m"], t["stages"], t["smem_bytes"]) == (64, 2, 160 * KB)
-    # hd128 prefill: 8 warps of 16 rows, on sm90 with branch-free interior K/V loads (sm_90 SASS); on sm80 the same loop
-    # over 64 rows of 4 warps (80 KB: two CTAs per SM)
+    # hd128 prefill: 8 warps of 16 rows, Q in registers and S ahead, on sm90 with branch-free interior K/V loads (sm_90
+    # SASS); on sm80 4 warps of 32 rows over 32-key blocks in three stages (80 KB: two CTAs per SM), neither
     assert C.fwd_tile(128, 4096, False, 227 * KB) == dict(C.fwd_tile(128, 4096, False, 99 * KB), branch_free_loads=1)
     assert C.fwd_tile(128, 4096, False, 99 * KB)["warps"] == 8 and C.fwd_tile(128, 4096, False, 99 * KB)["block_m"] == 128
-    assert C.fwd_tile(128, 4096, False, 163 * KB) == dict(C.fwd_tile(128, 4096, False, 99 * KB), block_m=64, warps=4,
-                                                          smem_bytes=80 * KB)
-    # hd64 prefill: 128 rows of 4 warps, no launch-bounds minimum, on sm86 / sm89; on sm80 and sm90 64 rows of 4 warps
-    # asking for three CTAs per SM (40 KB each: 123 KB with the 1 KB each reserves, of 164 or 228; sm86 has 100)
+    assert C.fwd_tile(128, 4096, False, 163 * KB) == dict(C.fwd_tile(128, 4096, False, 99 * KB), block_n=32, warps=4,
+                                                          stages=3, ctas_per_sm=2, smem_bytes=80 * KB)
+    # hd64 prefill: 128 rows of 4 warps, on sm86 / sm89 double-buffered with no launch-bounds minimum; on sm80 and sm90
+    # in three stages asking for two CTAs per SM (64 KB each: 130 KB with the 1 KB each reserves, of 164 or 228; sm86
+    # has 100)
     assert (C.fwd_tile(64, 4096, False, 99 * KB)["block_m"], C.fwd_tile(64, 4096, False, 99 * KB)["ctas_per_sm"]) == (128, 0)
     for kb in (163, 227):
-        assert C.fwd_tile(64, 4096, False, kb * KB) == dict(C.fwd_tile(64, 4096, False, 99 * KB), block_m=64,
-                                                            ctas_per_sm=3, smem_bytes=40 * KB)
+        assert C.fwd_tile(64, 4096, False, kb * KB) == dict(C.fwd_tile(64, 4096, False, 99 * KB), stages=3,
+                                                            ctas_per_sm=2, smem_bytes=64 * KB)
     # the decode tiles ask for no minimum in the table (FwdTraits::kMinCtasPerSm gives them one)
     assert all(C.fwd_tile(hd, rows, False, 163 * KB)["ctas_per_sm"] == 0 for hd in (64, 128, 256) for rows in (1, 24, 48))
 

@@ -86,8 +86,8 @@ def fwd_smem(t: dict) -> int:
 
 def fits_per_sm(t: dict, smem_cap: int, ctas: int) -> bool:
     """Whether the per-block limit says an SM holds `ctas` CTAs of this tile (1 KB reserved per CTA): choose_fwd_tile's
-    fits_per_sm, for the tiles that want two CTAs per SM (sm90's hd256 staggered tile, sm80's 64-row hd128 tile) or
-    three (the 64-row hd64 tile, sm80 and sm90)."""
+    fits_per_sm, for the tiles that want two CTAs per SM: sm90's hd256 staggered tile, the two-CTA hd64 (sm80, sm90)
+    and hd128 (sm80) tiles."""
     return smem_cap >= ctas * (fwd_smem(t) + 1024)
 
 
@@ -109,14 +109,14 @@ def sm80_decode_tile(tiles: dict, hd: int, rows: int, smem_cap: int) -> str:
 def sm80_prefill_tile(tiles: dict, hd: int, smem_cap: int) -> str:
     """The name of the tile choose_fwd_tile picks for a prefill problem: Hd{d}Rows, except at hd256 the staggered
     tile where two of them fit the per-block limit (sm90), at hd128 the branch-free-loads tile above sm8x's 163 KB
-    (sm90) and the 64-row tile where two of it fit (sm80), at hd64 the 64-row tile where three of it fit (sm80,
-    sm90), and the Small one where Rows does not fit (sm86/89)."""
-    if hd == 64 and "Hd64RowsThreeCtas" in tiles and fits_per_sm(tiles["Hd64RowsThreeCtas"], smem_cap, 3):
-        return "Hd64RowsThreeCtas"
+    (sm90) and the two-CTA tile where two of it fit (sm80), at hd64 the two-CTA tile where two of it fit (sm80, sm90),
+    and the Small one where Rows does not fit (sm86/89)."""
+    if hd == 64 and "Hd64RowsTwoCtas" in tiles and fits_per_sm(tiles["Hd64RowsTwoCtas"], smem_cap, 2):
+        return "Hd64RowsTwoCtas"
     if hd == 128 and "Hd128RowsSm90" in tiles and smem_cap > 163 * 1024:
         return "Hd128RowsSm90"
-    if hd == 128 and "Hd128RowsSm80" in tiles and fits_per_sm(tiles["Hd128RowsSm80"], smem_cap, 2):
-        return "Hd128RowsSm80"
+    if hd == 128 and "Hd128RowsTwoCtas" in tiles and fits_per_sm(tiles["Hd128RowsTwoCtas"], smem_cap, 2):
+        return "Hd128RowsTwoCtas"
     if hd == 256 and "Hd256Staggered" in tiles and fits_per_sm(tiles["Hd256Staggered"], smem_cap, 2):
         return "Hd256Staggered"
     name = f"Hd{hd}Rows"

@@ -34,9 +34,9 @@ struct FwdTile {
   // the exponentials with P V, 3362 cycles instead of 3182 (docs/internals.md).
   int branch_free_loads = 0;
   // > 0: the kernel's __launch_bounds__ asks for this many CTAs per SM, so ptxas holds each thread to 64K registers /
-  // (threads x ctas_per_sm) and spills past that; 0 asks nothing (a prefill tile then takes up to 255). For the
-  // 64-row hd64 tile: three CTAs of 4 warps (168 registers, 120 KB of 163) put three warps on each
-  // scheduler where two 255-register CTAs put two (fwd_tiles::Hd64RowsThreeCtas).
+  // (threads x ctas_per_sm) and spills past that; 0 asks nothing (a prefill tile then takes up to 255). The two-CTA
+  // prefill tiles (fwd_tiles::Hd64RowsTwoCtas, Hd128RowsTwoCtas) ask for 2: at most 255 registers, which is what two
+  // CTAs of 128 threads allow anyway, said where the tile is declared.
   int ctas_per_sm = 0;
 
   constexpr int smem_bytes() const { return (block_m + 2 * stages * block_n) * head_dim * 2; }
@@ -57,13 +57,15 @@ SINKATTN_FWD_TILE(Hd64FewSmall, 64, 64, 128, 4, 2);       // 72 KB, 32 KB in fli
 // ldmatrix traffic per FLOP of 8 warps of 16 rows). 255 registers, no spill since the element mask compares
 // against per-row bounds (TileMask::apply); before, it spilled 24-32 bytes on sm_90.
 SINKATTN_FWD_TILE(Hd64Rows, 64, 128, 64, 4);              // 48 KB
-// 64 rows of 4 warps, Q in registers, three CTAs per SM (40 KB each; 168 registers): where an SM holds three (cc 8.0
-// and 9.0). Each scheduler then runs three warps of three CTAs, one's exponentials under another's MMAs, where
-// Hd64Rows' two warps (two CTAs) leave the tensor pipe idle through each one's softmax. By the SASS model, 2 x 8192
-// full / causal: on an A100 (sm_80, 164 registers, no spill) 166 / 154 -> 178 / 169 TFLOP/s (FA2 183 / 155), bound by
-// ldmatrix reads (16 rows a warp); on an H200 (sm_90, 168, no spill) 290 / 274 -> 297 / 280 (FA2 284 / 286); with the
-// lazy rebase (FwdTraits::kLazyRebase) 181 / 172 and 314 / 296.
-SINKATTN_FWD_TILE(Hd64RowsThreeCtas, 64, 64, 64, 4, 2, 1, 1, 0, 0, 3);  // 40 KB: sm80, sm90
+// The same 128 rows of 4 warps with a third K/V stage, two CTAs per SM (64 KB each): where an SM holds two (cc 8.0 and
+// 9.0). Three stages take one barrier a key block where two take two (fwd_kernel.h), so the two warps a scheduler
+// runs (one of each CTA) meet fewer barriers between their MMAs. It replaced three CTAs of 64 rows (16 a warp, Q in
+// registers), whose warps read each K and V fragment for one 16-row MMA tile: 0.5 ldmatrix.x4 per HMMA, all of an
+// A100's shared-memory bandwidth at the tensor pipe's full rate, where 32 rows a warp read 0.31. By the SASS model, 2 x
+// 8192 full / causal, the CTAs' warps in phase / their phases averaged (PERF_PHASES=4), FA2 in brackets: on an A100
+// (sm_80, 255 registers, no spill) 181 / 172 -> 184 / 171 TFLOP/s (183 / 155), 180 / 171 -> 209 / 193 (203 / 182);
+// on an H200 (sm_90, 248, no spill) 314 / 296 -> 312 / 293 (284 / 286), 303 / 285 -> 343 / 321 (320 / 316).
+SINKATTN_FWD_TILE(Hd64RowsTwoCtas, 64, 128, 64, 4, 3, 1, 0, 0, 0, 2);  // 64 KB: sm80, sm90
 // Head dim 128. Key groups: 16 (32) keys per warp per block. Big: two CTAs fit an sm90 SM (228 KB).
 SINKATTN_FWD_TILE(Hd128Keys4, 128, 16, 64, 4, 3, 4);      // 100 KB: sm80, sm90
 SINKATTN_FWD_TILE(Hd128Keys4Small, 128, 16, 64, 4, 2, 4); // 68 KB
@@ -73,11 +75,14 @@ SINKATTN_FWD_TILE(Hd128Few, 128, 64, 64, 4, 3);           // 112 KB, 64 KB in fl
 SINKATTN_FWD_TILE(Hd128FewSmall, 128, 64, 32, 4, 4);      // 80 KB, 48 KB in flight
 SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8, 2, 1, 1, 1);  // 96 KB: fits sm86 too; Q in registers, S ahead
 SINKATTN_FWD_TILE(Hd128RowsSm90, 128, 128, 64, 8, 2, 1, 1, 1, 1);  // the same, its interior loads branch-free: sm90
-// The same loop over 64 rows of 4 warps: 80 KB, so two CTAs share an SM where a block may take 163 KB (cc 8.0). An
-// SMSP's two warps then belong to two CTAs and drift apart, one's softmax under the other's MMAs, where the 8-warp
-// tile's two start every key block together at its barrier. By the SASS model on an A100 (sm_80, 248 registers, no
-// spill): 3410 -> 3236 cycles per key block of two warps, 0.89-0.94x -> 0.94-1.00x of FlashAttention-2.
-SINKATTN_FWD_TILE(Hd128RowsSm80, 128, 64, 64, 4, 2, 1, 1, 1);  // 80 KB: sm80
+// 128 rows of 4 warps (32 a warp) over 32-key blocks in three stages, two CTAs per SM (80 KB each): where an SM holds
+// two (cc 8.0). Each K and V fragment read from shared memory feeds two 16-row MMA tiles, Q read each key block (no
+// room for it in registers beside O's 128), one barrier a block. It replaced the S-ahead loop over 64 rows of 4 warps
+// (16 a warp, Q in registers): 663 -> 519 instructions and 73 -> 62 shared-memory instructions per 128 HMMA of a warp, and
+// by the SASS model on an A100 (sm_80, 250 registers, no spill), 2 x 8192 full / causal, in phase 194 / 181 -> 207 /
+// 188 TFLOP/s (FA2 201 / 181), phases averaged 210 / 196 -> 210 / 192 (FA2 221 / 200). Not on sm90, where the
+// model puts it behind the 8-warp tile in phase (causal 0.96x of FA2 against 1.02x).
+SINKATTN_FWD_TILE(Hd128RowsTwoCtas, 128, 128, 32, 4, 3, 1, 0, 0, 0, 2);  // 80 KB: sm80
 // Head dim 256. Rows 17-32 keep the 64-row tile: two key groups (32 of 64 keys each) would take 144 KB.
 SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per warp: sm80, sm90
 // sm80: 128 rows of 8 warps, one K and one V buffer loaded staggered (FlashAttention-2's A100 hd256 tile): 128 KB,
@@ -99,10 +104,10 @@ SINKATTN_FWD_TILE(Hd256Staggered, 256, 64, 64, 4, 1);     // 96 KB: sm90
 // others (decode) once, softcap a run-time flag (fwd_config.h).
 template <class Tile> inline constexpr bool kComputeBound = false;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64Rows> = true;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64RowsThreeCtas> = true;
+template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64RowsTwoCtas> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128RowsSm90> = true;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128RowsSm80> = true;
+template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128RowsTwoCtas> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Rows> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256RowsSmall> = true;
 template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Staggered> = true;
@@ -116,12 +121,12 @@ struct TileList {};
 template <int kHeadDim> struct FwdTilesOf;
 template <> struct FwdTilesOf<64> {
   using type = TileList<fwd_tiles::Hd64Keys4, fwd_tiles::Hd64Keys2, fwd_tiles::Hd64Keys2Small, fwd_tiles::Hd64Few,
-                        fwd_tiles::Hd64FewSmall, fwd_tiles::Hd64Rows, fwd_tiles::Hd64RowsThreeCtas>;
+                        fwd_tiles::Hd64FewSmall, fwd_tiles::Hd64Rows, fwd_tiles::Hd64RowsTwoCtas>;
 };
 template <> struct FwdTilesOf<128> {
   using type = TileList<fwd_tiles::Hd128Keys4, fwd_tiles::Hd128Keys4Small, fwd_tiles::Hd128Keys2,
                         fwd_tiles::Hd128Keys2Small, fwd_tiles::Hd128Few, fwd_tiles::Hd128FewSmall, fwd_tiles::Hd128Rows,
-                        fwd_tiles::Hd128RowsSm90, fwd_tiles::Hd128RowsSm80>;
+                        fwd_tiles::Hd128RowsSm90, fwd_tiles::Hd128RowsTwoCtas>;
 };
 template <> struct FwdTilesOf<256> {
   using type = TileList<fwd_tiles::Hd256Keys4, fwd_tiles::Hd256Rows, fwd_tiles::Hd256Few, fwd_tiles::Hd256RowsSmall,
@@ -172,8 +177,8 @@ constexpr FwdTile choose_fwd_tile(int head_dim, FwdShape s, int max_smem) {
     if (key_groups == 4) return Hd64Keys4::tile;
     if (key_groups == 2) return fit(Hd64Keys2::tile, Hd64Keys2Small::tile);
     if (few_rows) return fit(Hd64Few::tile, Hd64FewSmall::tile);
-    // Three 64-row CTAs where an SM holds them (cc 8.0, 9.0; cc 8.6 / 8.9 hold two of them, half Hd64Rows' rows).
-    if (fits_per_sm(Hd64RowsThreeCtas::tile, max_smem, 3)) return Hd64RowsThreeCtas::tile;
+    // Two CTAs of three stages where an SM holds them (cc 8.0, 9.0); cc 8.6 / 8.9 hold two of two stages.
+    if (fits_per_sm(Hd64RowsTwoCtas::tile, max_smem, 2)) return Hd64RowsTwoCtas::tile;
     return Hd64Rows::tile;
   }
   if (head_dim == 128) {
@@ -181,9 +186,9 @@ constexpr FwdTile choose_fwd_tile(int head_dim, FwdShape s, int max_smem) {
     if (key_groups == 2) return fit(Hd128Keys2::tile, Hd128Keys2Small::tile);
     if (few_rows) return fit(Hd128Few::tile, Hd128FewSmall::tile);
     // More than any sm8x allows per block (163 KB) is an sm90 (227 KB), which runs the sm_90 SASS: the tile whose
-    // interior loads are branch-free (FwdTile::branch_free_loads). Where two 64-row tiles fit (cc 8.0), those.
+    // interior loads are branch-free (FwdTile::branch_free_loads). Where two 4-warp tiles fit (cc 8.0), those.
     if (max_smem > 163 * 1024) return Hd128RowsSm90::tile;
-    if (fits_per_sm(Hd128RowsSm80::tile, max_smem, 2)) return Hd128RowsSm80::tile;
+    if (fits_per_sm(Hd128RowsTwoCtas::tile, max_smem, 2)) return Hd128RowsTwoCtas::tile;
     return Hd128Rows::tile;
   }
   if (key_groups == 4 && max_smem >= Hd256Keys4::tile.smem_bytes()) return Hd256Keys4::tile;
