@@ -127,6 +127,7 @@ SWEEP_SM80 = [
     Sm80Variant(128, 128, 64, 4),   # FlashAttention-2's tile on sm80/sm90: 0.31 LDSM/HMMA (ptxas: 48 B spill on sm_90)
     Sm80Variant(128, 128, 32, 4),   # 4 x 32 rows with half the S registers (255 registers, no spill on sm_90)
     Sm80Variant(128, 128, 128, 8),  # 160 KB: longer key blocks, fewer rescale rounds
+    Sm80Variant(128, 128, 32, 4, 3, ctas_per_sm=2),  # sm80's table tile (Hd128RowsTwoCtas), timed on an sm90 GPU
     Sm80Variant(128, 64, 64, 4, q_regs=1, s_ahead=1),  # sm80's table tile before Hd128RowsTwoCtas (64 rows, two CTAs)
     Sm80Variant(128, 128, 64, 8, 3),  # a third stage (128 KB)
     # hd256 (table: one K and one V buffer loaded staggered, Hd256Staggered m64 n64 w4 where two CTAs fit (sm90),

@@ -525,7 +525,11 @@ def test_sweep_variants_fit_the_machine():
         assert v.block_n % 16 == 0 and v.block_n <= 256 and v.head_dim % 64 == 0, v
     for v in gen.SWEEP_SM80 + [gen.SWEEP_EMU_SMOKE]:
         assert v.smem_bytes() <= 163 * 1024 and v.block_m % (16 * v.warps) == 0, v
-    # the defaults are not repeated as variants (the sweep times the default kernels beside them)
+    # the defaults of an sm90 GPU are not repeated as variants (the sweep times the default kernels beside them)
     assert gen.Sm90Variant(128, 128, 2) not in gen.SWEEP_SM90 and gen.Sm90Variant(64, 128, 3) not in gen.SWEEP_SM90
-    # (the sm8x hd128 tile is one, on purpose: the control of sm90's, which loads its interior blocks branch-free)
-    assert gen.Sm80Variant(128, 128, 64, 8, q_regs=1, s_ahead=1, branch_free_loads=1) not in gen.SWEEP_SM80 and gen.Sm80Variant(64, 64, 64, 4, q_regs=1, ctas_per_sm=3) not in gen.SWEEP_SM80
+    assert gen.Sm80Variant(128, 128, 64, 8, q_regs=1, s_ahead=1, branch_free_loads=1) not in gen.SWEEP_SM80
+    assert gen.Sm80Variant(64, 128, 64, 4, 3, ctas_per_sm=2) not in gen.SWEEP_SM80
+    # ... but the sm8x-only tiles are, on purpose: the sm8x hd128 tile as the control of sm90's (which loads its
+    # interior blocks branch-free), cc 8.0's hd128 tile so that a GPU round on an sm90 times it at all
+    assert gen.Sm80Variant(128, 128, 64, 8, q_regs=1, s_ahead=1) in gen.SWEEP_SM80
+    assert gen.Sm80Variant(128, 128, 32, 4, 3, ctas_per_sm=2) in gen.SWEEP_SM80
