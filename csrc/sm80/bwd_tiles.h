@@ -35,6 +35,9 @@ template <int kHeadDim> struct BwdTilesOf;
 template <> struct BwdTilesOf<64> { using type = TileList<bwd_tiles::Hd64>; };
 template <> struct BwdTilesOf<128> { using type = TileList<bwd_tiles::Hd128, bwd_tiles::Hd128Softcap, bwd_tiles::Hd128Small>; };
 template <> struct BwdTilesOf<256> { using type = TileList<bwd_tiles::Hd256>; };
+template <int... kHeadDims>  // (over a pack, as fwd_tiles.h's: generate_kernels.py reads this file too)
+constexpr bool distinct_bwd_tiles() { return (distinct_tiles(typename BwdTilesOf<kHeadDims>::type{}) && ...); }
+static_assert(distinct_bwd_tiles<64, 128, 256>(), "two equal tiles in one head dim's list");
 
 template <int kHeadDim>
 constexpr int bwd_min_smem() { return min_smem(typename BwdTilesOf<kHeadDim>::type{}); }

@@ -6,7 +6,9 @@
 // Shared memory of a tile: Q (block_m x d) plus `stages` K and V blocks (block_n x d), 2-byte elements.
 // sm80 and sm87 allow 163 KB per block, sm86/sm89 99 KB, sm90 227 KB.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include "common/defs.h"
 #include "params.h"
 
@@ -115,6 +117,17 @@ template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Staggered> = tru
 template <class... Tiles>
 struct TileList {};
 
+// Whether a list's tiles are pairwise different: with_tile_in runs the kernel of the first tile equal to the chosen
+// one, so of two equal tiles the second's kernel would be compiled and never run.
+template <class First, class... Tiles>
+constexpr bool distinct_tiles(TileList<First, Tiles...>) {
+  decltype(First::tile) const t[] = {First::tile, Tiles::tile...};
+  for (std::size_t i = 0; i < 1 + sizeof...(Tiles); ++i)
+    for (std::size_t j = i + 1; j < 1 + sizeof...(Tiles); ++j)
+      if (t[i] == t[j]) return false;
+  return true;
+}
+
 // Every tile of a head dim, in no particular order (with_fwd_tile below instantiates each). The head dims
 // specialized here are those the sm80 forward is compiled for: csrc/generate_kernels.py reads them, strictly
 // (each `template <> struct FwdTilesOf<N> {` at a line's start), and writes no unit for any other.
@@ -132,6 +145,11 @@ template <> struct FwdTilesOf<256> {
   using type = TileList<fwd_tiles::Hd256Keys4, fwd_tiles::Hd256Rows, fwd_tiles::Hd256Few, fwd_tiles::Hd256RowsSmall,
                         fwd_tiles::Hd256Staggered>;
 };
+
+// (Over a pack: generate_kernels.py reads every `FwdTilesOf<` and a digit in this file as a specialization.)
+template <int... kHeadDims>
+constexpr bool distinct_fwd_tiles() { return (distinct_tiles(typename FwdTilesOf<kHeadDims>::type{}) && ...); }
+static_assert(distinct_fwd_tiles<64, 128, 256>(), "two equal tiles in one head dim's list");
 
 // The smallest shared memory any tile of the head dim needs (the registry records it: below it nothing runs).
 template <class... Tiles>
@@ -251,10 +269,14 @@ constexpr FwdTile choose_fwd_fp8_tile(int head_dim, int64_t rows, int max_smem) 
 static_assert(fwd_fp8_smem_bytes(fwd_tiles::Hd128Few::tile) <= 99 * 1024, "every FP8 tile fits sm86 / sm89");
 
 // Calls f.template operator()<Tile>() with the type among `tiles` whose tile is `t` (the table's value ->
-// the kernels' template argument), for the forward's and the backward's tables alike.
+// the kernels' template argument), for the forward's and the backward's tables alike. A tile the list lacks (a rule
+// that answers with a tile no unit compiles) throws, where nothing would have run and the output stayed unwritten;
+// tests/test_sm80_tile_lists.py checks every answer of the rules against the lists.
 template <class Value, class F, class... Tiles>
 void with_tile_in(Value const& t, F&& f, TileList<Tiles...>) {
-  ((t == Tiles::tile ? (f.template operator()<Tiles>(), 0) : 0), ...);
+  bool const ran = ((t == Tiles::tile && (f.template operator()<Tiles>(), true)) || ...);
+  if (!ran) throw std::logic_error("sinkattn: the sm80 tile rule chose a tile its head dim's list does not compile "
+                                   "(csrc/sm80/fwd_tiles.h, bwd_tiles.h)");
 }
 template <int kHeadDim, class F>
 void with_fwd_tile(FwdTile t, F&& f) {
