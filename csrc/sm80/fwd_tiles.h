@@ -80,10 +80,10 @@ SINKATTN_FWD_TILE(Hd128RowsSm90, 128, 128, 64, 8, 2, 1, 1, 1, 1);  // the same, 
 // 128 rows of 4 warps (32 a warp) over 32-key blocks in three stages, two CTAs per SM (80 KB each): where an SM holds
 // two (cc 8.0). Each K and V fragment read from shared memory feeds two 16-row MMA tiles, Q read each key block (no
 // room for it in registers beside O's 128), one barrier a block. It replaced the S-ahead loop over 64 rows of 4 warps
-// (16 a warp, Q in registers): 663 -> 519 instructions and 73 -> 62 shared-memory instructions per 128 HMMA of a warp, and
-// by the SASS model on an A100 (sm_80, 250 registers, no spill), 2 x 8192 full / causal, in phase 194 / 181 -> 207 /
-// 188 TFLOP/s (FA2 201 / 181), phases averaged 210 / 196 -> 210 / 192 (FA2 221 / 200). Not on sm90, where the
-// model puts it behind the 8-warp tile in phase (causal 0.96x of FA2 against 1.02x).
+// (16 a warp, Q in registers): 663 -> 519 instructions and 73 -> 62 shared-memory instructions per 128 HMMA of a
+// warp, and by the SASS model on an A100 (sm_80, 250 registers, no spill), 2 x 8192 full / causal, in phase 194 / 181
+// -> 207 / 188 TFLOP/s (FA2 201 / 181), phases averaged 210 / 196 -> 210 / 192 (FA2 221 / 200). Not on sm90, where
+// the model puts it behind the 8-warp tile in phase (causal 0.96x of FA2 against 1.02x).
 SINKATTN_FWD_TILE(Hd128RowsTwoCtas, 128, 128, 32, 4, 3, 1, 0, 0, 0, 2);  // 80 KB: sm80
 // Head dim 256. Rows 17-32 keep the 64-row tile: two key groups (32 of 64 keys each) would take 144 KB.
 SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per warp: sm80, sm90

@@ -40,8 +40,10 @@ static void check_head_dim() {
       for (bool split : {false, true}) {
         FwdTile const t = choose_fwd_tile(kHeadDim, FwdShape{r, split}, smem);
         if (t.smem_bytes() > smem) continue;  // below the head dim's smallest tile nothing runs (the registry says so)
-        if (int const n = runs(t, fwd); n != 1)
-          std::printf("FAIL fwd hd%d rows %lld split %d %d KB: %d kernels ran\n", kHeadDim, r, int(split), kb, n), ++failures;
+        if (int const n = runs(t, fwd); n != 1) {
+          std::printf("FAIL fwd hd%d rows %lld split %d %d KB: %d kernels ran\n", kHeadDim, r, int(split), kb, n);
+          ++failures;
+        }
       }
       if constexpr (kHeadDim != 256) {
         FwdTile const t = choose_fwd_fp8_tile(kHeadDim, r, smem);
