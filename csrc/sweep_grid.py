@@ -124,7 +124,12 @@ SWEEP_SM80 = [
     Sm80Variant(128, 128, 64, 8, q_regs=1, s_ahead=1),
     Sm80Variant(128, 128, 64, 8, q_regs=1),  # the table's tile without S ahead (before s_ahead)
     Sm80Variant(128, 128, 64, 8),   # ... and reading Q from shared memory every key block (before q_regs)
-    Sm80Variant(128, 128, 64, 4),   # FlashAttention-2's tile on sm80/sm90: 0.31 LDSM/HMMA (ptxas: 48 B spill on sm_90)
+    Sm80Variant(128, 128, 64, 4),   # FlashAttention-2's rows and keys, double-buffered (96 KB; ptxas: 28 B spill on sm_90)
+    # FlashAttention-2's hd128 tile on sm80 / sm90 itself: one K and one V buffer loaded staggered, 64 KB, two CTAs per
+    # SM. By the SASS model on an H200 it leads the table's tile with the two CTAs' warps out of phase (0.98-1.00x of
+    # FA2 against 0.88-0.96x) and trails it in phase on causal rows (0.97 against 0.99-1.02); ptxas spills 64 B on
+    # sm_90 (76 on sm_80): LDSM addresses of K, reloaded once a key block.
+    Sm80Variant(128, 128, 64, 4, 1, ctas_per_sm=2),
     Sm80Variant(128, 128, 32, 4),   # 4 x 32 rows with half the S registers (255 registers, no spill on sm_90)
     Sm80Variant(128, 128, 128, 8),  # 160 KB: longer key blocks, fewer rescale rounds
     Sm80Variant(128, 128, 32, 4, 3, ctas_per_sm=2),  # sm80's table tile (Hd128RowsTwoCtas), timed on an sm90 GPU
