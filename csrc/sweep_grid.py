@@ -46,7 +46,7 @@ class Sm90Variant:
 
 @dataclass(frozen=True)
 class Sm80Variant:
-    """An sm80 forward tile (sm80/fwd_tiles.h FwdTile), softcap compiled out."""
+    """An sm80 forward prefill tile (sm80/fwd_tiles.h FwdTile, prefill 1), softcap compiled out."""
     head_dim: int
     block_m: int
     block_n: int
@@ -71,7 +71,7 @@ class Sm80Variant:
     def cpp(self) -> str:
         return (f"sm80::FwdTile{{.head_dim = {self.head_dim}, .block_m = {self.block_m}, .block_n = {self.block_n}, "
                 f".warps = {self.warps}, .stages = {self.stages}, .q_regs = {self.q_regs}, .s_ahead = {self.s_ahead}, "
-                f".branch_free_loads = {self.branch_free_loads}, .ctas_per_sm = {self.ctas_per_sm}}}")
+                f".branch_free_loads = {self.branch_free_loads}, .ctas_per_sm = {self.ctas_per_sm}, .prefill = 1}}")
 
 
 _R3 = dict(block_m=192, producer_regs=24, consumer_regs=160)  # three consumer warpgroups: 128 * (24 + 3 * 160) = 64512

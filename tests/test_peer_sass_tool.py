@@ -26,7 +26,7 @@ def test_every_cold_pattern_matches_one_line():
 
 
 def test_tiles_parse_and_name_real_kernels():
-    fwd = peer.tiles("fwd_tiles.h", "SINKATTN_FWD_TILE", ["head_dim", "block_m", "block_n", "warps"])
+    fwd = peer.tiles("fwd_tiles.h", "SINKATTN_(?:FWD|PREFILL)_TILE", ["head_dim", "block_m", "block_n", "warps"])
     bwd = peer.tiles("bwd_tiles.h", "SINKATTN_BWD_TILE", ["head_dim", "block_m", "block_n", "warps_m"])
     assert fwd["Hd128Rows"] == {"head_dim": 128, "block_m": 128, "block_n": 64, "warps": 8}
     assert bwd["Hd128"]["head_dim"] == 128 and len(fwd) >= 16 and len(bwd) >= 4

@@ -1,7 +1,8 @@
 """The sm80 tile rules against the tile lists the units compile (csrc/sm80/fwd_tiles.h, bwd_tiles.h), on the host:
 tests/tile_rules/sm80_tile_lists.cpp walks choose_fwd_tile, choose_fwd_fp8_tile and choose_bwd_tile over row counts,
 split-KV, softcap and every per-block shared-memory limit from 48 to 240 KB, and asserts that each answer runs exactly
-one compiled kernel through with_tile_in, and that a tile outside a list throws rather than run nothing. No CuTe, no
+one compiled kernel through with_tile_in, that a tile outside a list throws rather than run nothing, and that the
+answers for many rows are prefill tiles (FwdTile::prefill) and those for few rows and FP8 caches are not. No CuTe, no
 CUDA: a second or two of g++. Planted by hand when it was written: a tile dropped from FwdTilesOf<64> (666 failures
 reported) and one from BwdTilesOf<128> (129); a tile listed twice stops the compile at fwd_tiles.h's distinct_tiles
 assert."""

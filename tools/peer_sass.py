@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     fwd_name, bwd_name = take("--fwd-tile", "Hd128Rows"), take("--bwd-tile", "Hd128")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import peer_compare as compare
-    f = tiles("fwd_tiles.h", "SINKATTN_FWD_TILE", ["head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "q_regs", "s_ahead", "branch_free_loads", "ctas_per_sm"])[fwd_name]
+    f = tiles("fwd_tiles.h", "SINKATTN_(?:FWD|PREFILL)_TILE", ["head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "q_regs", "s_ahead", "branch_free_loads", "ctas_per_sm"])[fwd_name]
     b = tiles("bwd_tiles.h", "SINKATTN_BWD_TILE", ["head_dim", "block_m", "block_n", "warps_m", "warps_n", "stages"])[bwd_name]
     f.setdefault("stages", 2)
     f_smem = (f["block_m"] + 2 * f["stages"] * f["block_n"]) * f["head_dim"] * 2

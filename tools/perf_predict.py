@@ -57,7 +57,7 @@ def _macro_table(path: str, macro: str, fields: list[str], defaults: dict) -> di
 
 
 def sm80_fwd_tiles(repo: str = REPO) -> dict[str, dict]:
-    return _macro_table(os.path.join(repo, "csrc/sm80/fwd_tiles.h"), "SINKATTN_FWD_TILE",
+    return _macro_table(os.path.join(repo, "csrc/sm80/fwd_tiles.h"), "SINKATTN_(?:FWD|PREFILL)_TILE",
                         ["head_dim", "block_m", "block_n", "warps", "stages", "key_groups", "q_regs", "s_ahead",
                          "branch_free_loads", "ctas_per_sm"],
                         {"stages": 2, "key_groups": 1, "q_regs": 0, "s_ahead": 0, "branch_free_loads": 0,

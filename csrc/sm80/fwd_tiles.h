@@ -40,7 +40,18 @@ struct FwdTile {
   // prefill tiles (fwd_tiles::Hd64RowsTwoCtas, Hd128RowsTwoCtas) ask for 2: at most 255 registers, which is what two
   // CTAs of 128 threads allow anyway, said where the tile is declared.
   int ctas_per_sm = 0;
+  // 1: a prefill tile, bound by its instructions rather than by K/V bytes, so a run-time feature test left in its
+  // key-block loop costs time. Such a tile is compiled once per softcap setting, softcap a constant (the others, the
+  // decode tiles: once, softcap a run-time flag; fwd_config.h), moves the running max lazily (fwd_traits.h
+  // kLazyRebase) and loads interior blocks as whole tiles, others through the checked row loads (kv_loader.h). Set by
+  // SINKATTN_PREFILL_TILE below and by the sweep's variants (csrc/sweep_grid.py), every one of them a prefill tile.
+  int prefill = 0;
 
+  constexpr FwdTile as_prefill() const {
+    FwdTile t = *this;
+    t.prefill = 1;
+    return t;
+  }
   constexpr int smem_bytes() const { return (block_m + 2 * stages * block_n) * head_dim * 2; }
   constexpr bool operator==(FwdTile const&) const = default;
 };
@@ -48,6 +59,8 @@ struct FwdTile {
 // The tiles, each a type (kernels are templates on it; the name says what it is for) holding its FwdTile.
 namespace fwd_tiles {
 #define SINKATTN_FWD_TILE(name, ...) struct name { static constexpr FwdTile tile{__VA_ARGS__}; }
+#define SINKATTN_PREFILL_TILE(name, ...) \
+  struct name { static constexpr FwdTile tile = FwdTile{__VA_ARGS__}.as_prefill(); }
 // Head dim 64. Key groups: 32 keys per warp per block; 98 KB: fits every arch, and two CTAs on an sm90 SM.
 SINKATTN_FWD_TILE(Hd64Keys4, 64, 16, 128, 4, 3, 4);
 SINKATTN_FWD_TILE(Hd64Keys2, 64, 32, 128, 4, 3, 2);       // 100 KB, 64 KB in flight: sm80, sm90
@@ -58,7 +71,7 @@ SINKATTN_FWD_TILE(Hd64FewSmall, 64, 64, 128, 4, 2);       // 72 KB, 32 KB in fli
 // Prefill: 4 warps of 32 rows, each K/V fragment read from shared memory feeds two 16-row MMA tiles (half the
 // ldmatrix traffic per FLOP of 8 warps of 16 rows). 255 registers, no spill since the element mask compares
 // against per-row bounds (TileMask::apply); before, it spilled 24-32 bytes on sm_90.
-SINKATTN_FWD_TILE(Hd64Rows, 64, 128, 64, 4);              // 48 KB
+SINKATTN_PREFILL_TILE(Hd64Rows, 64, 128, 64, 4);          // 48 KB
 // The same 128 rows of 4 warps with a third K/V stage, two CTAs per SM (64 KB each): where an SM holds two (cc 8.0 and
 // 9.0). Three stages take one barrier a key block where two take two (fwd_kernel.h), so the two warps a scheduler
 // runs (one of each CTA) meet fewer barriers between their MMAs. It replaced three CTAs of 64 rows (16 a warp, Q in
@@ -67,7 +80,7 @@ SINKATTN_FWD_TILE(Hd64Rows, 64, 128, 64, 4);              // 48 KB
 // 8192 full / causal, the CTAs' warps in phase / their phases averaged (PERF_PHASES=4), FA2 in brackets: on an A100
 // (sm_80, 255 registers, no spill) 181 / 172 -> 184 / 171 TFLOP/s (183 / 155), 180 / 171 -> 209 / 193 (203 / 182);
 // on an H200 (sm_90, 248, no spill) 314 / 296 -> 312 / 293 (284 / 286), 303 / 285 -> 343 / 321 (320 / 316).
-SINKATTN_FWD_TILE(Hd64RowsTwoCtas, 64, 128, 64, 4, 3, 1, 0, 0, 0, 2);  // 64 KB: sm80, sm90
+SINKATTN_PREFILL_TILE(Hd64RowsTwoCtas, 64, 128, 64, 4, 3, 1, 0, 0, 0, 2);  // 64 KB: sm80, sm90
 // Head dim 128. Key groups: 16 (32) keys per warp per block. Big: two CTAs fit an sm90 SM (228 KB).
 SINKATTN_FWD_TILE(Hd128Keys4, 128, 16, 64, 4, 3, 4);      // 100 KB: sm80, sm90
 SINKATTN_FWD_TILE(Hd128Keys4Small, 128, 16, 64, 4, 2, 4); // 68 KB
@@ -75,8 +88,8 @@ SINKATTN_FWD_TILE(Hd128Keys2, 128, 32, 64, 4, 3, 2);      // 104 KB: sm80, sm90
 SINKATTN_FWD_TILE(Hd128Keys2Small, 128, 32, 64, 4, 2, 2); // 72 KB
 SINKATTN_FWD_TILE(Hd128Few, 128, 64, 64, 4, 3);           // 112 KB, 64 KB in flight: sm80, sm90
 SINKATTN_FWD_TILE(Hd128FewSmall, 128, 64, 32, 4, 4);      // 80 KB, 48 KB in flight
-SINKATTN_FWD_TILE(Hd128Rows, 128, 128, 64, 8, 2, 1, 1, 1);  // 96 KB: fits sm86 too; Q in registers, S ahead
-SINKATTN_FWD_TILE(Hd128RowsSm90, 128, 128, 64, 8, 2, 1, 1, 1, 1);  // the same, its interior loads branch-free: sm90
+SINKATTN_PREFILL_TILE(Hd128Rows, 128, 128, 64, 8, 2, 1, 1, 1);  // 96 KB: fits sm86 too; Q in registers, S ahead
+SINKATTN_PREFILL_TILE(Hd128RowsSm90, 128, 128, 64, 8, 2, 1, 1, 1, 1);  // the same, its interior loads branch-free: sm90
 // 128 rows of 4 warps (32 a warp) over 32-key blocks in three stages, two CTAs per SM (80 KB each): where an SM holds
 // two (cc 8.0). Each K and V fragment read from shared memory feeds two 16-row MMA tiles, Q read each key block (no
 // room for it in registers beside O's 128), one barrier a block. It replaced the S-ahead loop over 64 rows of 4 warps
@@ -84,35 +97,26 @@ SINKATTN_FWD_TILE(Hd128RowsSm90, 128, 128, 64, 8, 2, 1, 1, 1, 1);  // the same, 
 // warp, and by the SASS model on an A100 (sm_80, 250 registers, no spill), 2 x 8192 full / causal, in phase 194 / 181
 // -> 207 / 188 TFLOP/s (FA2 201 / 181), phases averaged 210 / 196 -> 210 / 192 (FA2 221 / 200). Not on sm90, where
 // the model puts it behind the 8-warp tile in phase (causal 0.96x of FA2 against 1.02x).
-SINKATTN_FWD_TILE(Hd128RowsTwoCtas, 128, 128, 32, 4, 3, 1, 0, 0, 0, 2);  // 80 KB: sm80
+SINKATTN_PREFILL_TILE(Hd128RowsTwoCtas, 128, 128, 32, 4, 3, 1, 0, 0, 0, 2);  // 80 KB: sm80
 // Head dim 256. Rows 17-32 keep the 64-row tile: two key groups (32 of 64 keys each) would take 144 KB.
 SINKATTN_FWD_TILE(Hd256Keys4, 256, 16, 64, 4, 2, 4);      // 136 KB, 16 keys per warp: sm80, sm90
 // sm80: 128 rows of 8 warps, one K and one V buffer loaded staggered (FlashAttention-2's A100 hd256 tile): 128 KB,
 // one CTA per SM with two warps per scheduler. The 64-row double-buffered tile of 4 warps it replaced (160 KB, one
 // warp per scheduler) was bound by that warp's chain: by the SASS model on an A100, 2 x 8192 full / causal, 172 / 162
 // -> 199 / 186 TFLOP/s (FA2 201 / 187), now bound by ldmatrix reads (K, V and Q each key block, 16 rows a warp).
-SINKATTN_FWD_TILE(Hd256Rows, 256, 128, 64, 8, 1);         // 128 KB: sm80 only
+SINKATTN_PREFILL_TILE(Hd256Rows, 256, 128, 64, 8, 1);     // 128 KB: sm80 only
 // Few rows (17-64, or split-KV) on sm80: 64 rows, double-buffered, where the 128-row tile would be mostly padding.
 SINKATTN_FWD_TILE(Hd256Few, 256, 64, 64, 4);              // 160 KB: sm80 only
-SINKATTN_FWD_TILE(Hd256RowsSmall, 256, 64, 32, 4);        // 96 KB: sm86 / sm89
+SINKATTN_PREFILL_TILE(Hd256RowsSmall, 256, 64, 32, 4);    // 96 KB: sm86 / sm89
 // One K and one V buffer, loaded staggered, 64 rows of 4 warps: 96 KB, so two CTAs share an sm90 SM (228 KB): two
 // warps per scheduler that drift apart, not two of one CTA held together at its barriers.
-SINKATTN_FWD_TILE(Hd256Staggered, 256, 64, 64, 4, 1);     // 96 KB: sm90
+SINKATTN_PREFILL_TILE(Hd256Staggered, 256, 64, 64, 4, 1); // 96 KB: sm90
 #undef SINKATTN_FWD_TILE
+#undef SINKATTN_PREFILL_TILE
 }  // namespace fwd_tiles
 
-// The tiles that serve prefill: bound by their instructions, not by K/V bytes, so a run-time feature test left
-// in their key-block loop costs time. They are compiled once per softcap setting, softcap a constant; the
-// others (decode) once, softcap a run-time flag (fwd_config.h).
-template <class Tile> inline constexpr bool kComputeBound = false;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64Rows> = true;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd64RowsTwoCtas> = true;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128Rows> = true;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128RowsSm90> = true;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd128RowsTwoCtas> = true;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Rows> = true;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256RowsSmall> = true;
-template <> inline constexpr bool kComputeBound<fwd_tiles::Hd256Staggered> = true;
+// Whether a tile (a type holding its FwdTile) is a prefill tile (FwdTile::prefill).
+template <class Tile> inline constexpr bool kComputeBound = Tile::tile.prefill != 0;
 
 template <class... Tiles>
 struct TileList {};

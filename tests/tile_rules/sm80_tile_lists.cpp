@@ -1,6 +1,8 @@
 // Every answer of the sm80 tile rules (fwd_tiles.h choose_fwd_tile, choose_fwd_fp8_tile; bwd_tiles.h
 // choose_bwd_tile) over the shapes and shared-memory limits a device can have is a tile its head dim's list compiles,
 // so with_tile_in runs exactly one kernel for it; and a tile outside the list throws instead of running nothing.
+// Also which answers are prefill tiles (FwdTile::prefill: softcap compiled in or out, the lazy rebase): every answer
+// for more than 64 rows without split-KV; at head dims 64 and 128 no other answer, and no FP8 tile.
 // Host code, no CuTe: tests/test_sm80_tile_lists.py compiles and runs it. Prints one line per failure and exits 1.
 #include <cstdio>
 #include <stdexcept>
@@ -44,12 +46,19 @@ static void check_head_dim() {
           std::printf("FAIL fwd hd%d rows %lld split %d %d KB: %d kernels ran\n", kHeadDim, r, int(split), kb, n);
           ++failures;
         }
+        // (hd256 has no decode tile below 136 KB, nor one for 17-64 rows: those run a prefill tile)
+        bool const want_prefill = r > 64 && !split, no_prefill = !want_prefill && kHeadDim != 256;
+        if ((want_prefill && !t.prefill) || (no_prefill && t.prefill)) {
+          std::printf("FAIL fwd hd%d rows %lld split %d %d KB: prefill %d\n", kHeadDim, r, int(split), kb, t.prefill);
+          ++failures;
+        }
       }
       if constexpr (kHeadDim != 256) {
         FwdTile const t = choose_fwd_fp8_tile(kHeadDim, r, smem);
         if (fwd_fp8_smem_bytes(t) <= smem)
           if (int const n = runs(t, fp8); n != 1)
             std::printf("FAIL fp8 hd%d rows %lld %d KB: %d kernels ran\n", kHeadDim, r, kb, n), ++failures;
+        if (t.prefill) std::printf("FAIL fp8 hd%d rows %lld %d KB: a prefill tile\n", kHeadDim, r, kb), ++failures;
       }
     }
     for (bool softcap : {false, true}) {
