@@ -25,7 +25,8 @@ struct alignas(16) Vec16 {
   uint32_t w[4];
 };
 
-// Softcap is a run-time flag in every decode tile (fwd_tiles.h kComputeBound), so here too.
+// Softcap is a run-time flag in every decode tile (only prefill tiles compile it out, fwd_tiles.h kPrefill), so
+// here too.
 template <class Tile_, class Element_, class Prims_>
 struct FwdFp8Traits : FwdTraits<Tile_, Element_, Prims_, Softcap::kRunTime> {
   using Base = FwdTraits<Tile_, Element_, Prims_, Softcap::kRunTime>;

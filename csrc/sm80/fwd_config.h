@@ -36,16 +36,16 @@ inline constexpr FwdPart kFwdParts[] = {
 template <class Kt>
 inline constexpr FwdUnit fwd_unit_of =
     Kt::kSplitKeys ? FwdUnit::kKeyGroups
-    : kComputeBound<typename Kt::TileTag> && Kt::kCap == Softcap::kRunTime ? FwdUnit::kSoftcap
+    : kPrefill<typename Kt::TileTag> && Kt::kCap == Softcap::kRunTime ? FwdUnit::kSoftcap
                                                                            : FwdUnit::kRows;
 
 // Calls f.template operator()<Traits>() with the kernel traits of the tile this problem takes under this
-// shared-memory limit (choose_fwd_tile); a compute-bound tile (kComputeBound) without softcap takes its kernel
+// shared-memory limit (choose_fwd_tile); a prefill tile (kPrefill) without softcap takes its kernel
 // with softcap compiled out.
 template <int kHeadDim, class Element, class Prims, class F>
 void with_fwd_config(FwdParams const& p, int max_smem_per_block, F&& f) {
   with_fwd_tile<kHeadDim>(choose_fwd_tile(kHeadDim, fwd_shape(p), max_smem_per_block), [&]<class Tile>() {
-    if constexpr (kComputeBound<Tile>) {
+    if constexpr (kPrefill<Tile>) {
       if (!(p.softcap > 0.f)) return f.template operator()<FwdTraits<Tile, Element, Prims, Softcap::kOff>>();
     }
     f.template operator()<FwdTraits<Tile, Element, Prims, Softcap::kRunTime>>();

@@ -116,7 +116,7 @@ SINKATTN_PREFILL_TILE(Hd256Staggered, 256, 64, 64, 4, 1); // 96 KB: sm90
 }  // namespace fwd_tiles
 
 // Whether a tile (a type holding its FwdTile) is a prefill tile (FwdTile::prefill).
-template <class Tile> inline constexpr bool kComputeBound = Tile::tile.prefill != 0;
+template <class Tile> inline constexpr bool kPrefill = Tile::tile.prefill != 0;
 
 template <class... Tiles>
 struct TileList {};

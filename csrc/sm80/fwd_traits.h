@@ -103,7 +103,7 @@ struct FwdTraits {
   // The prefill tiles without S ahead move the running max lazily (common/online_softmax.h rescale_lazy): O's
   // rescale becomes a branch most key blocks skip. Not with S ahead, whose softmax shares one basic block with the
   // next block's MMAs (a branch there would end that overlap), nor in the memory-bound decode tiles.
-  static constexpr bool kLazyRebase = kComputeBound<Tile_> && !kSAhead;
+  static constexpr bool kLazyRebase = kPrefill<Tile_> && !kSAhead;
   // Interior K/V blocks through predicated copies, no branch (fwd_tiles.h FwdTile::branch_free_loads; S ahead only).
   static constexpr bool kBranchFreeLoads = kTile.branch_free_loads != 0;
   static_assert(!kBranchFreeLoads || kSAhead, "branch-free loads: the S-ahead loop");

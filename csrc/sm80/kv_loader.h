@@ -127,7 +127,7 @@ struct KvLoader {
     if (n < whole_blocks && block_in_page) {
       if constexpr (kK) load_tile<Load>(tKsK, tKVcKV, vec, k_row(0), p.k_row_stride);
       if constexpr (kV) load_tile<Load>(tVsV, tKVcKV, vec, v_row(0), p.v_row_stride);
-    } else if (!kComputeBound<typename Kt::TileTag> && n < whole_blocks) {
+    } else if (!kPrefill<typename Kt::TileTag> && n < whole_blocks) {
       load_paged_rows<kK, kV>(j0, tKsK, tVsV, tKVcKV, vec);
     } else {
       if constexpr (kK) load_rows<Load>(tKsK, tKVcKV, vec, seqlen_k - j0, p.headdim, k_row);
