@@ -38,7 +38,8 @@ SA_DEVICE void load_rows(TS&& tXsX, TC const& tXcX, Vec const& vec, int valid_ro
 // are a pass of kNThreads / 8 rows apart and its columns immediate offsets (FlashAttention-2's even-block path:
 // load_rows costs ~150 instructions per warp per tile). Nothing is held across tiles: holding per-thread
 // pointers and pass offsets in registers made the 255-register hd64 prefill tile spill; recomputing them from
-// the kernel parameters (constant bank) costs a few integer instructions per tile.
+// the kernel parameters (constant bank) costs 26 integer instructions a tile on the hd128 prefill path (sm_80),
+// which by the SASS model issue under the other warp's MMAs (docs/internals.md: held pointers were no faster).
 template <class Kt, class TS, class TC, class Vec, class Element>
 SA_DEVICE void load_tile(TS&& tXsX, TC const& tXcX, Vec const& vec, Element const* tile, int64_t row_stride) {
   typename Kt::GmemTiledCopyLoad tiled_copy;
