@@ -215,20 +215,12 @@ def is_cold(insn):
     return any(insn["file"].endswith(f) and a <= insn["line"] <= b for f, a, b in COLD_LINES)
 
 
-def basic_blocks(insns, lo, hi):
-    """Split insns[lo:hi+1] into basic blocks (index ranges)."""
-    starts = {lo}
-    for i in range(lo, hi + 1):
-        if insns[i]["labels"]:
-            starts.add(i)
-        if insns[i]["op"].split(".")[0] in ("BRA", "BRX", "EXIT", "RET", "CALL") and i + 1 <= hi:
-            starts.add(i + 1)
-    s = sorted(starts)
-    return [(a, (s[k + 1] - 1) if k + 1 < len(s) else hi) for k, a in enumerate(s)]
-
-
 def cfg(insns):
-    """Basic blocks of a function: (list of (first, last) index ranges, successor lists, block of index)."""
+    """Basic blocks of a function: (list of (first, last) index ranges, successor lists, block of index). Every
+    label starts a block, BSSY's reconvergence labels too, where the project's reader (sass.cfg) starts them at
+    branch targets only. The hot counts drop blocks mostly of cold lines, so the block boundaries decide a few
+    branches: sass.cfg's moved the hd128 forward kernels' hot counts by 1-6 of 550-890 instructions, and the
+    figures in docs/internals.md were made with these."""
     label_at = {}
     for i, ins in enumerate(insns):
         for l in ins["labels"]:
