@@ -121,27 +121,47 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
   }
 
+  // The three steps of a key block, per row r of this thread. rescale() takes them row by row, rescale_lazy() the
+  // first for every row, then the second only where the warp's vote says so, then the third.
+
+  // Row r's running max extended by the block's scores (bounded and masked, raw units), across the row's quad.
+  template <class Scores>
+  SA_DEVICE float block_max(Scores const& scores, int r) const {
+    float m = row_max[r];
+    SA_UNROLL
+    for (int c = 0; c < int(size<1>(scores)); ++c) m = fmaxf(m, scores(r, c));
+    return quad_max<Shfl>(m);
+  }
+  // Row r's running max moved to m, its sum rescaled to it; returns what O's row r must be multiplied by.
+  SA_DEVICE float rebase(int r, float m, float log2) {
+    float const correction = exp2f(row_max[r] * log2 - scaled_max(m, log2));
+    row_max[r] = m;
+    row_sum[r] *= correction;
+    return correction;
+  }
+  // Row r's scores become exp2(s * log2 - running max) in place and are added to its sum.
+  template <class Scores>
+  SA_DEVICE void exponentiate(Scores& scores, int r, float log2) {
+    float const m_scaled = scaled_max(row_max[r], log2);
+    SA_UNROLL
+    for (int c = 0; c < int(size<1>(scores)); ++c) {
+      float const e = exp2f(scores(r, c) * log2 - m_scaled);
+      scores(r, c) = e;
+      row_sum[r] += e;
+    }
+  }
+  // A row that has seen only masked keys keeps max -inf; taking its exponentials against 0 then gives p = 0
+  // instead of NaN.
+  SA_DEVICE static float scaled_max(float m, float log2) { return m == -INFINITY ? 0.f : m * log2; }
+
   // One key block: scores(r, c) (bounded and masked, raw units) become exp2(s * log2 - new max) in place, the
   // running sums are rescaled and extended; correction[r] is what O's row r must be multiplied by.
   template <class Scores>
   SA_DEVICE void rescale(Scores& scores, float log2, float (&correction)[kRows]) {
     SA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
-      SA_UNROLL
-      for (int c = 0; c < int(size<1>(scores)); ++c) m = fmaxf(m, scores(r, c));
-      m = quad_max<Shfl>(m);
-      // A row that has seen only masked keys keeps max -inf; rebasing on 0 then gives p = 0 instead of NaN.
-      float const m_scaled = m == -INFINITY ? 0.f : m * log2;
-      correction[r] = exp2f(row_max[r] * log2 - m_scaled);
-      row_max[r] = m;
-      row_sum[r] *= correction[r];
-      SA_UNROLL
-      for (int c = 0; c < int(size<1>(scores)); ++c) {
-        float const e = exp2f(scores(r, c) * log2 - m_scaled);
-        scores(r, c) = e;
-        row_sum[r] += e;
-      }
+      correction[r] = rebase(r, block_max(scores, r), log2);
+      exponentiate(scores, r, log2);
     }
   }
 
@@ -165,10 +185,7 @@ struct OnlineSoftmax {
     float rise = -INFINITY;
     SA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      m[r] = row_max[r];
-      SA_UNROLL
-      for (int c = 0; c < int(size<1>(scores)); ++c) m[r] = fmaxf(m[r], scores(r, c));
-      m[r] = quad_max<Shfl>(m[r]);
+      m[r] = block_max(scores, r);
       rise = fmaxf(rise, m[r] - (row_max[r] == -INFINITY ? -FLT_MAX : row_max[r]));
     }
     // A loop of 0 or 1 trips, not an `if`: ptxas if-converted the `if` into predicated instructions that every
@@ -180,24 +197,11 @@ struct OnlineSoftmax {
     for (; rebases > 0; --rebases) {
       float correction[kRows];
       SA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        float const m_scaled = m[r] == -INFINITY ? 0.f : m[r] * log2;
-        correction[r] = exp2f(row_max[r] * log2 - m_scaled);
-        row_max[r] = m[r];
-        row_sum[r] *= correction[r];
-      }
+      for (int r = 0; r < kRows; ++r) correction[r] = rebase(r, m[r], log2);
       on_rebase(correction);
     }
     SA_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float const m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * log2;
-      SA_UNROLL
-      for (int c = 0; c < int(size<1>(scores)); ++c) {
-        float const e = exp2f(scores(r, c) * log2 - m_scaled);
-        scores(r, c) = e;
-        row_sum[r] += e;
-      }
-    }
+    for (int r = 0; r < kRows; ++r) exponentiate(scores, r, log2);
   }
 
   // out_rows(r, c) *= correction[r]: O catches up with a rescale.
