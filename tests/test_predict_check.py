@@ -251,7 +251,8 @@ def test_the_tool_picks_the_tiles_the_kernels_pick():
 
 def test_a_third_table_averages_the_ctas_phases_and_restores_the_default(tmp_path, bench_out, monkeypatch, capsys):
     """With line counts, run() prints the profile rows twice: as the model's default (in phase) and with
-    perf_model.PHASES = 4, which it sets back afterwards."""
+    perf_model.PHASES = 32 (or PERF_PHASES where set), which it sets back afterwards; the in-phase tables stay in
+    phase whatever PERF_PHASES says."""
     import perf_model as pm
     so = tmp_path / "_C.so"
     so.write_bytes(b"")
@@ -263,5 +264,10 @@ def test_a_third_table_averages_the_ctas_phases_and_restores_the_default(tmp_pat
     pc.run(str(bench_out), str(so), "a100")
     out = capsys.readouterr().out
     first, profile, phased = out.split("prediction vs measurement")[1:]
-    assert "| 150 |" in first and "| 100 |" in profile and "| 104 |" in phased and "PERF_PHASES=4" in profile
+    assert "| 150 |" in first and "| 100 |" in profile and "| 132 |" in phased and "PERF_PHASES=32" in profile
     assert pm.PHASES == 0
+    monkeypatch.setattr(pm, "PHASES", 6)  # PERF_PHASES=6 in the environment
+    pc.run(str(bench_out), str(so), "a100")
+    first, profile, phased = capsys.readouterr().out.split("prediction vs measurement")[1:]
+    assert "| 150 |" in first and "| 100 |" in profile and "| 106 |" in phased and "PERF_PHASES=6" in profile
+    assert pm.PHASES == 6

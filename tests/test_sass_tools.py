@@ -410,7 +410,8 @@ def test_warps_of_one_cta_leave_a_cta_barrier_together():
 
 def test_phased_cycles_average_two_ctas_starts_and_leave_one_cta_alone(monkeypatch):
     """PERF_PHASES: warps of two CTAs, started apart, keep apart; phased_cycles is the mean of those starts' runs.
-    One CTA's warps start together whatever PHASES says; PHASES=0 is the in-phase run alone."""
+    One CTA's warps start together whatever PHASES says; PHASES=0 is the in-phase run alone. PERF_ITERS: how long
+    each run is."""
     import perf_model as pm
     dev = pm.DEVICES["h200"]
     ops = ["HMMA.16816.F32.BF16 R0, R4, R8, R0"] * 10 + ["IADD3 R1, R1, 0x1, RZ"] * 60
@@ -418,6 +419,7 @@ def test_phased_cycles_average_two_ctas_starts_and_leave_one_cta_alone(monkeypat
     text += _timed(16 * len(ops), "@P3 BRA 0x0", 5) + _timed(16 * len(ops) + 16, "EXIT", 5)
     (insns,) = sass.parse_sass(text, default_arch="sm_90").values()
     idx = sass.hot_loop(insns)[0]
+    monkeypatch.setattr(pm, "ITERS", 3)
     t0 = pm.simulate(insns, idx, dev, 2, cta_warps=1)
     apart = pm.simulate(insns, idx, dev, 2, cta_warps=1, start=[0.0, t0 / 2])
     assert apart < t0  # one warp's integer phase under the other's MMAs
@@ -427,3 +429,11 @@ def test_phased_cycles_average_two_ctas_starts_and_leave_one_cta_alone(monkeypat
     runs = [pm.simulate(insns, idx, dev, 2, cta_warps=1, start=[0.0, 1 + t0 * f]) for f in (0.25, 0.75)]
     assert pm.phased_cycles(insns, idx, dev, 2, 1) == pytest.approx(sum(runs) / 2)
     assert pm.phased_cycles(insns, idx, dev, 2, 2) == pm.simulate(insns, idx, dev, 2, cta_warps=2)
+    # PERF_ITERS: every one of those runs that long (this loop's in-phase run is still settling at 3 iterations)
+    monkeypatch.setattr(pm, "ITERS", 12)
+    long_t0 = pm.simulate(insns, idx, dev, 2, iters=12, cta_warps=1)
+    assert long_t0 < t0 - 30
+    runs = [pm.simulate(insns, idx, dev, 2, iters=12, cta_warps=1, start=[0.0, 1 + long_t0 * f]) for f in (0.25, 0.75)]
+    assert pm.phased_cycles(insns, idx, dev, 2, 1) == pytest.approx(sum(runs) / 2)
+    monkeypatch.setattr(pm, "PHASES", 0)
+    assert pm.phased_cycles(insns, idx, dev, 2, 1) == long_t0

@@ -12,7 +12,7 @@ most HMMA/HGMMA) is costed per iteration on one SM sub-partition (SMSP: one warp
   T(W)     with W warps of the loop on each SMSP: max(W x issue, W x each pipe, chain), the bound reported; the
            time is simulate()'s, a per-warp event simulation over the same bits, a CTA's warps on one SMSP held
            together at its __syncthreads; different CTAs' warps started in phase (PERF_PHASES=N averages N starts
-           spread over an iteration: phased_cycles)
+           spread over an iteration: phased_cycles), each run 3 iterations long (PERF_ITERS)
 
 then occupancy (registers, shared memory, warps, CTAs per SM), wave quantization and the problem's iterations give
 the kernel's time. Memory-bound kernels (decode) are bounded by bytes in flight per SM between the waits on them
@@ -383,7 +383,7 @@ class Kernel:
         if cta_warps is None:
             cta_warps = math.ceil(self.loop_warps / 4) if CTA_BARRIERS else 1
         cta_warps = max(1, min(max(1, w), cta_warps))
-        key = (w, dev.name, dev.hmma, cta_warps, PHASES)
+        key = (w, dev.name, dev.hmma, cta_warps, PHASES, ITERS)
         if key not in self._sim:
             self._sim[key] = phased_cycles(self.insns, self.idx, dev, max(1, w), cta_warps)
         return self._sim[key]
@@ -398,16 +398,24 @@ class Kernel:
 # the hd64 ones from +7..+15% to +16..+22% and hd256 from -8..-13% to -14..-16%, so the phase the warps keep on a GPU
 # is not known from these points. It is the spread to read beside a two-CTA kernel's figure.
 PHASES = int(os.environ.get("PERF_PHASES", "0"))
+# PERF_ITERS=N: the iterations each of those simulations runs, in phase or not (default 3). Two CTAs' warps started
+# in phase drift over the first iterations (the A100's `Hd128RowsTwoCtas` loop, cycles per 64 keys: 5949 / 5881 /
+# 5857 / 5846 at 3 / 6 / 12 / 24, FA2's 6170 / 6036 / 5987 / 5965), and a phased mean of a few starts samples a
+# quantity that swings 10% with the offset coarsely (the same loops at 4 starts x 3 iterations 5838 / 5566, at 32 x 12
+# 5732 / 5612). But 3 iterations in phase is the run 4d9dcbd's measured H200 rows check best: its ratio errors
+# +6..+15% / -8..-13%, at 12 iterations its two-CTA hd64 tile +20 / +30%, with 32 starts of 12 +21 / +26%
+# (docs/internals.md, "How long the simulation runs"). So the default stays; longer runs are a spread to read beside.
+ITERS = int(os.environ.get("PERF_ITERS", "3"))
 
 
 def phased_cycles(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, cta_warps: int) -> float:
     """simulate()'s cycles per iteration of w warps on one SMSP, cta_warps of them per CTA, averaged over the CTAs'
     relative phases (PHASES, above)."""
-    t0 = simulate(insns, idx, dev, w, cta_warps=cta_warps)
+    t0 = simulate(insns, idx, dev, w, iters=ITERS, cta_warps=cta_warps)
     ctas = math.ceil(w / cta_warps)
     if ctas < 2 or PHASES < 1:
         return t0
-    runs = [simulate(insns, idx, dev, w, cta_warps=cta_warps,
+    runs = [simulate(insns, idx, dev, w, iters=ITERS, cta_warps=cta_warps,
                      start=[k + t0 * ((k // cta_warps) * (s + 0.5) / PHASES % 1.0) for k in range(w)])
             for s in range(PHASES)]
     return sum(runs) / len(runs)

@@ -140,19 +140,24 @@ def run(out_dir: str, so: str | None, device: str | None) -> None:
         print(render(table(rows, lambda case, fam: pp.predict_case(ks, case, fam, counts_dir=counts_dir)),
                      commit, dev.name))
 
-    print_table()
-    counts = counts_dir()
-    if counts:  # the same rows by the profile rule (the sm80 prefill forward and backward), as bench/RESULTS.md
-        print(f"\nthe same rows by the emulated kernel's line counts ({counts}; --path profile):")
-        print_table(counts)
-        # The model keeps two CTAs' warps in the phase it starts them in; which one a GPU keeps is open
-        # (docs/internals.md, "The warps' phase"): the same rows with the phases averaged, to read beside the above.
-        print("\nthe same, the phases of two CTAs' warps on a scheduler averaged (PERF_PHASES=4):")
-        saved, pm.PHASES = pm.PHASES, 4
-        try:
+    # In phase first (whatever PERF_PHASES says), then averaged over PERF_PHASES starts (default 32: 4 sample the
+    # swing with the offset coarsely, tools/perf_model.py ITERS; well under a second of simulation a kernel).
+    saved = pm.PHASES
+    try:
+        pm.PHASES = 0
+        print_table()
+        counts = counts_dir()
+        if counts:  # the same rows by the profile rule (the sm80 prefill forward and backward), as bench/RESULTS.md
+            print(f"\nthe same rows by the emulated kernel's line counts ({counts}; --path profile):")
             print_table(counts)
-        finally:
-            pm.PHASES = saved
+            # The model keeps two CTAs' warps in the phase it starts them in; which one a GPU keeps is open
+            # (docs/internals.md, "The warps' phase"): the same rows with the phases averaged, beside the above.
+            pm.PHASES = saved or 32
+            print(f"\nthe same, the phases of two CTAs' warps on a scheduler averaged (PERF_PHASES={pm.PHASES}, "
+                  f"PERF_ITERS={pm.ITERS}):")
+            print_table(counts)
+    finally:
+        pm.PHASES = saved
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
