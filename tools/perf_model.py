@@ -269,8 +269,8 @@ def loop_cost(insns: list[sass.Insn], idx: list[int], dev: Device) -> LoopCost:
     return c
 
 
-def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters: int = 3, cta_warps: int = 1,
-             start: list[float] | None = None) -> float:
+def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters: int | None = None,
+             cta_warps: int = 1, start: list[float] | None = None) -> float:
     """Per-warp event simulation of one SMSP: w warps walk the loop's instructions; a warp issues when its previous
     instruction's stall count has passed, the scoreboards it waits on are released (producer issue + the device's
     latency of that class; HGMMA: its tensor time) and the instruction's pipe is free; one instruction per cycle,
@@ -279,8 +279,9 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
     after the barrier's latency (the other SMSPs' warps of the CTA run the same code and arrive alike). Without it,
     an 8-warp CTA's two warps on an SMSP drift apart, one warp's softmax and copies hiding under the other's MMAs as
     two CTAs' warps do; with it, they start every iteration together. Returns the steady-state cycles of one
-    iteration of all w warps (the last iterations' mean). start: the cycle each warp issues its first instruction
-    (default: warp k at cycle k, all in phase)."""
+    iteration of all w warps (the last iterations' mean) over iters iterations (default ITERS, PERF_ITERS). start:
+    the cycle each warp issues its first instruction (default: warp k at cycle k, all in phase)."""
+    iters = ITERS if iters is None else iters
     loop = [insns[i] for i in idx]
     cost = []
     for ins in loop:
@@ -411,11 +412,11 @@ ITERS = int(os.environ.get("PERF_ITERS", "3"))
 def phased_cycles(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, cta_warps: int) -> float:
     """simulate()'s cycles per iteration of w warps on one SMSP, cta_warps of them per CTA, averaged over the CTAs'
     relative phases (PHASES, above)."""
-    t0 = simulate(insns, idx, dev, w, iters=ITERS, cta_warps=cta_warps)
+    t0 = simulate(insns, idx, dev, w, cta_warps=cta_warps)
     ctas = math.ceil(w / cta_warps)
     if ctas < 2 or PHASES < 1:
         return t0
-    runs = [simulate(insns, idx, dev, w, iters=ITERS, cta_warps=cta_warps,
+    runs = [simulate(insns, idx, dev, w, cta_warps=cta_warps,
                      start=[k + t0 * ((k // cta_warps) * (s + 0.5) / PHASES % 1.0) for k in range(w)])
             for s in range(PHASES)]
     return sum(runs) / len(runs)
