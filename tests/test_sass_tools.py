@@ -408,6 +408,48 @@ def test_warps_of_one_cta_leave_a_cta_barrier_together():
     assert pm.simulate(named, idx_named, dev, 2, iters=16, cta_warps=2) == pytest.approx(free)
 
 
+def test_warp_waits_account_for_every_cycle_and_name_what_was_waited_for(monkeypatch):
+    """warp_waits (tools/perf_model.py) and perf_predict --trace's stretches: one warp's steady iteration is the sum
+    of its waits; an MMA behind the previous one waits for the tensor pipe, the FMUL behind a MUFU result for its
+    scoreboard (the MUFU's latency), and the 60 integer instructions between two groups of MMAs make the one stretch
+    without an MMA. With a second warp of the same CTA some waits become the issue slot's."""
+    import perf_model as pm
+    import perf_predict as pp
+    dev = pm.DEVICES["h200"]
+    monkeypatch.setattr(pm, "ITERS", 3)
+    mma = "HMMA.16816.F32.BF16 R0, R4, R8, R0"
+    text = "\tcode for sm_90\n\t\tFunction : _Z4loopv\n"
+    ops = [mma] * 5 + ["IADD3 R1, R1, 0x1, RZ"] * 60
+    text += "".join(_timed(16 * a, t, 1) for a, t in enumerate(ops))
+    at = 16 * len(ops)
+    # the MUFU writes scoreboard 1, the FMUL waits on it (FIXTURE's control words)
+    text += (f"        /*{at:04x}*/                   MUFU.EX2 R5, R4 ;    /* 0x0000000400057308 */\n"
+             f"                                                  /* 0x000e620000000800 */\n"
+             f"        /*{at + 16:04x}*/                   FMUL R7, R5, 0.5 ;    /* 0x3f00000005077820 */\n"
+             f"                                                  /* 0x002fca0000400000 */\n")
+    rest = [mma] * 5
+    text += "".join(_timed(at + 32 + 16 * a, t, 1) for a, t in enumerate(rest))
+    end = at + 32 + 16 * len(rest)
+    text += _timed(end, "@P3 BRA 0x0", 5) + _timed(end + 16, "EXIT", 5)
+    (insns,) = sass.parse_sass(text, default_arch="sm_90").values()
+    idx = sass.hot_loop(insns)[0]
+    r = pm.warp_waits(insns, idx, dev, 1)
+    assert len(r["steps"]) == len(idx) == 73
+    assert sum(cyc for _, _, cyc, _ in r["waits"]) == pytest.approx(r["span"])
+    assert r["span"] == pytest.approx(pm.simulate(insns, idx, dev, 1))
+    assert r["tensor_busy"] == pytest.approx(10 * pm.mma_fma(insns[0]) / dev.hmma)
+    by = {(why, op): (cyc, cnt) for why, op, cyc, cnt in r["waits"]}
+    # every MMA but the first after the integer stretch (the iteration's first waits for the last one's MMAs)
+    assert by[("pipe:tensor", "HMMA")][1] == 9
+    fmul = next(st for st in r["steps"] if st["op"] == "FMUL")
+    assert fmul["why"] == "scoreboard" and fmul["wait"] == pytest.approx(dev.lat["mufu"])
+    (stretch,) = pp.mma_stretches(r["steps"], 50)
+    assert stretch[2] == 62 and stretch[1] - stretch[0] >= 60 + dev.lat["mufu"]
+    assert pp.mma_stretches(r["steps"], stretch[1] - stretch[0]) == []
+    two = pm.warp_waits(insns, idx, dev, 2, cta_warps=2)
+    assert any(why == "slot" for why, _, _, _ in two["waits"]) and two["cta_warps"] == 2
+
+
 def test_phased_cycles_average_two_ctas_starts_and_leave_one_cta_alone(monkeypatch):
     """PERF_PHASES: warps of two CTAs, started apart, keep apart; phased_cycles is the mean of those starts' runs.
     One CTA's warps start together whatever PHASES says; PHASES=0 is the in-phase run alone. PERF_ITERS: how long

@@ -270,7 +270,7 @@ def loop_cost(insns: list[sass.Insn], idx: list[int], dev: Device) -> LoopCost:
 
 
 def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters: int | None = None,
-             cta_warps: int = 1, start: list[float] | None = None) -> float:
+             cta_warps: int = 1, start: list[float] | None = None, trace: list | None = None) -> float:
     """Per-warp event simulation of one SMSP: w warps walk the loop's instructions; a warp issues when its previous
     instruction's stall count has passed, the scoreboards it waits on are released (producer issue + the device's
     latency of that class; HGMMA: its tensor time) and the instruction's pipe is free; one instruction per cycle,
@@ -280,7 +280,11 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
     an 8-warp CTA's two warps on an SMSP drift apart, one warp's softmax and copies hiding under the other's MMAs as
     two CTAs' warps do; with it, they start every iteration together. Returns the steady-state cycles of one
     iteration of all w warps (the last iterations' mean) over iters iterations (default ITERS, PERF_ITERS). start:
-    the cycle each warp issues its first instruction (default: warp k at cycle k, all in phase)."""
+    the cycle each warp issues its first instruction (default: warp k at cycle k, all in phase). trace: a list that
+    gets (warp, step, cycle, why) for every issue, step counting the loop's instructions from 0 across iterations
+    and why what the warp waited for last: "stall" (its previous instruction's stall count, or a barrier's
+    release), "scoreboard" (a producer's latency), "pipe:<name>" (the pipe busy with other work), "slot" (the
+    issue slot taken by another warp); warp_waits() reads it."""
     iters = ITERS if iters is None else iters
     loop = [insns[i] for i in idx]
     cost = []
@@ -322,6 +326,12 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
         if when == math.inf:
             raise RuntimeError("simulate: every warp waits at a barrier")
         p, c, lat, st, wait, wb, rb, bank, bar = cost[pc[k] % n]
+        if trace is not None:
+            sbw = max([0.0] + [sb[k][b] for b in range(6) if wait >> b & 1]) if wait else 0.0
+            pf = free.get(p, 0.0) if c else 0.0
+            why = ("stall" if when <= ready_at[k] else "scoreboard" if when <= sbw else
+                   f"pipe:{p}" if when <= pf else "slot")
+            trace.append((k, pc[k], when, why))
         if c:
             free[p] = max(free.get(p, 0.0), when) + c
         if bar and cta_warps > 1 and cta_bar[pc[k] % n]:
@@ -350,6 +360,40 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
             marks[k].append(when)
     spans = [m[-1] - m[0] for m in marks if len(m) >= 2]
     return max(spans) / (iters - 1) if spans else t / iters
+
+
+def warp_waits(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, cta_warps: int = 1,
+               start: list[float] | None = None, iters: int | None = None) -> dict:
+    """Where one warp's time goes in simulate(): warp 0's last iteration (span: its cycles), each instruction's
+    wait before it issued (the cycles since the warp's previous issue) summed by (why, opcode) (simulate's trace),
+    the tensor pipe's busy cycles in that window (every warp's MMAs issued in it), and each wait with its
+    instruction in loop order. Read beside another loop's (FA2's) it says which stretch of ours is longer, the
+    question the cycle totals leave open."""
+    trace: list = []
+    iters = max(2, ITERS if iters is None else iters)
+    simulate(insns, idx, dev, w, iters=iters, cta_warps=cta_warps, start=start, trace=trace)
+    n = len(idx)
+    loop = [insns[i] for i in idx]
+    it = iters - 1
+    mine = [e for e in trace if e[0] == 0 and e[1] // n == it]
+    # the iteration runs from the warp's last issue of the one before (its waits sum to this span)
+    prev = next((e[2] for e in reversed(trace) if e[0] == 0 and e[1] // n == it - 1), mine[0][2])
+    t0, t1, span = mine[0][2], mine[-1][2], mine[-1][2] - prev
+    tensor = {"HMMA": dev.hmma, "HGMMA": dev.hgmma}
+    busy = sum(mma_fma(loop[e[1] % n]) / tensor[loop[e[1] % n].base] for e in trace
+               if loop[e[1] % n].base in tensor and t0 <= e[2] <= t1)
+    waits: dict = {}
+    steps = []
+    for k, step, when, why in mine:
+        ins = loop[step % n]
+        gap = when - prev
+        prev = when
+        cyc, cnt = waits.get((why, ins.base), (0.0, 0))
+        waits[(why, ins.base)] = (cyc + gap, cnt + 1)
+        steps.append({"at": when - t0, "wait": gap, "why": why, "op": ins.op, "args": ins.args, "index": idx[step % n]})
+    return {"span": span, "tensor_busy": busy, "w": w, "cta_warps": cta_warps,
+            "waits": sorted(((why, op, cyc, cnt) for (why, op), (cyc, cnt) in waits.items()), key=lambda r: -r[2]),
+            "steps": steps}
 
 
 # ---- occupancy and a kernel's time --------------------------------------------------------------------------------
@@ -381,13 +425,21 @@ class Kernel:
         """Cycles of one loop iteration of w warps on one SMSP (simulate(), cached). cta_warps: how many of them
         belong to one CTA (its __syncthreads holds them together); default, as a CTA's warps are dealt to the four
         SMSPs in turn, a quarter of the CTA's loop warps (an 8-warp CTA puts 2 on each SMSP, a 4-warp one 1)."""
-        if cta_warps is None:
-            cta_warps = math.ceil(self.loop_warps / 4) if CTA_BARRIERS else 1
-        cta_warps = max(1, min(max(1, w), cta_warps))
+        cta_warps = self.cta_warps(w, cta_warps)
         key = (w, dev.name, dev.hmma, cta_warps, PHASES, ITERS)
         if key not in self._sim:
             self._sim[key] = phased_cycles(self.insns, self.idx, dev, max(1, w), cta_warps)
         return self._sim[key]
+
+    def cta_warps(self, w: int, cta_warps: int | None = None) -> int:
+        """How many of w warps on one SMSP belong to one CTA (iteration_cycles)."""
+        if cta_warps is None:
+            cta_warps = math.ceil(self.loop_warps / 4) if CTA_BARRIERS else 1
+        return max(1, min(max(1, w), cta_warps))
+
+    def waits(self, w: int, dev: Device, iters: int | None = None) -> dict:
+        """warp_waits() of this loop as iteration_cycles runs it (in phase), w warps on one SMSP."""
+        return warp_waits(self.insns, self.idx, dev, max(1, w), self.cta_warps(w), iters=iters)
 
 
 # Warps of different CTAs on one SMSP share no barrier, so nothing sets their relative phase: the simulation keeps

@@ -20,12 +20,15 @@ costs the launch:
 The tile tables are read from the headers in csrc/ (one table, as the kernels read it); the device is the one whose
 SASS is read: sm_80 -> A100, sm_90 / sm_90a -> H200 (perf_model.DEVICES).
 
-    python3 tools/perf_predict.py sinkattn/_C*.so --device a100 [--markdown]
+    python3 tools/perf_predict.py sinkattn/_C*.so --device a100            # a markdown table
     python3 tools/perf_predict.py /path/fwd_sm90_hdim64_bf16.cu.o --device h200 --family sm90
     python3 tools/perf_predict.py <fwd_sm80_hdim{64,128,256}_bf16 object or the .so> --device h200 --counts DIR
         (DIR: `PERF_COUNTS_BWD=1 OUT=DIR bash tools/perf_counts.sh 64 128 256` on the same checkout; the sm80
         prefill and backward rows of bench/RESULTS.md by the profile rule; bwd_sm80_hdim{64,128,256}_bf16 for the
         backward's); --fa2 build/peer_sass/fa2_torch adds FlashAttention-2's figure by the same model and the ratio
+    python3 tools/perf_predict.py <object> --device a100 --counts DIR --fa2 DIR2 --trace hd256/h8kv8/full [--gap 100]
+        where one iteration of that case's loop spends its cycles, ours and FA2's (perf_model.warp_waits): the waits
+        by reason and opcode, and the stretches without an MMA
 """
 from __future__ import annotations
 
@@ -284,7 +287,7 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
         fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
                                sink_tokens=st)
         return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm90 FwdTileOf<{hd}>",
-                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_FWD}
+                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_FWD, "model": (k, r["w"])}
     fwd_t, bwd_t = sm80_fwd_tiles(repo), sm80_bwd_tiles(repo)
     if kind == "attn" and mode == "fwd" and sq * (h // max(hk, 1)) > 64:
         name = sm80_prefill_tile(fwd_t, hd, dev.smem_block)
@@ -306,7 +309,7 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
         fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
                                sink_tokens=st)
         return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm80 fwd {name}",
-                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_PROFILE if prof else NOTE_FWD}
+                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_PROFILE if prof else NOTE_FWD, "model": (k, r["w"])}
     if kind == "attn" and mode == "bwd":
         name = f"Hd{hd}"
         t = bwd_t.get(name)
@@ -328,7 +331,8 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
         fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
                                sink_tokens=st, mode="bwd")
         return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm80 bwd {name}",
-                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_BWD + ("; " + NOTE_PROFILE if prof else "")}
+                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_BWD + ("; " + NOTE_PROFILE if prof else ""),
+                "model": (k, r["w"])}
     if counts_dir and (fp8 or kind != "decode"):
         return {"error": "the profile rule costs the sm80 prefill forward and backward and the bf16/fp16 decode only"}
     # decode / few rows: memory-bound
@@ -431,10 +435,11 @@ PROFILE_CASES = [case("attn", "fwd", b, s, s, h, h, hd, causal)
                  for ps in (256, 16) for sk in (8192, 32768)]
 
 
-def fa2_figure(fa2_dir: str, dev, c: dict) -> float | None:
+def fa2_figure(fa2_dir: str, dev, c: dict, model: bool = False):
     """FlashAttention-2's figure for an attention case (dense, even-sized, bf16), predicted by the same model from
     its cubins (tools/perf_fa2_cubins.sh: the FA2 inside torch, SDPA's flash backend): its kernels keep the whole
-    loop's interior path (no line counts of FA2 exist). None where no cubin holds the kernel."""
+    loop's interior path (no line counts of FA2 exist). None where no cubin holds the kernel. model: (figure,
+    (its Kernel, warps per SMSP)) instead, for --trace."""
     import perf_rows as R
     if c["kind"] != "attn" or c["window_left"] >= 0 or c["sink_tokens"] or c["nheads"] != c["nheads_k"]:
         return None
@@ -445,7 +450,37 @@ def fa2_figure(fa2_dir: str, dev, c: dict) -> float | None:
         return None
     kern, bm, bn = k
     b, h, s = c["batch"], c["nheads"], c["seqlen_q"]
-    return (R.predict_bwd if bwd else R.predict_fwd)(kern, dev, b, h, s, hd, causal, bm, bn)[0]
+    value, r = (R.predict_bwd if bwd else R.predict_fwd)(kern, dev, b, h, s, hd, causal, bm, bn)
+    return (value, (kern, r["w"])) if model else value
+
+
+def mma_stretches(steps: list[dict], gap: float) -> list[tuple[float, float, int]]:
+    """(from, to, instructions issued between) for each stretch longer than gap cycles in which the warp issued
+    no MMA: where a loop's tensor work stops for its own warp (the barrier, the copies, the softmax), the first
+    from the iteration's first instruction."""
+    out, last, n = [], 0.0, 0
+    for st in steps:
+        if st["op"].split(".")[0] in ("HMMA", "HGMMA"):
+            if st["at"] - last > gap:
+                out.append((last, st["at"], n))
+            last, n = st["at"], 0
+        else:
+            n += 1
+    return out
+
+
+def print_trace(label: str, model, dev, gap: float) -> None:
+    """One loop's warp_waits (tools/perf_model.py) as text: where warp 0's cycles go in one iteration."""
+    kern, w = model
+    r = kern.waits(w, dev)
+    print(f"{label}: {r['span']:.0f} cycles an iteration of warp 0 (W={r['w']} warps per SMSP, {r['cta_warps']} of "
+          f"one CTA), tensor pipe busy {r['tensor_busy']:.0f}, {len(r['steps'])} instructions")
+    print("  waits before issue, by reason and opcode (cycles, instructions):")
+    for why, op, cyc, cnt in r["waits"][:12]:
+        print(f"    {why:12s} {op:10s} {cyc:7.0f} {cnt:5d}")
+    print(f"  stretches of more than {gap:.0f} cycles without an MMA of warp 0 (from, to, cycles, instructions):")
+    for a, b, n in mma_stretches(r["steps"], gap):
+        print(f"    {a:7.0f} {b:7.0f} {b - a:6.0f} {n:5d}")
 
 
 def main(argv=None) -> int:
@@ -457,9 +492,26 @@ def main(argv=None) -> int:
                                      "prefill and backward rows (PROFILE_CASES) by the profile rule instead of the hd64 cases")
     ap.add_argument("--fa2", help="folder of FlashAttention-2's cubins (tools/perf_fa2_cubins.sh): its figure, predicted "
                                   "by the same model, and ours / FA2 beside each attention row")
+    ap.add_argument("--trace", metavar="CASE", help="instead of the table: where one loop iteration's cycles go for "
+                    "the first case whose name holds CASE (with --fa2, FA2's loop beside it)")
+    ap.add_argument("--gap", type=float, default=100.0, help="--trace: the shortest stretch without an MMA listed")
     a = ap.parse_args(argv)
     dev = pm.DEVICES[a.device]
     ks = Kernels(a.path, dev)
+    if a.trace:
+        c = next((c for c in (PROFILE_CASES if a.counts else HD64_CASES) if a.trace in c["variant"]), None)
+        if c is None:
+            ap.error(f"--trace: no case holds {a.trace!r}")
+        p = predict_case(ks, c, a.family, counts_dir=a.counts)
+        print(f"{c['variant']}, {c['batch']} x {c['seqlen_q']}, {dev.name}, {pm.ITERS} iterations in phase")
+        if "error" in p:
+            print(f"ours: not predicted: {p['error']}")
+        else:
+            print_trace(f"ours ({p['kernel']}, {p['value']:.3g} {p['unit']})", p["model"], dev, a.gap)
+        f = fa2_figure(a.fa2, dev, c, model=True) if a.fa2 else None
+        if f:
+            print_trace(f"FA2 ({f[0]:.3g} TFLOP/s)", f[1], dev, a.gap)
+        return 0
     fa2 = ("| FA2 (predicted) | ours / FA2 ", "|---|---") if a.fa2 else ("", "")
     print(f"| case | batch | seqlen_q | seqlen_k | predicted ({dev.name}) | unit {fa2[0]}| kernel | bound | rests on |")
     print(f"|---|---|---|---|---|---{fa2[1]}|---|---|---|")
