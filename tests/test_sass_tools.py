@@ -450,6 +450,71 @@ def test_warp_waits_account_for_every_cycle_and_name_what_was_waited_for(monkeyp
     assert any(why == "slot" for why, _, _, _ in two["waits"]) and two["cta_warps"] == 2
 
 
+def _loop_text(ops: list[str], stall: int = 1) -> str:
+    """A function whose whole body is one loop: ops, then a branch back to the first."""
+    text = "\tcode for sm_90\n\t\tFunction : _Z4loopv\n" + "".join(_timed(16 * a, t, stall) for a, t in enumerate(ops))
+    return text + _timed(16 * len(ops), "@P3 BRA 0x0", 5) + _timed(16 * len(ops) + 16, "EXIT", 5)
+
+
+def test_wgmma_shape_is_read_and_its_groups_run_behind_the_warp(monkeypatch):
+    """HGMMA.64x128x16 (a lower-case x in the opcode) is one opcode, a warp's quarter of 64 x 128 x 16 FMAs: 64
+    cycles at an H200's 512 FMA/clk/SMSP. A warp issues its HGMMAs into the tensor pipe's queue and goes on (the
+    FMULs after them issue while the group runs); WARPGROUP.DEPBAR.LE gsb0, 0 holds it until its group is done;
+    gsb0, 1 lets the last group run on, under the next iteration's work."""
+    import perf_model as pm
+    dev = pm.DEVICES["h200"]
+    monkeypatch.setattr(pm, "ITERS", 4)
+    (insns,) = sass.parse_sass(_loop_text(["HGMMA.64x128x16.F32.BF16 R88, gdesc[UR20], R88, gsb0"]),
+                               default_arch="sm_90").values()
+    assert (insns[0].op, insns[0].args) == ("HGMMA.64x128x16.F32.BF16", "R88, gdesc[UR20], R88, gsb0")
+    assert pm.mma_fma(insns[0]) == 16 * 128 * 16 and pm.mma_fma(insns[0]) / dev.hgmma == 64
+    mma = "HGMMA.64x128x16.F32.BF16 R88, gdesc[UR20], R88"
+
+    def loop(wait: int):
+        ops = (["WARPGROUP.ARRIVE"] + [mma] * 7 + [mma + ", gsb0"] + ["FMUL R7, R5, 0.5"] * 40
+               + [f"WARPGROUP.DEPBAR.LE gsb0, 0x{wait}"] + ["FMUL R9, R88, 0.5"] * 10)
+        (insns,) = sass.parse_sass(_loop_text(ops), default_arch="sm_90").values()
+        return insns, sass.hot_loop(insns)[0]
+
+    tensor = 8 * 64
+    insns, idx = loop(0)
+    assert [pm.wgmma_wait_count(insns[i]) for i in idx].count(0) == 1
+    waited = pm.simulate(insns, idx, dev, 1)
+    assert tensor < waited < tensor + 40  # the 40 FMULs under the group, the 10 after it
+    r = pm.warp_waits(insns, idx, dev, 1)
+    (depbar,) = [st for st in r["steps"] if st["op"].startswith("WARPGROUP.DEPBAR")]
+    assert depbar["why"] == "wgmma" and depbar["wait"] > tensor - 60
+    assert not any(why == "pipe:tensor" for why, _, _, _ in r["waits"])  # HGMMAs never wait for the pipe
+    insns, idx = loop(1)
+    assert pm.simulate(insns, idx, dev, 1) < waited
+    # bound by the tensor pipe alone (reached from below: the first iterations find the pipe empty)
+    assert tensor - 4 < pm.simulate(insns, idx, dev, 1, iters=24) <= tensor
+
+
+def test_innermost_hot_loop_is_a_persistent_kernel_s_key_block_loop():
+    """A tile loop around a key-block loop holds more MMAs (the inner loop's and a peeled first block's); the
+    sm90 forward's model costs the inner one per key block (sass.hot_loop(innermost=True))."""
+    mma = "HMMA.16816.F32.BF16 R0, R4, R8, R0"
+    ops = [mma, mma, "IADD3 R1, R1, 0x1, RZ", mma, "@P0 BRA 0x30", "IADD3 R2, R2, 0x1, RZ"]
+    text = "\tcode for sm_90\n\t\tFunction : _Z4loopv\n" + "".join(_timed(16 * a, t, 1) for a, t in enumerate(ops))
+    text += _timed(16 * len(ops), "@P3 BRA 0x0", 5) + _timed(16 * len(ops) + 16, "EXIT", 5)
+    (insns,) = sass.parse_sass(text, default_arch="sm_90").values()
+    outer, inner = sass.hot_loop(insns), sass.hot_loop(insns, innermost=True)
+    assert sum(sass.is_mma(insns[i]) for i in outer[0]) == 3 and sorted(inner[0]) == [3, 4]
+
+
+def test_hot_path_then_keeps_the_atomics_an_interior_step_issues():
+    """The sm90 backward's `mma` path: among paths with the most MMAs the shortest skips dQ's fp32 atomics (a tail
+    tile's branch is shorter); hot_path(then=) takes the one that holds them."""
+    ops = ["HMMA.16816.F32.BF16 R0, R4, R8, R0", "@P0 BRA 0x40",
+           "ATOMG.E.ADD.F32x2.FTZ.RN.STRONG.GPU PT, RZ, desc[UR38][R10.64], R152", "IADD3 R1, R1, 0x1, RZ",
+           "IADD3 R2, R2, 0x1, RZ"]
+    (insns,) = sass.parse_sass(_loop_text(ops), default_arch="sm_90").values()
+    loop = sass.hot_loop(insns)
+    assert 2 not in sass.hot_path(insns, loop)
+    assert 2 in sass.hot_path(insns, loop, then=lambda i: i.base == "ATOMG" and ".F32" in i.op)
+
+
 def test_phased_cycles_average_two_ctas_starts_and_leave_one_cta_alone(monkeypatch):
     """PERF_PHASES: warps of two CTAs, started apart, keep apart; phased_cycles is the mean of those starts' runs.
     One CTA's warps start together whatever PHASES says; PHASES=0 is the in-phase run alone. PERF_ITERS: how long

@@ -274,17 +274,19 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
     """Per-warp event simulation of one SMSP: w warps walk the loop's instructions; a warp issues when its previous
     instruction's stall count has passed, the scoreboards it waits on are released (producer issue + the device's
     latency of that class; HGMMA: its tensor time) and the instruction's pipe is free; one instruction per cycle,
-    the ready warp that issued least recently first. Warps k // cta_warps form one CTA: at a CTA-wide barrier
-    (BAR.SYNC 0, __syncthreads) a warp waits until its CTA's other warps here have arrived, and all leave together
-    after the barrier's latency (the other SMSPs' warps of the CTA run the same code and arrive alike). Without it,
-    an 8-warp CTA's two warps on an SMSP drift apart, one warp's softmax and copies hiding under the other's MMAs as
-    two CTAs' warps do; with it, they start every iteration together. Returns the steady-state cycles of one
-    iteration of all w warps (the last iterations' mean) over iters iterations (default ITERS, PERF_ITERS). start:
-    the cycle each warp issues its first instruction (default: warp k at cycle k, all in phase). trace: a list that
-    gets (warp, step, cycle, why) for every issue, step counting the loop's instructions from 0 across iterations
-    and why what the warp waited for last: "stall" (its previous instruction's stall count, or a barrier's
-    release), "scoreboard" (a producer's latency), "pipe:<name>" (the pipe busy with other work), "slot" (the
-    issue slot taken by another warp); warp_waits() reads it."""
+    the ready warp that issued least recently first; an HGMMA (wgmma) does not wait for the tensor pipe but queues
+    its work there, and WARPGROUP.DEPBAR.LE gsb0, N waits for all but the warp's last N groups. Warps k // cta_warps
+    form one CTA: at a CTA-wide barrier (BAR.SYNC 0, __syncthreads) a warp waits until its CTA's other warps here
+    have arrived, and all leave together after the barrier's latency (the other SMSPs' warps of the CTA run the same
+    code and arrive alike). Without it, an 8-warp CTA's two warps on an SMSP drift apart, one warp's softmax and
+    copies hiding under the other's MMAs as two CTAs' warps do; with it, they start every iteration together.
+    Returns the steady-state cycles of one iteration of all w warps (the last iterations' mean) over iters
+    iterations (default ITERS, PERF_ITERS). start: the cycle each warp issues its first instruction (default: warp k
+    at cycle k, all in phase). trace: a list that gets (warp, step, cycle, why) for every issue, step counting the
+    loop's instructions from 0 across iterations and why what the warp waited for last: "stall" (its previous
+    instruction's stall count, or a barrier's release), "scoreboard" (a producer's latency), "pipe:<name>" (the pipe
+    busy with other work), "wgmma" (its own wgmma groups, at a WARPGROUP.DEPBAR), "slot" (the issue slot taken by
+    another warp); warp_waits() reads it."""
     iters = ITERS if iters is None else iters
     loop = [insns[i] for i in idx]
     cost = []
@@ -299,6 +301,13 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
     n = len(loop)
     # __syncthreads (barrier 0, every thread of the CTA), not the named barriers of warp-specialized kernels
     cta_bar = [ins.base == "BAR" and ".SYNC" in ins.op and ins.args.strip() in ("0x0", "0") for ins in loop]
+    # wgmma groups: the HGMMA marked gsb0 closes one (wgmma.commit_group); WARPGROUP.DEPBAR.LE gsb0, N
+    # (wgmma.wait_group N) holds the warp until at most N of its groups are still running on the tensor pipe
+    # (issued into the tensor pipe's queue without waiting for it: the warp goes on, as wgmma is asynchronous)
+    group_end = [ins.base == "HGMMA" and "gsb0" in ins.args for ins in loop]
+    queued = [ins.base == "HGMMA" for ins in loop]
+    depbar = [wgmma_wait_count(ins) for ins in loop]
+    groups = [[] for _ in range(w)]  # per warp: the cycle each of its open groups' tensor work ends, oldest first
     pc = [0] * w
     ready_at = [float(x) for x in start] if start else [float(k) for k in range(w)]
     sb = [[0.0] * 6 for _ in range(w)]
@@ -317,8 +326,11 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
             r = ready_at[k]
             if wait:
                 r = max([r] + [sb[k][b] for b in range(6) if wait >> b & 1])
-            if c:
+            if c and not queued[pc[k] % n]:
                 r = max(r, free.get(p, 0.0))
+            g = depbar[pc[k] % n]
+            if g is not None and len(groups[k]) > g:
+                r = max(r, groups[k][len(groups[k]) - g - 1])
             r = max(r, t)
             if when is None or r < when or (r == when and last[k] < last[best]):
                 best, when = k, r
@@ -326,14 +338,20 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
         if when == math.inf:
             raise RuntimeError("simulate: every warp waits at a barrier")
         p, c, lat, st, wait, wb, rb, bank, bar = cost[pc[k] % n]
+        g = depbar[pc[k] % n]
         if trace is not None:
             sbw = max([0.0] + [sb[k][b] for b in range(6) if wait >> b & 1]) if wait else 0.0
             pf = free.get(p, 0.0) if c else 0.0
+            gw = groups[k][len(groups[k]) - g - 1] if g is not None and len(groups[k]) > g else 0.0
             why = ("stall" if when <= ready_at[k] else "scoreboard" if when <= sbw else
-                   f"pipe:{p}" if when <= pf else "slot")
+                   f"pipe:{p}" if when <= pf else "wgmma" if when <= gw else "slot")
             trace.append((k, pc[k], when, why))
+        if g is not None and len(groups[k]) > g:
+            del groups[k][:len(groups[k]) - g]
         if c:
             free[p] = max(free.get(p, 0.0), when) + c
+        if group_end[pc[k] % n]:
+            groups[k].append(free["tensor"])
         if bar and cta_warps > 1 and cta_bar[pc[k] % n]:
             # a CTA-wide barrier: the warp waits for its CTA's other warps on this SMSP (the other SMSPs' arrive
             # alike), then all of them leave together
@@ -360,6 +378,14 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
             marks[k].append(when)
     spans = [m[-1] - m[0] for m in marks if len(m) >= 2]
     return max(spans) / (iters - 1) if spans else t / iters
+
+
+def wgmma_wait_count(ins: sass.Insn) -> int | None:
+    """N of a WARPGROUP.DEPBAR.LE gsb0, N (wgmma.wait_group N); None for any other instruction."""
+    if not ins.op.startswith("WARPGROUP.DEPBAR"):
+        return None
+    m = re.search(r"gsb0\s*,\s*(0x[0-9a-fA-F]+|\d+)", ins.args)
+    return int(m.group(1), 0) if m else 0
 
 
 def warp_waits(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, cta_warps: int = 1,

@@ -72,6 +72,26 @@ def sm80_bwd_tiles(repo: str = REPO) -> dict[str, dict]:
                         ["head_dim", "block_m", "block_n", "warps_m", "warps_n", "stages"], {})
 
 
+def sm90_bwd_tiles(repo: str = REPO) -> dict[int, dict]:
+    """{head dim: tile} of `template <> struct BwdTileOf<d> { ... tile{d, block_m[, block_n, stages, ...]} }`
+    (csrc/sm90/bwd_tiles.h; BwdTile's defaults: 128 keys, two stages)."""
+    text = open(os.path.join(repo, "csrc/sm90/bwd_tiles.h")).read()
+    out = {}
+    for m in re.finditer(r"struct BwdTileOf<(\d+)>\s*\{[^{]*tile\{([\d,\s]+)\}", text):
+        v = [int(x) for x in m.group(2).replace(" ", "").split(",") if x]
+        v += [128, 2][len(v) - 2:]  # block_n, stages where the table leaves BwdTile's defaults
+        out[int(m.group(1))] = {"head_dim": v[0], "block_m": v[1], "block_n": v[2], "stages": v[3]}
+    return out
+
+
+def sm90_bwd_smem(t: dict) -> int:
+    """BwdTile::smem_bytes (csrc/sm90/bwd_tiles.h): Q and dO per stage, K and V, dS twice, then the rows."""
+    tiles = (2 * t["stages"] * t["block_m"] * t["head_dim"] + 2 * t["block_n"] * t["head_dim"]
+             + 2 * t["block_m"] * t["block_n"]) * 2
+    rows = t["stages"] * t["block_m"] * 2 * 4 + 256
+    return tiles + (rows + 1023) // 1024 * 1024
+
+
 def sm90_fwd_tiles(repo: str = REPO) -> dict[int, dict]:
     """{head dim: tile} of `template <> struct FwdTileOf<d> { ... tile{d, block_n, stages[, producer, consumer]} }`."""
     text = open(os.path.join(repo, "csrc/sm90/fwd_tiles.h")).read()
@@ -254,8 +274,28 @@ def profile_of(ks: Kernels, fn: str, insns, loop, counts_dir: str, hd: int, name
     return perf_counts.profile(ks.cubin_with(fn), fn, insns, loop, cov, emu, body)
 NOTE_BWD = ("main kernel only: the preprocess/postprocess launches and dQ's fp32 atomics (L2) are not costed; "
             "on FA2 the same model was +13 to +48% high")
+NOTE_FWD90 = ("wgmma queued (WARPGROUP.DEPBAR waits for its groups), the key-block loop per block (PERF_SM90_PATH), the "
+              "tile loop's rest once per tile; the consumer warpgroups' ping-pong barriers not modelled")
+NOTE_BWD90 = ("wgmma queued, the M-step loop per step (PERF_SM90_PATH); main kernel only: the pre/postprocess "
+              "launches and dQ's fp32 atomics (L2) are not costed; never run on a GPU (SM90_BWD_VALIDATED)")
 NOTE_DEC = ("LOADED_LAT = {lat:.0f} ns is a placeholder, NOT fitted; split-KV assumed to fill every SM; launch "
             "latency not costed")
+
+
+# What one trip of an sm90 kernel's loop issues (the forward's key-block loop, the backward's M-step loop): "loop",
+# the loop whole (every branch each trip), or "mma", its interior path (sass.hot_path: the most MMAs, then the
+# fewest instructions). docs/internals.md ("The sm90 kernels in the model") has 4d9dcbd's measured rows under both.
+SM90_PATH = os.environ.get("PERF_SM90_PATH", "mma")
+
+
+def sm90_fwd_kernel(fn, insns, loop, res, dev, smem: int) -> pm.Kernel:
+    """The sm90 forward's model: persistent, so the loop holding the most MMAs (`loop`) is the tile loop around
+    the key-block loop; the key-block loop is costed per block (SM90_PATH) and the rest of the tile loop's body
+    once per tile (make_kernel's `outside`, charged per tile by kernel_time_s). The two consumer warpgroups run
+    the loop (8 warps of the 384)."""
+    inner = sass.hot_loop(insns, innermost=True) or loop
+    return pm.make_kernel(fn, insns, inner, res, dev, 384, smem, loop_warps=8, path=SM90_PATH,
+                          outside=max(0, len(loop[0]) - len(inner[0])))
 
 
 def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_dir: str | None = None) -> dict:
@@ -273,21 +313,40 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
     if family == "sm90" and counts_dir:
         return {"error": "the profile rule costs the sm80 prefill forward and backward only"}
     if family == "sm90":
-        if kind != "attn" or mode != "fwd":
-            return {"error": "sm90: only the forward is modelled (the sm90 backward's loop is not mapped yet)"}
+        if kind != "attn":
+            return {"error": "sm90: only attention's forward and backward are modelled"}
+        if mode == "bwd":
+            t = sm90_bwd_tiles(repo).get(hd)
+            hit = t and ks.find("sm9010bwd_kernel", f"BwdTileOfILi{hd}EE")
+            if not hit:
+                return {"error": f"sm90 backward hd{hd}: not in this build" +
+                        ("" if t else " (no sm90 backward tile: the sm80 backward serves it)")}
+            a, fn, insns, loop, res = hit
+            # a producer warpgroup and two consumer warpgroups of 64 keys each; the consumers run the M-step loop
+            # the `mma` rule's interior step adds its dQ (fp32 atomics), which a shorter path skips; the deterministic
+            # mode's turn (integer atomics on a semaphore) is off it
+            idx = sass.hot_path(insns, loop, then=lambda i: i.base in ("ATOMG", "RED", "REDG") and ".F32" in i.op) \
+                if SM90_PATH == "mma" else None
+            k = pm.make_kernel(fn, insns, loop, res, dev, 384, sm90_bwd_smem(t), loop_warps=8, path=SM90_PATH, idx=idx)
+            its = query_blocks_per_key_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st) * (b * h)
+            r = pm.kernel_time_s(k, dev, len(its), its)
+            fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
+                                   sink_tokens=st, mode="bwd")
+            return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm90 bwd BwdTileOf<{hd}>",
+                    "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_BWD90, "model": (k, r["w"])}
         t = sm90_fwd_tiles(repo).get(hd)
         hit = t and ks.find("sm9010fwd_kernel", f"FwdTileOfILi{hd}EE")
         if not hit:
             return {"error": f"sm90 forward hd{hd}: not in this build"}
         a, fn, insns, loop, res = hit
         smem = (2 * t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2 + 1024
-        k = pm.make_kernel(fn, insns, loop, res, dev, 384, smem, loop_warps=8)
+        k = sm90_fwd_kernel(fn, insns, loop, res, dev, smem)
         its = key_blocks_per_row_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st) * (b * h)
         r = pm.kernel_time_s(k, dev, len(its), [i for i in its], persistent=True)
         fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
                                sink_tokens=st)
         return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm90 FwdTileOf<{hd}>",
-                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_FWD, "model": (k, r["w"])}
+                "bound": f"{r['bound']} (W={r['w']})", "note": NOTE_FWD90, "model": (k, r["w"])}
     fwd_t, bwd_t = sm80_fwd_tiles(repo), sm80_bwd_tiles(repo)
     if kind == "attn" and mode == "fwd" and sq * (h // max(hk, 1)) > 64:
         name = sm80_prefill_tile(fwd_t, hd, dev.smem_block)
@@ -435,6 +494,11 @@ PROFILE_CASES = [case("attn", "fwd", b, s, s, h, h, hd, causal)
                  for ps in (256, 16) for sk in (8192, 32768)]
 
 
+# --family sm90 without counts: the hd64 rows, then the attention rows above at head dims 128 and 256 (the sm90
+# forward and backward have no line counts: their loops by SM90_PATH)
+SM90_CASES = HD64_CASES + [c for c in PROFILE_CASES if c["kind"] == "attn" and c["headdim"] != 64]
+
+
 def fa2_figure(fa2_dir: str, dev, c: dict, model: bool = False):
     """FlashAttention-2's figure for an attention case (dense, even-sized, bf16), predicted by the same model from
     its cubins (tools/perf_fa2_cubins.sh: the FA2 inside torch, SDPA's flash backend): its kernels keep the whole
@@ -487,7 +551,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path")
     ap.add_argument("--device", default="a100", choices=sorted(pm.DEVICES))
-    ap.add_argument("--family", default="sm80", choices=("sm80", "sm90"))
+    ap.add_argument("--family", default="sm80", choices=("sm80", "sm90"),
+                    help="sm90: the sm90 forward and backward (sm_90a objects), on the hd64 rows and the hd128 / hd256 "
+                         "attention rows, each loop by PERF_SM90_PATH")
     ap.add_argument("--counts", help="line counts of this checkout's emulated forward (tools/perf_counts.sh): the sm80 "
                                      "prefill and backward rows (PROFILE_CASES) by the profile rule instead of the hd64 cases")
     ap.add_argument("--fa2", help="folder of FlashAttention-2's cubins (tools/perf_fa2_cubins.sh): its figure, predicted "
@@ -498,8 +564,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     dev = pm.DEVICES[a.device]
     ks = Kernels(a.path, dev)
+    cases = PROFILE_CASES if a.counts else SM90_CASES if a.family == "sm90" else HD64_CASES
     if a.trace:
-        c = next((c for c in (PROFILE_CASES if a.counts else HD64_CASES) if a.trace in c["variant"]), None)
+        c = next((c for c in cases if a.trace in c["variant"]), None)
         if c is None:
             ap.error(f"--trace: no case holds {a.trace!r}")
         p = predict_case(ks, c, a.family, counts_dir=a.counts)
@@ -515,7 +582,7 @@ def main(argv=None) -> int:
     fa2 = ("| FA2 (predicted) | ours / FA2 ", "|---|---") if a.fa2 else ("", "")
     print(f"| case | batch | seqlen_q | seqlen_k | predicted ({dev.name}) | unit {fa2[0]}| kernel | bound | rests on |")
     print(f"|---|---|---|---|---|---{fa2[1]}|---|---|---|")
-    for c in PROFILE_CASES if a.counts else HD64_CASES:
+    for c in cases:
         p = predict_case(ks, c, a.family, counts_dir=a.counts)
         if "error" in p:  # said, not skipped: a case with no figure is a question for whoever reads the table
             print(f"| {c['variant']} | {c['batch']} | {c['seqlen_q']} | {c['seqlen_k']} | - | {'| | ' if a.fa2 else ''}"

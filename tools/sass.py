@@ -93,7 +93,8 @@ def control_bits(hi: int) -> int:
 
 
 # `/*0a30*/  @!P0 BRA 0x1230 ;  /* 0x0000... */` then `/* 0x... */` on the next line (cuobjdump -sass; nvdisasm -hex)
-_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;\s*(?:/\*\s*0x([0-9a-f]{16})\s*\*/)?")
+# The opcode with its modifiers: capitals, digits, dots, and wgmma's shape (HGMMA.64x128x16.F32.BF16: lower-case x)
+_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*(?:x[0-9][A-Z0-9_.x]*)?)\s*(.*?)\s*;\s*(?:/\*\s*0x([0-9a-f]{16})\s*\*/)?")
 _HEX = re.compile(r"^\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
 _FUNC = re.compile(r"^\s*Function : (\S+)")
 _ARCH = re.compile(r"^\s*(?:arch =|code for) (sm_\w+)")
@@ -347,13 +348,15 @@ def loops(insns: list[Insn]):
     return [(idx, body, h) for idx, body, h, _ in natural_loops(blocks, succ)]
 
 
-def hot_path(insns: list[Insn], loop, key=None, with_loads: bool = False) -> list[int]:
+def hot_path(insns: list[Insn], loop, key=None, with_loads: bool = False, then=None) -> list[int]:
     """The instructions one interior iteration of `loop` (hot_loop's (indices, body blocks, header)) issues: the path
     from the header to a back edge through the body's other edges that holds the most `key` instructions (default
     MMAs), then (with_loads) the most global loads (an interior iteration loads the next block, the last one does
     not), then the fewest instructions. Branches the interior iterations skip (a mask's diagonal block, a tail, a
     wait loop) are off it; a loop body costed whole charges them to every iteration. Which branches an interior
-    iteration really takes depends on run-time values the SASS does not hold: the two rules bracket it."""
+    iteration really takes depends on run-time values the SASS does not hold: the two rules bracket it. then: a
+    predicate whose instructions the path holds the most of after the MMAs (and loads), before the fewest
+    instructions (the sm90 backward: dQ's atomics, which an interior step issues and a shorter path skips)."""
     key = key or is_mma
     blocks, succ, _ = cfg(insns)
     _, body, h = loop
@@ -386,12 +389,13 @@ def hot_path(insns: list[Insn], loop, key=None, with_loads: bool = False) -> lis
         own = (sum(1 for i in range(a, e + 1) if key(insns[i])),
                sum(1 for i in range(a, e + 1) if insns[i].base in ("LDGSTS", "UTMALDG", "LDG"))
                if with_loads else 0,
+               sum(1 for i in range(a, e + 1) if then(insns[i])) if then else 0,
                -(e - a + 1))
         options = [(own, None)] if b in latch else []
         for t in fwd[b]:
             rest, _ = best(t)
             options.append((tuple(x + y for x, y in zip(own, rest)), t))
-        score[b] = max(options, key=lambda o: o[0]) if options else ((own[0], own[1], own[2] - 10**9), None)
+        score[b] = max(options, key=lambda o: o[0]) if options else ((own[0], own[1], own[2], own[3] - 10**9), None)
         return score[b]
     path, b = [], h
     while b is not None:
@@ -404,11 +408,17 @@ def is_mma(ins: Insn) -> bool:
     return ins.op.startswith("HMMA") or ins.op.startswith("HGMMA") or ins.op.startswith("IMMA") or ins.op.startswith("QGMMA")
 
 
-def hot_loop(insns: list[Insn], key=is_mma):
+def hot_loop(insns: list[Insn], key=is_mma, innermost: bool = False):
     """The natural loop holding the most `key` instructions, the tightest such one: (indices, blocks, header) or
-    None when no loop holds one."""
+    None when no loop holds one. innermost: among the loops holding a `key` instruction that hold no other such
+    loop (a persistent kernel's key-block loop, not its tile loop around it, which holds more MMAs: the inner
+    loop's and a peeled first iteration's)."""
+    every = [(idx, body, h) for idx, body, h in loops(insns) if any(key(insns[i]) for i in idx)]
+    if innermost:
+        every = [(idx, body, h) for idx, body, h in every
+                 if not any(h2 != h and set(b2) < set(body) for _, b2, h2 in every)]
     best = None
-    for idx, body, h in loops(insns):
+    for idx, body, h in every:
         n = sum(1 for i in idx if key(insns[i]))
         k = (n, -len(idx))
         if n and (best is None or k > best[0]):
