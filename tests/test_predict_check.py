@@ -125,6 +125,29 @@ def test_block_counts():
     assert pp.key_blocks_per_row_block(512, 512, 128, 64, 127, 0, 4)[-1] == 5
     # the backward: key block j is seen by query blocks from the diagonal on (causal, 64 x 64)
     assert pp.query_blocks_per_key_block(256, 256, 64, 64, -1, 0, 0) == [4, 3, 2, 1]
+    # the blocks the mask cuts: none without a mask; causal 128 x 64: the two on the diagonal of each row block;
+    # 48-key blocks: rows 128-255 see keys 0-255, blocks 2-5 (keys 96-287) cross the diagonal of row 128
+    assert pp.masked_blocks_per_row_block(256, 256, 128, 64, -1, -1, 0) == [0, 0]
+    assert pp.masked_blocks_per_row_block(256, 256, 128, 64, -1, 0, 0) == [2, 2]
+    assert pp.masked_blocks_per_row_block(256, 256, 128, 48, -1, 0, 0) == [3, 4]
+    # a window of 127 cuts every block of 64 it touches (both edges fall inside the row block); sink tokens' block too
+    assert pp.masked_blocks_per_row_block(512, 512, 128, 64, 127, 0, 0) == [2, 4, 4, 4]
+    assert pp.masked_blocks_per_row_block(512, 512, 128, 64, 127, 0, 4)[-1] == 5
+
+
+def test_the_persistent_schedule_deals_tiles_in_its_order():
+    """The sm90 forward's CTAs take tiles c, c + grid, ... of the tile order (common/tile_order.h), unsorted: the
+    model deals them so. 2 x sms tiles, the first sms of 3 iterations, the rest of 1: 3 + 1 on every SM; every other
+    tile heavy: both of an even SM's tiles are (3 + 3), where sorting them first would have balanced them."""
+    import perf_model as pm
+    dev = pm.DEVICES["h200"]
+    k = pm.Kernel("k", 128, 384, 1024, pm.loop_cost([], [], dev), 0, 8)
+    k._sim[(2, dev.name, dev.hmma, 2, pm.PHASES, pm.ITERS)] = 1000.0  # one iteration: 1000 cycles
+    n = dev.sms
+    even = pm.kernel_time_s(k, dev, 2 * n, [3] * n + [1] * n, persistent=True)["time"]
+    paired = pm.kernel_time_s(k, dev, 2 * n, [3, 1] * n, persistent=True)["time"]
+    assert even == pytest.approx(4 * 1000 / (dev.ghz * 1e9))
+    assert paired == pytest.approx(6 * 1000 / (dev.ghz * 1e9)) if n % 2 == 0 else paired > even
 
 
 def test_counts_dir_prefers_the_packed_counts(tmp_path, monkeypatch):

@@ -491,6 +491,30 @@ def test_wgmma_shape_is_read_and_its_groups_run_behind_the_warp(monkeypatch):
     assert tensor - 4 < pm.simulate(insns, idx, dev, 1, iters=24) <= tensor
 
 
+def test_wgmma_reads_its_shared_memory_operands_through_the_shared_pipe(monkeypatch):
+    """A warp's quarter of an m64nNk16 wgmma reads N x 16 of B from shared memory, and 64 x 16 of A too when A is a
+    descriptor (SS) rather than registers (RS). At 48 keys an SS wgmma's reads (3.5 KB, 28 cycles of an SM's 128
+    bytes a clock) outlast its tensor work (24 cycles at 512 FMA/clk/SMSP): a loop of them is bound by the reads; the
+    RS form (1.5 KB, 12 cycles) by the tensor pipe."""
+    import perf_model as pm
+    dev = pm.DEVICES["h200"]
+    monkeypatch.setattr(pm, "ITERS", 12)
+    ss = "HGMMA.64x48x16.F32.BF16 R24, gdesc[UR20], R24"
+    rs = "HGMMA.64x48x16.F32.BF16 R24, R176, gdesc[UR16].tnspB, R24"
+
+    def loop(op):
+        (insns,) = sass.parse_sass(_loop_text([op] * 7 + [op + ", gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x1"]),
+                                   default_arch="sm_90").values()
+        return insns, sass.hot_loop(insns)[0]
+
+    insns, idx = loop(ss)
+    assert pm.wgmma_smem_bytes(insns[0]) == (64 * 16 + 48 * 16) * 2 // 4
+    assert pm.simulate(insns, idx, dev, 1) == pytest.approx(8 * 28, rel=0.03)
+    insns, idx = loop(rs)
+    assert pm.wgmma_smem_bytes(insns[0]) == 48 * 16 * 2 // 4
+    assert pm.simulate(insns, idx, dev, 1) == pytest.approx(8 * 24, rel=0.03)
+
+
 def test_innermost_hot_loop_is_a_persistent_kernel_s_key_block_loop():
     """A tile loop around a key-block loop holds more MMAs (the inner loop's and a peeled first block's); the
     sm90 forward's model costs the inner one per key block (sass.hot_loop(innermost=True))."""

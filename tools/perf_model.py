@@ -5,8 +5,8 @@ Per kernel (tools/sass.py reads the cubin inside a .so / .o / .cubin), the hot l
 most HMMA/HGMMA) is costed per iteration on one SM sub-partition (SMSP: one warp scheduler, a quarter of the SM):
 
   issue    one instruction per cycle per SMSP, plus a cycle per register-bank conflict that no reuse flag covers
-  pipes    tensor (HMMA / HGMMA by shape), FMA, ALU, MUFU, per SMSP; shared memory (LDSM/LDS/STS bytes) and global
-           copies (LDGSTS, LDG, STG, RED) per SM
+  pipes    tensor (HMMA / HGMMA by shape), FMA, ALU, MUFU, per SMSP; shared memory (LDSM/LDS/STS bytes, wgmma's
+           shared-memory operands) and global copies (LDGSTS, LDG, STG, RED) per SM
   chain    one warp's own path through the loop: the stall counts of the control bits, plus, at each scoreboard
            wait, what is left of the producer's latency (the device's table) after the cycles issued since it
   T(W)     with W warps of the loop on each SMSP: max(W x issue, W x each pipe, chain), the bound reported; the
@@ -137,6 +137,17 @@ def smem_bytes(ins: sass.Insn) -> int:
     return 0
 
 
+def wgmma_smem_bytes(ins: sass.Insn) -> int:
+    """Shared-memory bytes one warp's HGMMA reads, its quarter of the warpgroup's operands: B (N x K) always, A
+    (64 x K) too when it comes from shared memory (a descriptor, not registers)."""
+    m = re.search(r"\.(\d+)x(\d+)x(\d+)", ins.op)
+    if ins.base != "HGMMA" or not m:
+        return 0
+    mm, nn, kk = (int(x) for x in m.groups())
+    a_smem = ins.args.split(",")[1].strip().startswith("gdesc") if "," in ins.args else True
+    return ((mm * kk if a_smem else 0) + nn * kk) * 2 // 4
+
+
 def gmem_bytes(ins: sass.Insn) -> int:
     op = ins.op
     if op.startswith(("LDGSTS", "LDG", "STG", "RED", "ATOMG", "ATOM")):
@@ -262,7 +273,7 @@ def loop_cost(insns: list[sass.Insn], idx: list[int], dev: Device) -> LoopCost:
             c.alu += 32 / dev.alu_lanes
         elif p == "mufu":
             c.mufu += 32 / dev.mufu_lanes
-        c.shared_bytes += smem_bytes(ins) + (128 if ins.base == "SHFL" else 0)
+        c.shared_bytes += smem_bytes(ins) + wgmma_smem_bytes(ins) + (128 if ins.base == "SHFL" else 0)
         c.gmem_bytes += gmem_bytes(ins)
         c.bars += ins.base == "BAR"
     c.issue = c.n + c.bank
@@ -275,18 +286,19 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
     instruction's stall count has passed, the scoreboards it waits on are released (producer issue + the device's
     latency of that class; HGMMA: its tensor time) and the instruction's pipe is free; one instruction per cycle,
     the ready warp that issued least recently first; an HGMMA (wgmma) does not wait for the tensor pipe but queues
-    its work there, and WARPGROUP.DEPBAR.LE gsb0, N waits for all but the warp's last N groups. Warps k // cta_warps
-    form one CTA: at a CTA-wide barrier (BAR.SYNC 0, __syncthreads) a warp waits until its CTA's other warps here
-    have arrived, and all leave together after the barrier's latency (the other SMSPs' warps of the CTA run the same
-    code and arrive alike). Without it, an 8-warp CTA's two warps on an SMSP drift apart, one warp's softmax and
-    copies hiding under the other's MMAs as two CTAs' warps do; with it, they start every iteration together.
-    Returns the steady-state cycles of one iteration of all w warps (the last iterations' mean) over iters
-    iterations (default ITERS, PERF_ITERS). start: the cycle each warp issues its first instruction (default: warp k
-    at cycle k, all in phase). trace: a list that gets (warp, step, cycle, why) for every issue, step counting the
-    loop's instructions from 0 across iterations and why what the warp waited for last: "stall" (its previous
-    instruction's stall count, or a barrier's release), "scoreboard" (a producer's latency), "pipe:<name>" (the pipe
-    busy with other work), "wgmma" (its own wgmma groups, at a WARPGROUP.DEPBAR), "slot" (the issue slot taken by
-    another warp); warp_waits() reads it."""
+    its work there (and its shared-memory operands' reads in the shared pipe, which its work cannot outrun), and
+    WARPGROUP.DEPBAR.LE gsb0, N waits for all but the warp's last N groups. Warps k // cta_warps form one CTA: at a
+    CTA-wide barrier (BAR.SYNC 0, __syncthreads) a warp waits until its CTA's other warps here have arrived, and all
+    leave together after the barrier's latency (the other SMSPs' warps of the CTA run the same code and arrive
+    alike). Without it, an 8-warp CTA's two warps on an SMSP drift apart, one warp's softmax and copies hiding under
+    the other's MMAs as two CTAs' warps do; with it, they start every iteration together. Returns the steady-state
+    cycles of one iteration of all w warps (the last iterations' mean) over iters iterations (default ITERS,
+    PERF_ITERS). start: the cycle each warp issues its first instruction (default: warp k at cycle k, all in phase).
+    trace: a list that gets (warp, step, cycle, why) for every issue, step counting the loop's instructions from 0
+    across iterations and why what the warp waited for last: "stall" (its previous instruction's stall count, or a
+    barrier's release), "scoreboard" (a producer's latency), "pipe:<name>" (the pipe busy with other work), "wgmma"
+    (its own wgmma groups, at a WARPGROUP.DEPBAR), "slot" (the issue slot taken by another warp); warp_waits() reads
+    it."""
     iters = ITERS if iters is None else iters
     loop = [insns[i] for i in idx]
     cost = []
@@ -298,6 +310,7 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
         lat = mma_fma(ins) / dev.hgmma if ins.base == "HGMMA" else dev.lat[lat_class(ins)]
         cost.append((p, c, lat, max(1, ins.stall), ins.wait, ins.wbar, ins.rbar, bank_conflicts(ins),
                      ins.base == "BAR"))
+    operand_reads = [4 * wgmma_smem_bytes(ins) / dev.smem_bw for ins in loop]
     n = len(loop)
     # __syncthreads (barrier 0, every thread of the CTA), not the named barriers of warp-specialized kernels
     cta_bar = [ins.base == "BAR" and ".SYNC" in ins.op and ins.args.strip() in ("0x0", "0") for ins in loop]
@@ -350,6 +363,10 @@ def simulate(insns: list[sass.Insn], idx: list[int], dev: Device, w: int, iters:
             del groups[k][:len(groups[k]) - g]
         if c:
             free[p] = max(free.get(p, 0.0), when) + c
+        rd = operand_reads[pc[k] % n]
+        if rd:  # a wgmma's shared-memory operands, read through the SM's shared-memory pipe before it can finish
+            free["shared"] = max(free.get("shared", 0.0), when) + rd
+            free[p] = max(free[p], free["shared"])
         if group_end[pc[k] % n]:
             groups[k].append(free["tensor"])
         if bar and cta_warps > 1 and cta_bar[pc[k] % n]:
@@ -516,10 +533,11 @@ def kernel_time_s(k: Kernel, dev: Device, n_ctas: int, iters: list[int] | int, p
     its = [iters] * n_ctas if isinstance(iters, int) else list(iters)
     slots = dev.sms * occ
     if persistent:
-        # one CTA per SM walks the tiles: the SM with the most iterations decides (tiles dealt round-robin, largest
-        # first as the sm90 scheduler does)
+        # one CTA per SM walks the tiles: the SM with the most iterations decides. Tiles are dealt round-robin in
+        # the order given (the sm90 forward's static schedule: CTA c takes tiles c, c + grid, ... of its tile
+        # order, common/tile_order.h), not sorted: under a causal mask that order is what balances the SMs or not
         per_sm = [0] * dev.sms
-        for k_, it in enumerate(sorted(its, reverse=True)):
+        for k_, it in enumerate(its):
             per_sm[k_ % dev.sms] += it
         t_it, bound, w = iteration_time_s(k, dev, 1)
         over = k.outside * math.ceil(len(its) / dev.sms) * w / (dev.ghz * 1e9)

@@ -171,6 +171,23 @@ def key_blocks_per_row_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: in
     return out
 
 
+def masked_blocks_per_row_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: int, st: int) -> list[int]:
+    """Of key_blocks_per_row_block's blocks, those the mask cuts (some of the row block's (query, key) pairs hidden):
+    the causal diagonal's and the window's edges; the sink tokens' block counts as cut."""
+    out = []
+    off = sk - sq
+    for i in range(-(-sq // bm)):
+        r0, r1 = i * bm + off, min(sq, (i + 1) * bm) - 1 + off
+        lo = 0 if wl < 0 else max(0, r0 - wl)
+        hi = sk - 1 if wr < 0 else min(sk - 1, r1 + wr)
+        m = 0
+        for j in range(lo // bn, hi // bn + 1) if hi >= lo else ():
+            k0, k1 = j * bn, min(sk, (j + 1) * bn) - 1
+            m += (wr >= 0 and k1 > r0 + wr) or (wl >= 0 and k0 < r1 - wl)
+        out.append(m + (1 if st and lo // bn > 0 else 0))
+    return out
+
+
 def query_blocks_per_key_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: int, st: int) -> list[int]:
     """Query blocks that see each block of bn keys (the backward's loop)."""
     off = sk - sq
@@ -274,8 +291,9 @@ def profile_of(ks: Kernels, fn: str, insns, loop, counts_dir: str, hd: int, name
     return perf_counts.profile(ks.cubin_with(fn), fn, insns, loop, cov, emu, body)
 NOTE_BWD = ("main kernel only: the preprocess/postprocess launches and dQ's fp32 atomics (L2) are not costed; "
             "on FA2 the same model was +13 to +48% high")
-NOTE_FWD90 = ("wgmma queued (WARPGROUP.DEPBAR waits for its groups), the key-block loop per block (PERF_SM90_PATH), the "
-              "tile loop's rest once per tile; the consumer warpgroups' ping-pong barriers not modelled")
+NOTE_FWD90 = ("wgmma queued, its operands read from shared memory; the key-block loop per block (PERF_SM90_PATH), cut "
+              "blocks on the mask's path, the tile loop's rest once per tile, tiles dealt in the static schedule's "
+              "order; the producer warp and the ping-pong barriers not modelled")
 NOTE_BWD90 = ("wgmma queued, the M-step loop per step (PERF_SM90_PATH); main kernel only: the pre/postprocess "
               "launches and dQ's fp32 atomics (L2) are not costed; never run on a GPU (SM90_BWD_VALIDATED)")
 NOTE_DEC = ("LOADED_LAT = {lat:.0f} ns is a placeholder, NOT fitted; split-KV assumed to fill every SM; launch "
@@ -288,13 +306,15 @@ NOTE_DEC = ("LOADED_LAT = {lat:.0f} ns is a placeholder, NOT fitted; split-KV as
 SM90_PATH = os.environ.get("PERF_SM90_PATH", "mma")
 
 
-def sm90_fwd_kernel(fn, insns, loop, res, dev, smem: int) -> pm.Kernel:
+def sm90_fwd_kernel(fn, insns, loop, res, dev, smem: int, masked: bool = False) -> pm.Kernel:
     """The sm90 forward's model: persistent, so the loop holding the most MMAs (`loop`) is the tile loop around
     the key-block loop; the key-block loop is costed per block (SM90_PATH) and the rest of the tile loop's body
     once per tile (make_kernel's `outside`, charged per tile by kernel_time_s). The two consumer warpgroups run
-    the loop (8 warps of the 384)."""
+    the loop (8 warps of the 384). masked: a block the mask cuts, by the longest path with the most MMAs (the
+    mask's branch; no line counts say which branches it takes)."""
     inner = sass.hot_loop(insns, innermost=True) or loop
-    return pm.make_kernel(fn, insns, inner, res, dev, 384, smem, loop_warps=8, path=SM90_PATH,
+    idx = sass.hot_path(insns, inner, then=lambda i: True) if masked else None
+    return pm.make_kernel(fn, insns, inner, res, dev, 384, smem, loop_warps=8, path=SM90_PATH, idx=idx,
                           outside=max(0, len(loop[0]) - len(inner[0])))
 
 
@@ -341,8 +361,15 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
         a, fn, insns, loop, res = hit
         smem = (2 * t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2 + 1024
         k = sm90_fwd_kernel(fn, insns, loop, res, dev, smem)
-        its = key_blocks_per_row_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st) * (b * h)
-        r = pm.kernel_time_s(k, dev, len(its), [i for i in its], persistent=True)
+        # a block the mask cuts takes the mask's path: in units of an interior block (`mma` rule only)
+        cut = sm90_fwd_kernel(fn, insns, loop, res, dev, smem, masked=True) if SM90_PATH == "mma" else k
+        w = math.ceil(k.loop_warps / 4)
+        ratio = cut.iteration_cycles(w, dev) / k.iteration_cycles(w, dev)
+        blocks = key_blocks_per_row_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st)
+        masked = masked_blocks_per_row_block(sq, sk, t["block_m"], t["block_n"], wl, wr, st)
+        # the persistent schedule's tile order: each (batch, head)'s M blocks from the last down
+        its = [n - m + m * ratio for n, m in zip(blocks, masked)][::-1] * (b * h)
+        r = pm.kernel_time_s(k, dev, len(its), its, persistent=True)
         fl = F.attention_flops(b, h, hd, sq, sk, causal=bool(case.get("causal")), window_size=(wl, wr),
                                sink_tokens=st)
         return {"value": fl / r["time"] / 1e12, "unit": "TFLOP/s", "kernel": f"sm90 FwdTileOf<{hd}>",
