@@ -97,7 +97,7 @@ SWEEP_SM90 = [
     # (192 rows at hd128 were dropped: O 64 + S 48 + P 24 registers spill 56/72 B at 160 per thread, n96 s2.)
     # hd256 (table: m128 n48 s2 r40x224 since 2026-12-06, so that its producer gathers pages and FP8 caches; measured
     # as r24x240, the table before it: 470 / 307, FA3 756 / 642, which the first variant keeps).
-    Sm90Variant(256, 48, 2, producer_regs=24, consumer_regs=240),   # 193 KB: the table's tile before 2026-12-06
+    Sm90Variant(256, 48, 2, producer_regs=24, consumer_regs=240),   # 161 KB: the table's tile before 2026-12-06
     Sm90Variant(256, 64, 2, producer_regs=24, consumer_regs=240),   # 193 KB; O 128 + S 32 + P 16 registers
     Sm90Variant(256, 80, 2, producer_regs=24, consumer_regs=240),   # 225 KB (ptxas: 12 B spill)
     Sm90Variant(256, 48, 2, producer_regs=24, consumer_regs=240, q_buffers=2),  # 225 KB

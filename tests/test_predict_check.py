@@ -93,6 +93,9 @@ def test_tile_tables_read_from_the_headers():
     assert t["Hd64Keys4"]["stages"] == 3 and t["Hd64Keys4"]["key_groups"] == 4
     assert pp.sm80_bwd_tiles()["Hd64"] == dict(head_dim=64, block_m=64, block_n=64, warps_m=4, warps_n=1, stages=2)
     assert pp.sm90_fwd_tiles()[64] == dict(head_dim=64, block_n=128, stages=3, block_m=128)
+    # FwdTile::smem_bytes: Q once (it carries the tile's O out too), then the stages' K and V (hd256: 161 KB)
+    assert pp.sm90_fwd_smem(pp.sm90_fwd_tiles()[256]) == (128 + 2 * 2 * 48) * 256 * 2 + 1024
+    assert pp.sm90_bwd_smem(pp.sm90_bwd_tiles()[128]) == 165888 and pp.sm90_bwd_tiles()[64]["block_m"] == 128
     # the decode tile choice follows choose_fwd_tile: gpt-oss decode (8 rows) -> 4 key groups, 24 rows -> 2
     assert pp.sm80_decode_tile(t, 64, 8, 166912) == "Hd64Keys4"
     assert pp.sm80_decode_tile(t, 64, 24, 166912) == "Hd64Keys2"

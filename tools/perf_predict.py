@@ -92,6 +92,12 @@ def sm90_bwd_smem(t: dict) -> int:
     return tiles + (rows + 1023) // 1024 * 1024
 
 
+def sm90_fwd_smem(t: dict) -> int:
+    """FwdTile::smem_bytes (csrc/sm90/fwd_tiles.h) of a table tile (one Q buffer): Q, the stages' K and V, the
+    barriers' 1024 bytes."""
+    return (t["block_m"] + 2 * t["stages"] * t["block_n"]) * t["head_dim"] * 2 + 1024
+
+
 def sm90_fwd_tiles(repo: str = REPO) -> dict[int, dict]:
     """{head dim: tile} of `template <> struct FwdTileOf<d> { ... tile{d, block_n, stages[, producer, consumer]} }`."""
     text = open(os.path.join(repo, "csrc/sm90/fwd_tiles.h")).read()
@@ -359,7 +365,7 @@ def predict_case(ks: Kernels, case: dict, family: str, repo: str = REPO, counts_
         if not hit:
             return {"error": f"sm90 forward hd{hd}: not in this build"}
         a, fn, insns, loop, res = hit
-        smem = (2 * t["block_m"] + 2 * t["stages"] * t["block_n"]) * hd * 2 + 1024
+        smem = sm90_fwd_smem(t)
         k = sm90_fwd_kernel(fn, insns, loop, res, dev, smem)
         # a block the mask cuts takes the mask's path: in units of an interior block (`mma` rule only)
         cut = sm90_fwd_kernel(fn, insns, loop, res, dev, smem, masked=True) if SM90_PATH == "mma" else k
