@@ -116,11 +116,16 @@ ALU_OPS = ("ISETP", "FSETP", "LOP3", "SHF", "IADD3", "LEA", "SEL", "FSEL", "MOV"
            "FCHK", "HSETP2", "HMNMX2", "F2I", "I2F", "F2F", "I2FP", "F2IP", "FRND")
 
 
+def wgmma_shape(ins: sass.Insn) -> tuple[int, int, int] | None:
+    """(M, N, K) of a wgmma's opcode (HGMMA.64x128x16.F32.BF16), None for any other instruction."""
+    m = re.search(r"\.(\d+)x(\d+)x(\d+)", ins.op)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
 def mma_fma(ins: sass.Insn) -> int:
     """FMAs of one warp's MMA instruction (HGMMA: this warp's quarter of the warpgroup's 64 x N x K)."""
-    m = re.search(r"\.(\d+)x(\d+)x(\d+)", ins.op)  # HGMMA.64x128x16.F32.BF16
-    if m:
-        return (int(m.group(1)) // 4) * int(m.group(2)) * int(m.group(3))
+    if shape := wgmma_shape(ins):
+        return shape[0] // 4 * shape[1] * shape[2]
     shape = ins.op.split(".")[1] if "." in ins.op else ""
     return {"16816": 2048, "1688": 1024, "16832": 4096, "884": 256}.get(shape, 2048)  # HMMA.16816: 16 x 8 x 16
 
@@ -140,10 +145,10 @@ def smem_bytes(ins: sass.Insn) -> int:
 def wgmma_smem_bytes(ins: sass.Insn) -> int:
     """Shared-memory bytes one warp's HGMMA reads, its quarter of the warpgroup's operands: B (N x K) always, A
     (64 x K) too when it comes from shared memory (a descriptor, not registers)."""
-    m = re.search(r"\.(\d+)x(\d+)x(\d+)", ins.op)
-    if ins.base != "HGMMA" or not m:
+    shape = wgmma_shape(ins)
+    if ins.base != "HGMMA" or not shape:
         return 0
-    mm, nn, kk = (int(x) for x in m.groups())
+    mm, nn, kk = shape
     a_smem = ins.args.split(",")[1].strip().startswith("gdesc") if "," in ins.args else True
     return ((mm * kk if a_smem else 0) + nn * kk) * 2 // 4
 

@@ -72,16 +72,23 @@ def sm80_bwd_tiles(repo: str = REPO) -> dict[str, dict]:
                         ["head_dim", "block_m", "block_n", "warps_m", "warps_n", "stages"], {})
 
 
-def sm90_bwd_tiles(repo: str = REPO) -> dict[int, dict]:
-    """{head dim: tile} of `template <> struct BwdTileOf<d> { ... tile{d, block_m[, block_n, stages, ...]} }`
-    (csrc/sm90/bwd_tiles.h; BwdTile's defaults: 128 keys, two stages)."""
-    text = open(os.path.join(repo, "csrc/sm90/bwd_tiles.h")).read()
+def _sm90_tile_table(repo: str, header: str, struct: str, fields: list[str], defaults: list[int]) -> dict[int, dict]:
+    """{head dim: tile} of a header's `template <> struct <struct><d> { ... tile{v0, v1, ...} }` lines: the leading
+    values named by `fields`, those the line leaves out taken from `defaults` (the struct's, in field order)."""
+    text = open(os.path.join(repo, "csrc/sm90", header)).read()
     out = {}
-    for m in re.finditer(r"struct BwdTileOf<(\d+)>\s*\{[^{]*tile\{([\d,\s]+)\}", text):
+    for m in re.finditer(struct + r"<(\d+)>\s*\{[^{]*tile\{([\d,\s]+)\}", text):
         v = [int(x) for x in m.group(2).replace(" ", "").split(",") if x]
-        v += [128, 2][len(v) - 2:]  # block_n, stages where the table leaves BwdTile's defaults
-        out[int(m.group(1))] = {"head_dim": v[0], "block_m": v[1], "block_n": v[2], "stages": v[3]}
+        v = (v + defaults[len(v) - (len(fields) - len(defaults)):])[:len(fields)]
+        out[int(m.group(1))] = dict(zip(fields, v))
     return out
+
+
+def sm90_bwd_tiles(repo: str = REPO) -> dict[int, dict]:
+    """csrc/sm90/bwd_tiles.h: `BwdTileOf<d> { ... tile{d, block_m[, block_n, stages, ...]} }` (BwdTile's defaults:
+    128 keys, two stages)."""
+    return _sm90_tile_table(repo, "bwd_tiles.h", "struct BwdTileOf", ["head_dim", "block_m", "block_n", "stages"],
+                            [128, 2])
 
 
 def sm90_bwd_smem(t: dict) -> int:
@@ -99,13 +106,9 @@ def sm90_fwd_smem(t: dict) -> int:
 
 
 def sm90_fwd_tiles(repo: str = REPO) -> dict[int, dict]:
-    """{head dim: tile} of `template <> struct FwdTileOf<d> { ... tile{d, block_n, stages[, producer, consumer]} }`."""
-    text = open(os.path.join(repo, "csrc/sm90/fwd_tiles.h")).read()
-    out = {}
-    for m in re.finditer(r"struct FwdTileOf<(\d+)>\s*\{[^{]*tile\{([\d,\s]+)\}", text):
-        v = [int(x) for x in m.group(2).replace(" ", "").split(",") if x]
-        out[int(m.group(1))] = {"head_dim": v[0], "block_n": v[1], "stages": v[2], "block_m": 128}
-    return out
+    """csrc/sm90/fwd_tiles.h: `FwdTileOf<d> { ... tile{d, block_n, stages[, producer, consumer]} }`; 128 rows."""
+    tiles = _sm90_tile_table(repo, "fwd_tiles.h", "struct FwdTileOf", ["head_dim", "block_n", "stages"], [])
+    return {d: {**t, "block_m": 128} for d, t in tiles.items()}
 
 
 def fwd_smem(t: dict) -> int:
@@ -161,9 +164,11 @@ def _window(case: dict) -> tuple[int, int]:
                                                          int(case.get("window_right", -1))))
 
 
-def key_blocks_per_row_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: int, st: int) -> list[int]:
-    """Key blocks each block of bm query rows visits (bottom-right aligned causal / window; sink tokens: the first
-    block, added when the window leaves it out)."""
+def _row_block_walk(sq: int, sk: int, bm: int, bn: int, wl: int, wr: int, st: int) -> list[tuple[int, int]]:
+    """Per block of bm query rows: (key blocks it visits, of those the ones the mask cuts). Bottom-right aligned
+    causal / window; sink tokens: the first block, added (and counted as cut) when the window leaves it out. A
+    block is cut where some of the row block's (query, key) pairs are hidden: the causal diagonal's, the window's
+    edges."""
     out = []
     off = sk - sq
     for i in range(-(-sq // bm)):
@@ -171,27 +176,21 @@ def key_blocks_per_row_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: in
         lo = 0 if wl < 0 else max(0, r0 - wl)
         hi = sk - 1 if wr < 0 else min(sk - 1, r1 + wr)
         n = max(0, hi // bn - lo // bn + 1) if hi >= lo else 0
-        if st and lo // bn > 0:
-            n += 1
-        out.append(n)
+        cut = sum(1 for j in range(lo // bn, lo // bn + n)
+                  if (wr >= 0 and min(sk, (j + 1) * bn) - 1 > r0 + wr) or (wl >= 0 and j * bn < r1 - wl))
+        sink = 1 if st and lo // bn > 0 else 0
+        out.append((n + sink, cut + sink))
     return out
+
+
+def key_blocks_per_row_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: int, st: int) -> list[int]:
+    """Key blocks each block of bm query rows visits (_row_block_walk)."""
+    return [n for n, _ in _row_block_walk(sq, sk, bm, bn, wl, wr, st)]
 
 
 def masked_blocks_per_row_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: int, st: int) -> list[int]:
-    """Of key_blocks_per_row_block's blocks, those the mask cuts (some of the row block's (query, key) pairs hidden):
-    the causal diagonal's and the window's edges; the sink tokens' block counts as cut."""
-    out = []
-    off = sk - sq
-    for i in range(-(-sq // bm)):
-        r0, r1 = i * bm + off, min(sq, (i + 1) * bm) - 1 + off
-        lo = 0 if wl < 0 else max(0, r0 - wl)
-        hi = sk - 1 if wr < 0 else min(sk - 1, r1 + wr)
-        m = 0
-        for j in range(lo // bn, hi // bn + 1) if hi >= lo else ():
-            k0, k1 = j * bn, min(sk, (j + 1) * bn) - 1
-            m += (wr >= 0 and k1 > r0 + wr) or (wl >= 0 and k0 < r1 - wl)
-        out.append(m + (1 if st and lo // bn > 0 else 0))
-    return out
+    """Of key_blocks_per_row_block's blocks, those the mask cuts (_row_block_walk)."""
+    return [m for _, m in _row_block_walk(sq, sk, bm, bn, wl, wr, st)]
 
 
 def query_blocks_per_key_block(sq: int, sk: int, bm: int, bn: int, wl: int, wr: int, st: int) -> list[int]:
